@@ -1,0 +1,65 @@
+"""Shared fixtures and marker handling.
+
+* ``requires_cuda`` tests are skipped when torch sees no CUDA device.
+* ``browser`` tests are skipped when no Chromium binary is installed.
+* ``parity_dir``: the parity model directory, from ``VOICE_OUT_PARITY_DIR`` (default
+  ``../shared/parity/tiny-a`` relative to the repository root). Parity tests read every
+  dimension from it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PARITY_DIR = REPO_ROOT.parent / "shared" / "parity" / "tiny-a"
+
+
+def parity_dir_path() -> Path:
+    return Path(os.environ.get("VOICE_OUT_PARITY_DIR", str(DEFAULT_PARITY_DIR))).resolve()
+
+
+def chromium_path() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cuda = _cuda_available()
+    chromium = chromium_path() is not None
+    for item in items:
+        if "requires_cuda" in item.keywords and not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "browser" in item.keywords and not chromium:
+            item.add_marker(pytest.mark.skip(reason="needs Chromium (apt-get install chromium)"))
+
+
+@pytest.fixture(scope="session")
+def parity_dir() -> Path:
+    d = parity_dir_path()
+    if not (d / "cosyvoice2.yaml").is_file():
+        msg = f"parity directory {d} not found (set VOICE_OUT_PARITY_DIR)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)  # CI always has it: a missing directory must not pass silently
+        pytest.skip(msg)
+    return d
+
+
+@pytest.fixture(scope="session")
+def cases_dir(parity_dir: Path) -> Path:
+    return parity_dir / "cases"

@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from voice_out.config import Config, ConfigError, EngineConfig, load_config, parse_overrides, replace
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_defaults_file_equals_dataclass_defaults() -> None:
+    cfg = load_config(REPO / "configs" / "default.toml", environ={})
+    base = load_config(None, environ={})
+    # cache-dependent paths aside, the shipped file restates the defaults
+    assert cfg.engine == base.engine
+    assert cfg.server.port == base.server.port == 8080
+    assert cfg.model.model == base.model.model == "FunAudioLLM/CosyVoice2-0.5B"
+
+
+def test_priority_file_env_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[server]\nport = 9001\nhost = "0.0.0.0"\n[engine]\nmax_streams = 8\n')
+    cfg = load_config(
+        f,
+        environ={"VOICE_OUT_SERVER_PORT": "9002", "VOICE_OUT_ENGINE_CUDA_GRAPHS": "off"},
+        overrides=parse_overrides(["server.port=9003", "engine.graph_batch_buckets=1,2,4"]),
+    )
+    assert cfg.server.port == 9003
+    assert cfg.server.host == "0.0.0.0"
+    assert cfg.engine.max_streams == 8
+    assert cfg.engine.cuda_graphs is False
+    assert cfg.engine.graph_batch_buckets == (1, 2, 4)
+
+
+def test_config_env_var_names_file(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("[server]\nport = 7000\n")
+    assert load_config(None, environ={"VOICE_OUT_CONFIG": str(f)}).server.port == 7000
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["server.port=70000"], "server.port = 70000 is invalid: expected an integer in 0..65535"),
+        (["server.port=abc"], "server.port = 'abc' is invalid: expected an integer"),
+        (["model.dtype=float8"], "model.dtype = 'float8' is invalid"),
+        (["model.device=tpu"], "model.device = 'tpu' is invalid"),
+        (["engine.top_p=1.5"], "engine.top_p = 1.5 is invalid"),
+        (["engine.cuda_graphs=maybe"], "expected true or false"),
+        (["engine.graph_batch_buckets=4,2"], "strictly increasing"),
+        (["engine.first_hop_tokens=200"], "engine.first_hop_tokens = 200 is invalid"),
+        (["engine.max_ahead_s=0"], "engine.max_ahead_s = 0.0 is invalid"),
+        (["server.auth_token=short"], "at least 8 characters"),
+        (["server.nope=1"], "unknown key(s) in [server]: nope"),
+    ],
+)
+def test_bad_values_get_precise_errors(overrides: list[str], fragment: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, environ={}, overrides=parse_overrides(overrides))
+    assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("[server\nport=1", "not valid TOML"),
+        ("[bogus]\nx=1\n", "unknown section [bogus]"),
+        ("server = 3\n", "[server] must be a table"),
+        ('[server]\nport = "x"\n', "server.port = 'x' is invalid"),
+        ("[engine]\nmax_streams = true\n", "engine.max_streams = True is invalid"),
+    ],
+)
+def test_bad_files(tmp_path: Path, text: str, fragment: str) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f, environ={})
+    assert fragment in str(e.value)
+
+
+def test_missing_file_and_bad_env_and_bad_set() -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent/voice_out.toml", environ={})
+    with pytest.raises(ConfigError, match="VOICE_OUT_SERVER_PROT"):
+        load_config(None, environ={"VOICE_OUT_SERVER_PROT": "1"})
+    with pytest.raises(ConfigError, match="expected SECTION.FIELD=VALUE"):
+        parse_overrides(["port=1"])
+    with pytest.raises(ConfigError, match="unknown section 'srv'"):
+        parse_overrides(["srv.port=1"])
+
+
+def test_frozen_and_replace() -> None:
+    cfg = Config()
+    with pytest.raises(AttributeError):
+        cfg.server.port = 1  # type: ignore[misc]
+    cfg2 = replace(cfg, "engine", max_streams=4)
+    assert cfg2.engine.max_streams == 4 and cfg.engine.max_streams == 64
+    with pytest.raises(ConfigError):
+        replace(cfg, "engine", max_streams=0)
+    assert isinstance(cfg2.engine, EngineConfig)

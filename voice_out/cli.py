@@ -1,0 +1,198 @@
+"""``voice-out``: serve | say | voices | bench | download.
+
+Every subcommand takes ``--config FILE`` and ``--set SECTION.FIELD=VALUE`` (repeatable), plus
+its own flags. Errors a user can fix (bad config, missing model, unknown voice) print one line
+prefixed ``voice-out: error:`` and exit with status 2; nothing prints a traceback for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from voice_out import __version__
+from voice_out.config import DEFAULT_MODEL, Config, ConfigError, load_config, parse_overrides
+from voice_out.errors import VoiceOutError
+from voice_out.hub import ModelNotFoundError
+
+
+class UserError(VoiceOutError):
+    """An error the user can fix; printed as one line without a traceback."""
+
+
+class NotBuiltError(UserError):
+    """A part of voice_out that this build does not have yet."""
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config file (default: $VOICE_OUT_CONFIG or none)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="SECTION.FIELD=VALUE",
+        action="append",
+        default=[],
+        help="override one config value, e.g. --set server.port=9000 (repeatable)",
+    )
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        help=f"CosyVoice2 model directory, hub id (default {DEFAULT_MODEL}), or random:tiny / random:0.5b",
+    )
+    p.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+
+
+def load_cli_config(args: argparse.Namespace) -> Config:
+    """Config from file + env + ``--set`` + the dedicated flags (highest priority)."""
+    over = parse_overrides(list(getattr(args, "overrides", []) or []))
+    for flag, (sec, name) in {
+        "model": ("model", "model"),
+        "device": ("model", "device"),
+        "dtype": ("model", "dtype"),
+        "cache_dir": ("model", "cache_dir"),
+        "host": ("server", "host"),
+        "port": ("server", "port"),
+        "voices_dir": ("server", "voices_dir"),
+    }.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            over.setdefault(sec, {})[name] = value
+    return load_config(getattr(args, "config", None), overrides=over)
+
+
+# --------------------------------------------------------------------------------------------
+# Subcommands. Each one imports its part lazily so that `--help` stays fast.
+
+
+def _part(module: str, attr: str, what: str) -> Callable[..., int]:
+    """Import ``module.attr`` or say in one line that this part is not built yet."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
+            raise NotBuiltError(f"{what} is not built yet in this version of voice_out") from None
+        raise
+    func: Callable[..., int] | None = getattr(mod, attr, None)
+    if func is None:
+        raise NotBuiltError(f"{what} is not built yet in this version of voice_out")
+    return func
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = load_cli_config(args)
+    return _part("voice_out.server.app", "serve", "the server")(cfg)
+
+
+def cmd_say(args: argparse.Namespace) -> int:
+    cfg = load_cli_config(args)
+    return _part("voice_out.engine.say", "say", "`say` (the streaming engine)")(cfg, args)
+
+
+def cmd_voices(args: argparse.Namespace) -> int:
+    cfg = load_cli_config(args)
+    return _part("voice_out.voices.cli", "voices_command", "the voice store")(cfg, args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    cfg = load_cli_config(args)
+    return _part("voice_out.bench", "bench", "the benchmark suite")(cfg, args)
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    from voice_out.hub import download
+
+    cfg = load_cli_config(args)
+    repo = args.repo or cfg.model.model
+    if repo.startswith("random:"):
+        raise UserError(f"{repo} is built locally from random weights; there is nothing to download")
+    path = download(repo, cfg.model.cache_dir, args.revision or cfg.model.revision, endpoint=args.endpoint)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="voice-out",
+        description="voice_out: streaming CosyVoice2 speech for conversational agents, over WebRTC.",
+    )
+    parser.add_argument("--version", action="version", version=f"voice_out {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="start the WebRTC server and demo page")
+    _common(p)
+    _model_flags(p)
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8080)")
+    p.add_argument("--voices-dir", dest="voices_dir", help="voice store directory")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("say", help="speak text to a WAV file")
+    _common(p)
+    _model_flags(p)
+    p.add_argument("text", nargs="?", help="text to speak (omit with --stream)")
+    p.add_argument("--voice", help="registered voice name (default: server.default_voice)")
+    p.add_argument("-o", "--output", default="out.wav", help="output WAV file (default out.wav)")
+    p.add_argument("--stream", action="store_true", help="read text deltas from stdin as they arrive")
+    p.add_argument("--voices-dir", dest="voices_dir", help="voice store directory")
+    p.set_defaults(func=cmd_say)
+
+    p = sub.add_parser("voices", help="add, list or remove registered voices")
+    _common(p)
+    _model_flags(p)
+    p.add_argument("--voices-dir", dest="voices_dir", help="voice store directory")
+    vsub = p.add_subparsers(dest="voices_command", metavar="ACTION", required=True)
+    a = vsub.add_parser("add", help="register a voice from an audio file and its transcript")
+    a.add_argument("name")
+    a.add_argument("audio", help="prompt audio (wav, flac, mp3, ogg, ...), 3-30 s of one speaker")
+    a.add_argument("transcript", help="what is said in the audio")
+    vsub.add_parser("list", help="list registered voices")
+    r = vsub.add_parser("rm", help="remove a voice")
+    r.add_argument("name")
+    p.set_defaults(func=cmd_voices)
+
+    p = sub.add_parser("bench", help="measure latency and capacity")
+    _common(p)
+    _model_flags(p)
+    p.add_argument("--mode", choices=["engine", "webrtc"], default="engine")
+    p.add_argument("--streams", default="1,8,16", help="comma-separated stream counts")
+    p.add_argument("--out", help="write JSON results here")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("download", help="fetch a model from the hub into the cache")
+    _common(p)
+    p.add_argument("repo", nargs="?", help=f"hub id (default: the configured model, {DEFAULT_MODEL})")
+    p.add_argument("--revision", help="branch, tag or commit")
+    p.add_argument("--cache-dir", dest="cache_dir", help="cache directory (default ~/.cache/voice_out)")
+    p.add_argument("--endpoint", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_download)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        return func(args)
+    except (VoiceOutError, ConfigError, ModelNotFoundError) as e:
+        print(f"voice-out: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def run(argv: Sequence[str] | None = None) -> Any:  # pragma: no cover - console entry
+    sys.exit(main(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""Configuration: frozen dataclasses for the model, the engine and the server.
+
+Values come from, in increasing priority: the dataclass defaults, a TOML file (by default
+``configs/default.toml``), environment variables ``VOICE_OUT_<SECTION>_<FIELD>`` (for example
+``VOICE_OUT_SERVER_PORT=9000``) and CLI overrides (``--set server.port=9000`` or the dedicated
+flags of each subcommand). Every value is validated when its dataclass is built; a bad value
+raises :class:`ConfigError` naming the field, the value and what would be accepted.
+
+Model dimensions never live here: they are read from the model directory (see
+``voice_out.model.checkpoint``). Any thread may read a config; nothing mutates one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from voice_out.errors import VoiceOutError
+
+ENV_PREFIX = "VOICE_OUT_"
+DEFAULT_MODEL = "FunAudioLLM/CosyVoice2-0.5B"
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class ConfigError(VoiceOutError, ValueError):
+    """A configuration value is missing, malformed or out of range."""
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "voice_out")
+
+
+def _check(cond: bool, section: str, name: str, value: object, expected: str) -> None:
+    if not cond:
+        raise ConfigError(f"{section}.{name} = {value!r} is invalid: expected {expected}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how.
+
+    ``model`` is an official CosyVoice2 model directory, a hub repo id (fetched into
+    ``cache_dir`` by ``voice-out download`` or on first use), or ``random:tiny`` /
+    ``random:0.5b`` (random weights of the real architecture: noise, for pipeline checks and
+    benchmarks).
+    """
+
+    model: str = DEFAULT_MODEL
+    revision: str | None = None
+    cache_dir: str = field(default_factory=_default_cache_dir)
+    offline: bool = False
+    device: str = "auto"
+    dtype: DType = "bfloat16"
+    #: Seed of the random-weights builder (``random:*`` models only).
+    random_seed: int = 0
+
+    def __post_init__(self) -> None:
+        s = "model"
+        _check(bool(self.model.strip()), s, "model", self.model, "a model directory, hub id or random:NAME")
+        _check(
+            self.device in DEVICES or self.device.startswith("cuda:"),
+            s,
+            "device",
+            self.device,
+            "one of auto, cpu, cuda, cuda:N",
+        )
+        _check(self.dtype in DTYPES, s, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        _check(bool(self.cache_dir), s, "cache_dir", self.cache_dir, "a directory path")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduling, streaming and safety limits of the GPU worker."""
+
+    #: Static KV-cache slots: the most streams that can decode at once.
+    max_streams: int = 64
+    #: Longest text (characters) one utterance may carry.
+    max_text_chars: int = 4000
+    #: Guard for a model that never stops: at most this many speech tokens per text token.
+    max_speech_tokens_per_text_token: int = 20
+    #: Speech tokens of the first token2wav chunk before the prompt pad (upstream: 25).
+    first_hop_tokens: int = 25
+    #: Largest token2wav hop (upstream: 100).
+    max_hop_tokens: int = 100
+    #: How far (seconds of audio) the engine may run ahead of the consumer.
+    max_ahead_s: float = 4.0
+    #: Use CUDA graphs for the decode step and token2wav (GPU only).
+    cuda_graphs: bool = True
+    #: Batch buckets for graph capture; a decode of n streams runs in the smallest bucket >= n.
+    graph_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
+    #: Nucleus / top-k / repetition-aware sampling parameters (spec 2.6).
+    top_p: float = 0.8
+    top_k: int = 25
+    ras_win_size: int = 10
+    ras_tau_r: float = 0.1
+    #: Seed for per-stream sampling generators; None draws a fresh seed per stream.
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        s = "engine"
+        _check(1 <= self.max_streams <= 4096, s, "max_streams", self.max_streams, "an integer in 1..4096")
+        _check(self.max_text_chars >= 1, s, "max_text_chars", self.max_text_chars, "an integer >= 1")
+        _check(
+            self.max_speech_tokens_per_text_token >= 2,
+            s,
+            "max_speech_tokens_per_text_token",
+            self.max_speech_tokens_per_text_token,
+            "an integer >= 2",
+        )
+        _check(
+            1 <= self.first_hop_tokens <= self.max_hop_tokens,
+            s,
+            "first_hop_tokens",
+            self.first_hop_tokens,
+            f"an integer in 1..max_hop_tokens ({self.max_hop_tokens})",
+        )
+        _check(self.max_ahead_s > 0, s, "max_ahead_s", self.max_ahead_s, "a positive number of seconds")
+        buckets = self.graph_batch_buckets
+        _check(
+            len(buckets) > 0 and all(b >= 1 for b in buckets) and list(buckets) == sorted(set(buckets)),
+            s,
+            "graph_batch_buckets",
+            buckets,
+            "a non-empty, strictly increasing list of positive integers",
+        )
+        _check(0.0 < self.top_p <= 1.0, s, "top_p", self.top_p, "a number in (0, 1]")
+        _check(self.top_k >= 1, s, "top_k", self.top_k, "an integer >= 1")
+        _check(self.ras_win_size >= 1, s, "ras_win_size", self.ras_win_size, "an integer >= 1")
+        _check(self.ras_tau_r > 0, s, "ras_tau_r", self.ras_tau_r, "a positive number")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP / WebRTC server, admission control and the voice store."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_sessions: int = 32
+    max_queued_utterances: int = 16
+    #: When set, every route requires ``Authorization: Bearer <token>``.
+    auth_token: str | None = None
+    voices_dir: str = field(default_factory=lambda: str(Path(_default_cache_dir()) / "voices"))
+    default_voice: str | None = None
+    #: Serve the demo page at ``/``.
+    serve_web: bool = True
+
+    def __post_init__(self) -> None:
+        s = "server"
+        _check(0 <= self.port <= 65535, s, "port", self.port, "an integer in 0..65535")
+        _check(bool(self.host), s, "host", self.host, "a host name or address")
+        _check(1 <= self.max_sessions <= 10000, s, "max_sessions", self.max_sessions, "an integer in 1..10000")
+        _check(
+            self.max_queued_utterances >= 1,
+            s,
+            "max_queued_utterances",
+            self.max_queued_utterances,
+            "an integer >= 1",
+        )
+        _check(
+            self.auth_token is None or len(self.auth_token) >= 8,
+            s,
+            "auth_token",
+            "<hidden>",
+            "at least 8 characters, or unset",
+        )
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration: one frozen record per part."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+SECTIONS: dict[str, type[Any]] = {"model": ModelConfig, "engine": EngineConfig, "server": ServerConfig}
+
+
+def _convert(section: str, name: str, tp: Any, raw: object) -> object:
+    """Convert a raw value (TOML value or string from env/CLI) to the field's type."""
+    where = f"{section}.{name}"
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null")):
+            return None
+        return _convert(section, name, non_none[0], raw)
+    if origin is Literal:
+        if raw not in args:
+            raise ConfigError(f"{where} = {raw!r} is invalid: expected one of {', '.join(map(str, args))}")
+        return raw
+    if origin is tuple:
+        if isinstance(raw, str):
+            items: list[object] = [p.strip() for p in raw.split(",") if p.strip()]
+        elif isinstance(raw, list | tuple):
+            items = list(raw)
+        else:
+            raise ConfigError(f"{where} = {raw!r} is invalid: expected a list")
+        return tuple(_convert(section, name, args[0], it) for it in items)
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(raw, str) and raw.strip().lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where} = {raw!r} is invalid: expected true or false")
+    if tp is int:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{where} = {raw!r} is invalid: expected an integer")
+        try:
+            return int(raw) if isinstance(raw, int) else int(str(raw).strip())
+        except ValueError:
+            raise ConfigError(f"{where} = {raw!r} is invalid: expected an integer") from None
+    if tp is float:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{where} = {raw!r} is invalid: expected a number")
+        try:
+            return float(raw) if isinstance(raw, int | float) else float(str(raw).strip())
+        except ValueError:
+            raise ConfigError(f"{where} = {raw!r} is invalid: expected a number") from None
+    if tp is str:
+        if not isinstance(raw, str):
+            raise ConfigError(f"{where} = {raw!r} is invalid: expected a string")
+        return raw
+    raise ConfigError(f"{where}: unsupported field type {tp!r}")  # pragma: no cover
+
+
+def _build(section: str, values: Mapping[str, object]) -> Any:
+    cls = SECTIONS[section]
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) in [{section}]: {', '.join(unknown)}; known keys: {', '.join(sorted(known))}"
+        )
+    kwargs = {k: _convert(section, k, hints[k], v) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def parse_overrides(items: list[str]) -> dict[str, dict[str, object]]:
+    """Parse ``section.field=value`` strings (from ``--set``) into nested dicts."""
+    out: dict[str, dict[str, object]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise ConfigError(f"--set {item!r}: expected SECTION.FIELD=VALUE, e.g. server.port=9000")
+        if section not in SECTIONS:
+            raise ConfigError(f"--set {item!r}: unknown section {section!r}; sections: {', '.join(SECTIONS)}")
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, object]]:
+    """Collect ``VOICE_OUT_<SECTION>_<FIELD>`` variables."""
+    out: dict[str, dict[str, object]] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        rest = key[len(ENV_PREFIX) :].lower()
+        section, _, name = rest.partition("_")
+        if section in SECTIONS and name:
+            names = {f.name for f in fields(SECTIONS[section])}
+            if name not in names:
+                raise ConfigError(
+                    f"environment variable {key}: {section} has no field {name!r}; known: {', '.join(sorted(names))}"
+                )
+            out.setdefault(section, {})[name] = value
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, object]] | None = None,
+) -> Config:
+    """Load the configuration from a TOML file, the environment and overrides.
+
+    ``path`` None means: ``$VOICE_OUT_CONFIG`` if set, else no file (defaults only).
+    """
+    env = dict(os.environ if environ is None else environ)
+    if path is None and env.get("VOICE_OUT_CONFIG"):
+        path = env["VOICE_OUT_CONFIG"]
+    merged: dict[str, dict[str, object]] = {s: {} for s in SECTIONS}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        for section, values in data.items():
+            if section not in SECTIONS:
+                raise ConfigError(
+                    f"config file {str(p)!r}: unknown section [{section}]; sections: {', '.join(SECTIONS)}"
+                )
+            if not isinstance(values, dict):
+                raise ConfigError(f"config file {str(p)!r}: [{section}] must be a table")
+            merged[section].update(values)
+    env.pop("VOICE_OUT_CONFIG", None)
+    for layer in (env_overrides(env), overrides or {}):
+        for section, values in layer.items():
+            merged[section].update(values)
+    return Config(**{s: _build(s, v) for s, v in merged.items()})
+
+
+def replace(cfg: Config, section: str, **changes: Any) -> Config:
+    """A copy of ``cfg`` with fields of one section changed (validated again)."""
+    part = dataclasses.replace(getattr(cfg, section), **changes)
+    return dataclasses.replace(cfg, **{section: part})

@@ -1,0 +1,284 @@
+"""Reading an official CosyVoice2 model directory (spec section 1).
+
+* ``load_yaml``: ``cosyvoice2.yaml`` with plain PyYAML. HyperPyYAML tags become inert records
+  (``!new:`` -> :class:`New`, ``!name:`` -> :class:`Partial`, ``!apply:`` -> :class:`Apply`,
+  ``!ref`` resolved with a small arithmetic evaluator). Nothing is imported or instantiated.
+* ``read_qwen_config``: ``CosyVoice-BlankEN/config.json``.
+* ``load_state_dict`` / ``strict_load``: ``*.pt`` with ``weights_only=True`` through a key map; a
+  mismatch raises :class:`CheckpointError` listing every missing and unexpected key.
+
+This is the only file of ``voice_out.model`` that touches the file system.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from voice_out.errors import VoiceOutError
+
+
+class CheckpointError(VoiceOutError):
+    """The model directory or one of its files does not match what the engine expects."""
+
+
+# --------------------------------------------------------------------------------------------
+# YAML
+
+
+@dataclass
+class New:
+    """``!new:dotted.Class`` with its keyword arguments (never instantiated)."""
+
+    target: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Partial:
+    """``!name:dotted.func`` with its keyword arguments (never called)."""
+
+    target: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Apply:
+    """``!apply:dotted.func [args]`` (ignored: upstream uses it to seed global RNGs)."""
+
+    target: str
+    args: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Ref:
+    """``!ref <a> * <b>``: resolved after loading."""
+
+    expr: str
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that keeps HyperPyYAML tags as records and reads ``1e-06`` as a float."""
+
+
+# YAML 1.1 needs a dot in a float; HyperPyYAML (YAML 1.2) reads 1e-06 as a float.
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _construct_new(loader: _Loader, suffix: str, node: yaml.Node) -> New:
+    if isinstance(node, yaml.MappingNode):
+        return New(suffix, {str(k): v for k, v in loader.construct_mapping(node, deep=True).items()})
+    return New(suffix, {})
+
+
+def _construct_name(loader: _Loader, suffix: str, node: yaml.Node) -> Partial:
+    if isinstance(node, yaml.MappingNode):
+        return Partial(suffix, {str(k): v for k, v in loader.construct_mapping(node, deep=True).items()})
+    return Partial(suffix, {})
+
+
+def _construct_apply(loader: _Loader, suffix: str, node: yaml.Node) -> Apply:
+    if isinstance(node, yaml.SequenceNode):
+        return Apply(suffix, loader.construct_sequence(node, deep=True))
+    return Apply(suffix, [])
+
+
+def _construct_ref(loader: _Loader, node: yaml.Node) -> Ref:
+    return Ref(str(loader.construct_scalar(node)))  # type: ignore[arg-type]
+
+
+_Loader.add_multi_constructor("!new:", _construct_new)
+_Loader.add_multi_constructor("!name:", _construct_name)
+_Loader.add_multi_constructor("!apply:", _construct_apply)
+_Loader.add_constructor("!ref", _construct_ref)
+
+_REF_NAME = re.compile(r"<([A-Za-z_][A-Za-z0-9_.]*)>")
+_BINOPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+}
+
+
+def _safe_eval(expr: str) -> Any:
+    """Evaluate + - * / // over numbers (and parentheses); nothing else."""
+
+    def ev(n: ast.AST) -> Any:
+        if isinstance(n, ast.Expression):
+            return ev(n.body)
+        if isinstance(n, ast.Constant) and isinstance(n.value, int | float):
+            return n.value
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub | ast.UAdd):
+            v = ev(n.operand)
+            return -v if isinstance(n.op, ast.USub) else v
+        if isinstance(n, ast.BinOp) and type(n.op) in _BINOPS:
+            return _BINOPS[type(n.op)](ev(n.left), ev(n.right))
+        raise CheckpointError(f"unsupported expression in !ref: {expr!r}")
+
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError:
+        raise CheckpointError(f"malformed !ref expression: {expr!r}") from None
+    return ev(tree)
+
+
+def _resolve(node: Any, top: dict[str, Any], stack: tuple[str, ...]) -> Any:
+    if isinstance(node, Ref):
+        names = _REF_NAME.findall(node.expr)
+        if not names:
+            raise CheckpointError(f"!ref {node.expr!r} names no <key>")
+        values = {}
+        for name in names:
+            if name in stack:
+                raise CheckpointError(f"!ref cycle through {name!r}")
+            if name not in top:
+                raise CheckpointError(f"!ref <{name}> refers to a key that cosyvoice2.yaml does not define")
+            values[name] = _resolve(top[name], top, (*stack, name))
+        stripped = node.expr.strip()
+        if _REF_NAME.fullmatch(stripped):
+            return values[names[0]]  # a plain reference shares the object
+        expr = _REF_NAME.sub(lambda m: repr(values[m.group(1)]), node.expr)
+        return _safe_eval(expr)
+    if isinstance(node, New | Partial):
+        node.kwargs = {k: _resolve(v, top, stack) for k, v in node.kwargs.items()}
+        return node
+    if isinstance(node, Apply):
+        node.args = [_resolve(v, top, stack) for v in node.args]
+        return node
+    if isinstance(node, dict):
+        return {k: _resolve(v, top, stack) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_resolve(v, top, stack) for v in node]
+    return node
+
+
+def parse_yaml(text: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Parse HyperPyYAML text into plain data; ``overrides`` replace top-level keys first."""
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - our SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise CheckpointError(f"cosyvoice2.yaml is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError("cosyvoice2.yaml must be a mapping at top level")
+    data.update(overrides or {})
+    return {k: _resolve(v, data, (k,)) for k, v in data.items()}
+
+
+def load_yaml(model_dir: str | Path) -> dict[str, Any]:
+    """Load ``<model_dir>/cosyvoice2.yaml`` with ``qwen_pretrain_path`` pointed at the folder."""
+    d = Path(model_dir)
+    path = d / "cosyvoice2.yaml"
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: not a CosyVoice2 model directory")
+    return parse_yaml(
+        path.read_text(encoding="utf-8"),
+        overrides={"qwen_pretrain_path": str(d / "CosyVoice-BlankEN")},
+    )
+
+
+def section(cfg: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """The kwargs of the ``!new:`` object at ``cfg[key]`` (e.g. ``flow``, ``hift``)."""
+    node = cfg.get(key)
+    if not isinstance(node, New):
+        raise CheckpointError(f"cosyvoice2.yaml: {key!r} is missing or is not a !new: object")
+    return node.kwargs
+
+
+def read_qwen_config(model_dir: str | Path) -> dict[str, Any]:
+    """``CosyVoice-BlankEN/config.json`` as a dict."""
+    path = Path(model_dir) / "CosyVoice-BlankEN" / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return data
+
+
+# --------------------------------------------------------------------------------------------
+# State dicts
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """``torch.load(path, weights_only=True)`` on the CPU, checked to be a flat tensor dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"{p} not found")
+    try:
+        sd = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file
+        raise CheckpointError(f"{p} could not be loaded as a weights-only state dict: {e}") from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"{p} does not hold a flat dict of tensors")
+    return sd
+
+
+def strict_load(
+    module: torch.nn.Module,
+    state: Mapping[str, torch.Tensor],
+    *,
+    rename: Callable[[str], str | None] = lambda k: k,
+    source: str = "checkpoint",
+    ignore: Iterable[str] = (),
+) -> None:
+    """Copy ``state`` into ``module`` through ``rename``; every key must match exactly.
+
+    ``rename`` maps a checkpoint key to a parameter/buffer name of ``module`` (None drops it).
+    Keys in ``ignore`` are dropped before matching. Missing keys, unexpected keys and shape
+    mismatches are collected and raised together as one :class:`CheckpointError`. Values are
+    cast to the destination dtype.
+    """
+    skip = set(ignore)
+    mapped: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for key, value in state.items():
+        if key in skip:
+            continue
+        name = rename(key)
+        if name is None:
+            unexpected.append(key)
+            continue
+        mapped[name] = value
+    own = dict(module.state_dict())
+    missing = sorted(k for k in own if k not in mapped)
+    unexpected += sorted(k for k in mapped if k not in own)
+    bad_shape = [
+        f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+        for k, v in mapped.items()
+        if k in own and tuple(v.shape) != tuple(own[k].shape)
+    ]
+    if missing or unexpected or bad_shape:
+        parts = [f"{source} does not match the model built from the model directory:"]
+        if missing:
+            parts.append(f"  missing keys ({len(missing)}): " + ", ".join(missing))
+        if unexpected:
+            parts.append(f"  unexpected keys ({len(unexpected)}): " + ", ".join(sorted(unexpected)))
+        if bad_shape:
+            parts.append(f"  shape mismatches ({len(bad_shape)}): " + "; ".join(bad_shape))
+        raise CheckpointError("\n".join(parts))
+    with torch.no_grad():
+        for k, t in own.items():
+            t.copy_(mapped[k].to(t.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# Component loaders: each component file builds its module from dims read here.
+# (LLM, flow and HiFT loaders are added below by their components.)
