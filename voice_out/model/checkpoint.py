@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -25,6 +26,7 @@ import torch
 import yaml
 
 from voice_out.errors import VoiceOutError
+from voice_out.model.hift import HiFT, HiFTDims
 
 
 class CheckpointError(VoiceOutError):
@@ -282,3 +284,93 @@ def strict_load(
 # --------------------------------------------------------------------------------------------
 # Component loaders: each component file builds its module from dims read here.
 # (LLM, flow and HiFT loaders are added below by their components.)
+
+
+# HiFT ---------------------------------------------------------------------------------------
+
+_WN_G = (".parametrizations.weight.original0", ".weight_g")
+_WN_V = (".parametrizations.weight.original1", ".weight_v")
+
+
+def fold_weight_norm(state: Mapping[str, torch.Tensor], *, source: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """Replace every weight-norm pair (g, v) by ``<prefix>.weight = g * v / ||v||``.
+
+    Both the parametrization names (``.parametrizations.weight.original0/1``) and the legacy
+    ``.weight_g`` / ``.weight_v`` are accepted. The norm is taken over every dimension except
+    dim 0 (for a ConvTranspose weight ``[in, out, k]`` dim 0 is the input channel), in float32.
+    A g without its v (or the reverse) raises :class:`CheckpointError`.
+    """
+    out: dict[str, torch.Tensor] = {}
+    g_of: dict[str, torch.Tensor] = {}
+    v_of: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        for suffix in _WN_G:
+            if key.endswith(suffix):
+                g_of[key[: -len(suffix)]] = value
+                break
+        else:
+            for suffix in _WN_V:
+                if key.endswith(suffix):
+                    v_of[key[: -len(suffix)]] = value
+                    break
+            else:
+                out[key] = value
+    unpaired = sorted(set(g_of) ^ set(v_of))
+    if unpaired:
+        raise CheckpointError(
+            f"{source}: weight-norm tensors without their partner (g without v or v without g): " + ", ".join(unpaired)
+        )
+    for prefix, g in g_of.items():
+        v = v_of[prefix].float()
+        norm = v.pow(2).sum(dim=tuple(range(1, v.dim())), keepdim=True).sqrt()
+        out[prefix + ".weight"] = g.float() * v / norm
+    return out
+
+
+def hift_dims(cfg: Mapping[str, Any]) -> HiFTDims:
+    """``HiFTDims`` from a loaded ``cosyvoice2.yaml`` (errors as :class:`CheckpointError`)."""
+    try:
+        return HiFTDims.from_config(section(cfg, "hift"))
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(str(e).strip("'\"")) from None
+
+
+def load_hift(model_dir: str | Path, device: str | torch.device = "cpu") -> HiFT:
+    """Build ``HiFT`` from ``<model_dir>/cosyvoice2.yaml`` and load ``hift.pt`` into it (float32, eval).
+
+    Keys lose every ``generator.`` substring (HiFiGAN training checkpoints carry that prefix),
+    weight norm is folded once here, then every key must match: missing / unexpected keys and
+    shape mismatches are reported together in one :class:`CheckpointError`.
+    """
+    d = Path(model_dir)
+    model = HiFT(hift_dims(load_yaml(d)))
+    path = d / "hift.pt"
+    raw = load_state_dict(path)
+    state = fold_weight_norm({k.replace("generator.", ""): v for k, v in raw.items()}, source=str(path))
+    strict_load(model, state, source=str(path))
+    return model.to(device=device, dtype=torch.float32).eval()
+
+
+def random_hift(config: str | Path, device: str | torch.device = "cpu", seed: int = 0) -> HiFT:
+    """A ``HiFT`` with random weights, dims from a ``cosyvoice2.yaml`` (file or model directory).
+
+    For speed measurements at full size without the real weights: same shapes and compute. The
+    init keeps activations in a plausible range (f0 of tens to hundreds of Hz, bounded output).
+    """
+    p = Path(config)
+    cfg = load_yaml(p) if p.is_dir() else parse_yaml(p.read_text(encoding="utf-8"))
+    dims = hift_dims(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    model = HiFT(dims)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if name.endswith("alpha"):
+                t.fill_(1.0)
+            elif name.endswith("bias"):
+                t.zero_()
+            else:
+                fan_in = t[0].numel() if t.dim() > 1 else t.numel()
+                t.copy_(torch.randn(t.shape, generator=gen) / math.sqrt(fan_in))
+        # f0 = |linear(...)|: offset it so the source is mostly voiced, as in real speech.
+        model.f0_predictor.classifier.bias.fill_(150.0)
+    return model.to(device=device, dtype=torch.float32).eval()
