@@ -36,8 +36,8 @@ serve: install
 	$(VENV)/bin/voice-out serve --config configs/default.toml $(SERVE_ARGS)
 
 lint: install-dev
-	$(VENV)/bin/ruff check voice_out tests scripts
-	$(VENV)/bin/ruff format --check voice_out tests scripts
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 typecheck: install-dev
 	$(VENV)/bin/mypy
