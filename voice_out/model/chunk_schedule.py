@@ -1,0 +1,154 @@
+"""When streaming token2wav makes a chunk, and how big it is (cosyvoice2-spec.md section 5.3).
+
+Pure Python, no torch: the engine scheduler asks "is a chunk ready for this request, and how
+big" from here without touching tensors; ``token2wav.Token2WavStream`` owns one schedule per
+request and does the tensor work for each :class:`ChunkPlan`.
+
+The rule, with P prompt tokens and hop h (first hop h0, default 25)::
+
+    pad      = (-P) mod h0                  # P + first hop ends on a chunk boundary
+    hop_now  = h0 + pad (first chunk), else h
+    a chunk is ready when  n_available - offset >= hop_now + lookahead (3)
+        -> flow over tokens[:offset + hop_now + 3], non-final; offset += hop_now;
+           h = min(max_hop, h * hop_scale)       # 25 -> 50 -> 100 -> 100 ...
+    once the LLM has finished and no full chunk is left
+        -> final chunk: flow over all tokens with full attention, emits everything left.
+
+Every boundary P + offset is a multiple of ``chunk_size`` tokens, which is what makes the audio
+of a non-final chunk final (the flow's chunk masks count from the prompt start).
+
+Unlike upstream, the hop is per request: it starts at ``first_hop`` for every request (upstream
+keeps it on the model object and never resets it, so its second request starts at 100).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHUNK_SIZE_TOKENS = 25  # flow chunk (static_chunk_size of the encoder); also the default first hop
+MAX_HOP_TOKENS = 100
+HOP_SCALE = 2
+LOOKAHEAD_TOKENS = 3  # flow pre-lookahead: tokens that must exist beyond a non-final chunk
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One token2wav call.
+
+    ``token_len`` tokens (prefix of the request's speech tokens) go to the flow; the chunk's
+    audio starts at token ``token_offset``. ``hop_tokens`` is how many tokens this chunk makes
+    final: the hop for a non-final chunk, all remaining tokens for the final one.
+    """
+
+    index: int
+    token_offset: int
+    token_len: int
+    hop_tokens: int
+    finalize: bool
+
+    def n_samples(self, samples_per_token: int = 960, holdback_samples: int = 3840) -> int:
+        """Samples this chunk emits (non-final chunks hold back the last ``holdback_samples``).
+
+        The first chunk emits hop * 960 - 3840; later non-final chunks exactly hop * 960 (the
+        held-back samples of the previous chunk are emitted now); the final chunk emits its hop
+        plus the held-back samples. The total over a request is 960 * n_tokens.
+        """
+        n = self.hop_tokens * samples_per_token
+        if self.index > 0:
+            n += holdback_samples
+        if not self.finalize:
+            n -= holdback_samples
+        return n
+
+
+@dataclass
+class ChunkSchedule:
+    """Per-request chunk schedule. Mutable; :meth:`reset` reuses it for the next request.
+
+    Not thread-safe: owned by whoever owns the request (the GPU worker).
+    """
+
+    prompt_tokens: int = 0
+    first_hop: int = CHUNK_SIZE_TOKENS
+    max_hop: int = MAX_HOP_TOKENS
+    hop_scale: int = HOP_SCALE
+    lookahead: int = LOOKAHEAD_TOKENS
+    chunk_size: int = CHUNK_SIZE_TOKENS
+    # progress
+    offset: int = 0
+    hop: int = CHUNK_SIZE_TOKENS
+    n_chunks: int = 0
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        self.reset(self.prompt_tokens, self.first_hop)
+
+    def reset(self, prompt_tokens: int, first_hop: int | None = None) -> None:
+        """Start a new request with ``prompt_tokens`` flow prompt tokens (in place)."""
+        if first_hop is not None:
+            self.first_hop = first_hop
+        if prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+        for name in ("first_hop", "max_hop"):
+            v = getattr(self, name)
+            if v <= 0 or v % self.chunk_size != 0:
+                raise ValueError(f"{name} must be a positive multiple of the flow chunk ({self.chunk_size}), got {v}")
+        if self.hop_scale < 1 or self.lookahead < 0:
+            raise ValueError("hop_scale must be >= 1 and lookahead >= 0")
+        self.prompt_tokens = prompt_tokens
+        self.offset = 0
+        self.hop = self.first_hop
+        self.n_chunks = 0
+        self.finished = False
+
+    @property
+    def pad(self) -> int:
+        """Extra tokens of the first chunk so that prompt + first chunk ends on a boundary."""
+        return (-self.prompt_tokens) % self.first_hop
+
+    @property
+    def hop_now(self) -> int:
+        """Tokens the next non-final chunk will make final."""
+        return self.hop + self.pad if self.n_chunks == 0 else self.hop
+
+    @property
+    def tokens_for_next_chunk(self) -> int:
+        """Speech tokens that must exist before the next non-final chunk can run."""
+        return self.offset + self.hop_now + self.lookahead
+
+    def ready(self, n_available: int, llm_finished: bool) -> ChunkPlan | None:
+        """The chunk to make now, or None (wait for more tokens, or the request is done).
+
+        A full chunk takes precedence over the final chunk, as upstream: when the LLM has
+        finished but a whole hop plus lookahead is still available, a non-final chunk comes first.
+        """
+        if self.finished:
+            return None
+        hop = self.hop_now
+        if n_available - self.offset >= hop + self.lookahead:
+            return ChunkPlan(self.n_chunks, self.offset, self.offset + hop + self.lookahead, hop, False)
+        if llm_finished:
+            return ChunkPlan(self.n_chunks, self.offset, n_available, n_available - self.offset, True)
+        return None
+
+    def commit(self, plan: ChunkPlan) -> None:
+        """Record that ``plan`` was run (its audio emitted)."""
+        if self.finished or plan.index != self.n_chunks or plan.token_offset != self.offset:
+            raise ValueError(f"chunk plan {plan} is not the next chunk of this schedule")
+        self.n_chunks += 1
+        if plan.finalize:
+            self.finished = True
+            self.offset = plan.token_len
+            return
+        self.offset += plan.hop_tokens
+        self.hop = min(self.max_hop, self.hop * self.hop_scale)
+
+
+def plan_all(n_tokens: int, prompt_tokens: int, first_hop: int = CHUNK_SIZE_TOKENS) -> list[ChunkPlan]:
+    """The whole schedule of a request whose ``n_tokens`` speech tokens are all known."""
+    schedule = ChunkSchedule(prompt_tokens=prompt_tokens, first_hop=first_hop)
+    plans: list[ChunkPlan] = []
+    while (plan := schedule.ready(n_tokens, llm_finished=True)) is not None:
+        plans.append(plan)
+        schedule.commit(plan)
+    return plans

@@ -1,0 +1,301 @@
+"""Streaming token2wav: speech tokens -> flow mel -> HiFT waveform, chunk by chunk.
+
+cosyvoice2-spec.md sections 5.3-5.4. :class:`Token2Wav` holds the shared, stateless models (the
+flow and the vocoder); :class:`Token2WavStream` is ALL the state of one request (its prompt, its
+chunk schedule, its vocoder overlap cache, its flow cache) and is reset in place for the next
+request. Nothing survives from one request to the next (upstream leaks its hop across requests).
+
+How an engine drives one request (GPU worker thread only)::
+
+    stream = t2w.open_stream(prompt_token, prompt_feat, embedding)       # or stream.reset(...)
+    while True:
+        plan = stream.ready_chunk(len(tokens), llm_finished)              # no tensor work
+        if plan is None: wait for more tokens (or the request is done: stream.finished)
+        pcm = stream.run_chunk(plan, tokens)                              # float32 (n,), 24 kHz
+        if plan.finalize: break
+
+Per chunk (non-final chunks hold back their last 160 ms)::
+
+    mel = flow(tokens[:token_len])[:, :, 2*token_offset:]       # only the new frames
+    if cache: mel = [cache.mel (8 frames), mel]; cache_source = cache.source (3840 samples)
+    speech, source = hift(mel, cache_source)
+    if cache: speech[:3840] = speech[:3840] * w[:3840] + cache.speech * w[3840:]   (float64)
+    non-final: cache = (mel[-8:], source[-3840:], speech[-3840:]); emit speech[:-3840]
+    final:     emit speech
+
+``w`` is the symmetric Hamming window of 7680 points (its halves sum to ~1.08, as upstream).
+
+Two flow paths, chosen per stream: ``"rerun"`` calls ``flow.inference`` over the prompt and
+every token so far on each chunk (upstream's way); ``"cached"`` uses the flow's incremental API,
+so each chunk costs only its new tokens. Both give the same waveform.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from voice_out.model.chunk_schedule import CHUNK_SIZE_TOKENS, ChunkPlan, ChunkSchedule
+from voice_out.model.hift import HiFT
+
+MEL_FRAMES_PER_TOKEN = 2  # token_mel_ratio: 25 Hz tokens, 50 Hz mel
+HIFT_CACHE_FRAMES = 8  # vocoder overlap between chunks (160 ms)
+
+FlowPath = Literal["rerun", "cached"]
+
+
+class FlowInference(Protocol):
+    """The flow's one-shot entry point (``voice_out.model.flow.Flow.inference``).
+
+    token [1, N], prompt_token [1, P], prompt_feat [1, 2P, 80], embedding [1, spk_dim] ->
+    mel [1, 80, 2N] float32 without the prompt frames; with ``finalize=False`` the last
+    ``lookahead`` tokens are context only and the mel has 2(N - lookahead) frames.
+    """
+
+    def inference(
+        self,
+        token: Tensor,
+        prompt_token: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        streaming: bool,
+        finalize: bool,
+    ) -> Tensor: ...
+
+
+def hamming(n: int, device: torch.device | str | None = None) -> Tensor:
+    """Symmetric Hamming window of ``n`` points in float64: 0.54 - 0.46 cos(2 pi k / (n - 1))."""
+    if n == 1:
+        return torch.ones(1, dtype=torch.float64, device=device)
+    k = torch.arange(n, dtype=torch.float64, device=device)
+    return 0.54 - 0.46 * torch.cos(2.0 * math.pi * k / (n - 1))
+
+
+@dataclass
+class HiFTCache:
+    """Vocoder overlap state of one request, preallocated and written in place.
+
+    mel [1, C_mel, 8], source [1, 1, 3840], speech [1, 3840]; ``valid`` False = no cache yet.
+    """
+
+    mel: Tensor
+    source: Tensor
+    speech: Tensor
+    valid: bool = False
+
+    @staticmethod
+    def allocate(mel_channels: int, n_frames: int, samples_per_frame: int, device: torch.device) -> HiFTCache:
+        n = n_frames * samples_per_frame
+        return HiFTCache(
+            mel=torch.zeros(1, mel_channels, n_frames, device=device),
+            source=torch.zeros(1, 1, n, device=device),
+            speech=torch.zeros(1, n, device=device),
+        )
+
+    def reset(self) -> None:
+        self.valid = False
+
+
+@dataclass
+class Token2WavStream:
+    """All per-request token2wav state. Owned and called by one thread (the GPU worker).
+
+    ``prompt_token`` [1, P] int, ``prompt_feat`` [1, 2P, 80] float32, ``embedding`` [1, spk_dim]:
+    the voice. ``flow_cache`` is the flow's per-request incremental state (cached path only).
+    """
+
+    model: Token2Wav
+    prompt_token: Tensor
+    prompt_feat: Tensor
+    embedding: Tensor
+    schedule: ChunkSchedule
+    hift_cache: HiFTCache
+    flow_path: FlowPath = "rerun"
+    noise: torch.Generator | None = None
+    flow_cache: Any = None
+    samples_emitted: int = 0
+    chunk_log: list[ChunkPlan] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.schedule.finished
+
+    def ready_chunk(self, n_tokens_available: int, llm_finished: bool) -> ChunkPlan | None:
+        """The chunk to run now for this request, or None. No tensor work."""
+        return self.schedule.ready(n_tokens_available, llm_finished)
+
+    def run_chunk(self, plan: ChunkPlan, tokens: Tensor | Sequence[int]) -> Tensor:
+        """Run ``plan`` on the request's tokens so far (at least ``plan.token_len``): float32 (n,)."""
+        return self.model.run_chunk(self, plan, tokens)
+
+    def reset(
+        self,
+        prompt_token: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        *,
+        first_hop: int = CHUNK_SIZE_TOKENS,
+        flow_path: FlowPath | None = None,
+        noise: torch.Generator | None = None,
+    ) -> None:
+        """Reuse this state object for a new request (caches are kept allocated)."""
+        self.prompt_token, self.prompt_feat, self.embedding = prompt_token, prompt_feat, embedding
+        self.schedule.reset(int(prompt_token.shape[-1]), first_hop)
+        self.hift_cache.reset()
+        if flow_path is not None:
+            self.flow_path = flow_path
+        self.noise = noise
+        self.flow_cache = None
+        self.samples_emitted = 0
+        self.chunk_log.clear()
+        self.model.prepare_flow(self)
+
+
+class Token2Wav:
+    """Flow + HiFT and the chunk recipe. Holds no per-request state; safe to share by streams."""
+
+    def __init__(self, flow: FlowInference, hift: HiFT, *, device: torch.device | str | None = None) -> None:
+        self.flow = flow
+        self.hift = hift
+        self.device = torch.device(device) if device is not None else hift.stft_window.device
+        self.samples_per_frame = hift.dims.samples_per_frame
+        self.cache_frames = HIFT_CACHE_FRAMES
+        self.cache_samples = HIFT_CACHE_FRAMES * self.samples_per_frame
+        self.window = hamming(2 * self.cache_samples, device=self.device)  # [7680] float64
+
+    @property
+    def samples_per_token(self) -> int:
+        return MEL_FRAMES_PER_TOKEN * self.samples_per_frame
+
+    # -- streams -------------------------------------------------------------------------------
+
+    def open_stream(
+        self,
+        prompt_token: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        *,
+        first_hop: int = CHUNK_SIZE_TOKENS,
+        flow_path: FlowPath = "rerun",
+        noise: torch.Generator | None = None,
+    ) -> Token2WavStream:
+        """A new per-request state. ``first_hop`` (a multiple of 25) trades first-chunk latency."""
+        stream = Token2WavStream(
+            model=self,
+            prompt_token=prompt_token,
+            prompt_feat=prompt_feat,
+            embedding=embedding,
+            schedule=ChunkSchedule(prompt_tokens=int(prompt_token.shape[-1]), first_hop=first_hop),
+            hift_cache=HiFTCache.allocate(
+                self.hift.dims.in_channels, self.cache_frames, self.samples_per_frame, self.device
+            ),
+            flow_path=flow_path,
+            noise=noise,
+        )
+        self.prepare_flow(stream)
+        return stream
+
+    def prepare_flow(self, stream: Token2WavStream) -> None:
+        """Set up the flow side of a (re)started stream (the cached path's prompt state)."""
+        if stream.flow_path == "rerun":
+            stream.flow_cache = None
+            return
+        raise NotImplementedError("the cached flow path needs the flow's incremental API")
+
+    # -- one chunk -----------------------------------------------------------------------------
+
+    def _flow_mel(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor:
+        """New mel frames of ``plan``: [1, 80, 2 * hop_tokens] float32."""
+        if stream.flow_path == "rerun":
+            mel = self.flow.inference(
+                token[:, : plan.token_len],
+                stream.prompt_token,
+                stream.prompt_feat,
+                stream.embedding,
+                streaming=not plan.finalize,
+                finalize=plan.finalize,
+            )
+            return mel[:, :, MEL_FRAMES_PER_TOKEN * plan.token_offset :].float()
+        raise NotImplementedError("the cached flow path needs the flow's incremental API")
+
+    def _as_tokens(self, tokens: Tensor | Sequence[int]) -> Tensor:
+        t = tokens if isinstance(tokens, Tensor) else torch.tensor(list(tokens), dtype=torch.int32)
+        if t.dim() == 1:
+            t = t[None, :]
+        return t.to(self.device)
+
+    @torch.no_grad()
+    def run_chunk(self, stream: Token2WavStream, plan: ChunkPlan, tokens: Tensor | Sequence[int]) -> Tensor:
+        """Make the audio of ``plan`` for ``stream``: float32 (n,) on the model device.
+
+        ``tokens``: the request's speech tokens so far, [1, n] / [n] tensor or a list; only the
+        first ``plan.token_len`` are read. Advances the stream's schedule and caches.
+        """
+        token = self._as_tokens(tokens)
+        if token.shape[1] < plan.token_len:
+            raise ValueError(f"chunk needs {plan.token_len} tokens, got {token.shape[1]}")
+        cache = stream.hift_cache
+        mel = self._flow_mel(stream, plan, token)  # [1, 80, F]
+        if mel.shape[2] == 0 and not cache.valid:
+            speech = torch.zeros(0, device=self.device)
+        else:
+            if cache.valid:
+                mel = torch.cat([cache.mel, mel], dim=2)
+            speech_b, source = self.hift(mel, cache.source if cache.valid else None, stream.noise)
+            speech = speech_b[0]  # [S F]
+            n = self.cache_samples
+            if cache.valid:
+                faded = speech[:n].double() * self.window[:n] + cache.speech[0].double() * self.window[n:]
+                speech = torch.cat([faded.to(speech.dtype), speech[n:]])
+            if not plan.finalize:
+                cache.mel.copy_(mel[:, :, -self.cache_frames :])
+                cache.source.copy_(source[:, :, -n:])
+                cache.speech.copy_(speech[None, -n:])
+                cache.valid = True
+                speech = speech[:-n]
+            else:
+                cache.valid = False
+        stream.schedule.commit(plan)
+        stream.chunk_log.append(plan)
+        stream.samples_emitted += int(speech.shape[0])
+        return speech
+
+    # -- conveniences --------------------------------------------------------------------------
+
+    def stream_all(self, stream: Token2WavStream, tokens: Tensor | Sequence[int]) -> Iterator[Tensor]:
+        """All chunks of a request whose tokens are all known (tests, offline use)."""
+        n = int(self._as_tokens(tokens).shape[1])
+        while (plan := stream.ready_chunk(n, llm_finished=True)) is not None:
+            yield stream.run_chunk(plan, tokens)
+
+    @torch.no_grad()
+    def synthesize(
+        self,
+        tokens: Tensor | Sequence[int],
+        prompt_token: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        *,
+        speed: float = 1.0,
+        noise: torch.Generator | None = None,
+    ) -> Tensor:
+        """Non-streaming: one full-attention flow pass and one HiFT pass, float32 (n,).
+
+        ``speed`` != 1 resamples the mel in time (linear) to int(T / speed) frames: faster
+        speech at the same pitch.
+        """
+        if speed <= 0:
+            raise ValueError(f"speed must be > 0, got {speed}")
+        token = self._as_tokens(tokens)
+        mel = self.flow.inference(token, prompt_token, prompt_feat, embedding, streaming=False, finalize=True)
+        mel = mel.float()
+        if speed != 1.0:
+            mel = F.interpolate(mel, size=int(mel.shape[2] / speed), mode="linear")
+        speech, _ = self.hift(mel, None, noise)
+        return speech[0]
