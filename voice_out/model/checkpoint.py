@@ -27,6 +27,7 @@ import yaml
 
 from voice_out.errors import VoiceOutError
 from voice_out.model.hift import HiFT, HiFTDims
+from voice_out.model.qwen2 import LLMDims, SpeechLM, init_random_
 
 
 class CheckpointError(VoiceOutError):
@@ -374,3 +375,116 @@ def random_hift(config: str | Path, device: str | torch.device = "cpu", seed: in
         # f0 = |linear(...)|: offset it so the source is mostly voiced, as in real speech.
         model.f0_predictor.classifier.bias.fill_(150.0)
     return model.to(device=device, dtype=torch.float32).eval()
+
+
+# LLM ----------------------------------------------------------------------------------------
+
+#: The tied Qwen ``lm_head`` (a copy of ``embed_tokens``); CosyVoice2 never uses it.
+LLM_IGNORED_KEYS = ("llm.model.lm_head.weight",)
+_LLM_PLAIN = {
+    "llm_embedding.weight": "llm_embedding.weight",
+    "speech_embedding.weight": "speech_embedding.weight",
+    "llm_decoder.weight": "llm_decoder.weight",
+    "llm_decoder.bias": "llm_decoder.bias",
+    "llm.model.model.embed_tokens.weight": "embed_tokens.weight",
+    "llm.model.model.norm.weight": "norm.weight",
+}
+_LLM_LAYER = re.compile(r"^llm\.model\.model\.layers\.(\d+)\.(.+)$")
+#: Per-layer checkpoint suffix -> (our parameter suffix, index of the part in a fused tensor).
+_LLM_LAYER_MAP: dict[str, tuple[str, int]] = {
+    "input_layernorm.weight": ("input_layernorm.weight", 0),
+    "post_attention_layernorm.weight": ("post_attention_layernorm.weight", 0),
+    "self_attn.q_proj.weight": ("attn.wqkv.weight", 0),
+    "self_attn.k_proj.weight": ("attn.wqkv.weight", 1),
+    "self_attn.v_proj.weight": ("attn.wqkv.weight", 2),
+    "self_attn.q_proj.bias": ("attn.wqkv.bias", 0),
+    "self_attn.k_proj.bias": ("attn.wqkv.bias", 1),
+    "self_attn.v_proj.bias": ("attn.wqkv.bias", 2),
+    "self_attn.o_proj.weight": ("attn.wo.weight", 0),
+    "mlp.gate_proj.weight": ("mlp.w13.weight", 0),
+    "mlp.up_proj.weight": ("mlp.w13.weight", 1),
+    "mlp.down_proj.weight": ("mlp.w2.weight", 0),
+}
+#: How many checkpoint tensors make each of our per-layer parameters.
+_LLM_PARTS = {name: 1 + max(p for n, p in _LLM_LAYER_MAP.values() if n == name) for name, _ in _LLM_LAYER_MAP.values()}
+
+
+def llm_dims(model_dir: str | Path) -> LLMDims:
+    """``LLMDims`` from ``cosyvoice2.yaml`` + ``CosyVoice-BlankEN/config.json`` (loader and random builder alike)."""
+    cfg = load_yaml(model_dir)
+    try:
+        return LLMDims.from_configs(section(cfg, "llm"), read_qwen_config(model_dir))
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{model_dir}: {str(e).strip(chr(39) + chr(34))}") from None
+
+
+def convert_llm_state(state: Mapping[str, torch.Tensor], *, source: str = "llm.pt") -> dict[str, torch.Tensor]:
+    """Map ``llm.pt`` keys to :class:`SpeechLM` names, fusing q/k/v into ``wqkv`` and gate/up into ``w13``.
+
+    ``llm.model.lm_head.weight`` is dropped. Unknown keys, and fused groups with a part missing,
+    raise :class:`CheckpointError` naming the checkpoint keys.
+    """
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[tuple[str, str], dict[int, tuple[str, torch.Tensor]]] = {}
+    unexpected: list[str] = []
+    for key, value in state.items():
+        if key in LLM_IGNORED_KEYS:
+            continue
+        if key in _LLM_PLAIN:
+            out[_LLM_PLAIN[key]] = value
+            continue
+        m = _LLM_LAYER.match(key)
+        if m is None or m.group(2) not in _LLM_LAYER_MAP:
+            unexpected.append(key)
+            continue
+        name, part = _LLM_LAYER_MAP[m.group(2)]
+        groups.setdefault((m.group(1), name), {})[part] = (key, value)
+    incomplete: list[str] = []
+    for (layer, suffix), parts in groups.items():
+        name = f"layers.{layer}.{suffix}"
+        n_parts = _LLM_PARTS[suffix]
+        if sorted(parts) != list(range(n_parts)):
+            have = ", ".join(k for k, _ in parts.values())
+            incomplete.append(f"{name} (has only {have})")
+            continue
+        out[name] = parts[0][1] if n_parts == 1 else torch.cat([parts[i][1] for i in range(n_parts)], dim=0)
+    if unexpected or incomplete:
+        msg = [f"{source} does not match the CosyVoice2 LLM layout:"]
+        if unexpected:
+            msg.append(f"  unexpected keys ({len(unexpected)}): " + ", ".join(sorted(unexpected)))
+        if incomplete:
+            msg.append("  incomplete fused groups: " + "; ".join(sorted(incomplete)))
+        raise CheckpointError("\n".join(msg))
+    return out
+
+
+def load_llm(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> SpeechLM:
+    """Build ``SpeechLM`` from the model directory's configs and load ``llm.pt`` into it (eval mode).
+
+    Only ``llm.pt`` is read: ``CosyVoice-BlankEN/model.safetensors`` is NOT the LLM (upstream
+    overwrites it). Every key must match after :func:`convert_llm_state`; the tied
+    ``lm_head`` is ignored. Weights are cast to ``dtype`` after loading in float32.
+    """
+    d = Path(model_dir)
+    model = SpeechLM(llm_dims(d))
+    path = d / "llm.pt"
+    strict_load(model, convert_llm_state(load_state_dict(path), source=str(path)), source=str(path))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def random_llm(
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> SpeechLM:
+    """A ``SpeechLM`` with seeded random weights; dims read exactly as :func:`load_llm` reads them.
+
+    ``model_dir`` needs only ``cosyvoice2.yaml`` and ``CosyVoice-BlankEN/config.json`` (for
+    example ``configs/models/cosyvoice2-0.5b``). The weights are drawn on ``device``.
+    """
+    dims = llm_dims(model_dir)
+    with torch.device(device):
+        model = SpeechLM(dims)
+    init_random_(model, seed)
+    return model.to(dtype=dtype).eval()

@@ -1,0 +1,419 @@
+"""The CosyVoice2 speech-token LM: a Qwen2 backbone with speech embeddings and a speech head.
+
+Pure torch. Everything follows cosyvoice2-spec sections 2.1-2.3:
+
+* ``RMSNorm``: statistic in float32, cast back to the input dtype before the weight multiplies.
+* RoPE in the rotate-half layout with cos/sin computed in float32 from the absolute positions.
+* GQA attention: q/k/v projections with bias (fused into one ``wqkv``), ``wo`` without bias;
+  query head ``h`` reads kv head ``h // (n_heads / n_kv_heads)``. Torch SDPA does the math: the
+  query heads of one kv group are folded into the query-length axis, so K/V are never repeated.
+* SwiGLU MLP with gate and up fused into one ``w13``.
+* ``SpeechLM``: ``embed_tokens`` (text), ``speech_embedding`` (speech ids + 3 specials),
+  ``llm_embedding`` (row 0 = SOS, row 1 = TASK_ID) and the ``llm_decoder`` head. The tied
+  Qwen ``lm_head`` does not exist here.
+
+The state lives outside the module in a preallocated :class:`KVCache` that the caller owns:
+
+* ``prefill(cache, slot, embeds[L, H])`` appends L positions to ONE slot (a prompt, or more text
+  later on: bistream feeds text between decode steps) and returns the last hidden state;
+* ``decode_step(cache, slots[B], embeds[B, H])`` appends one position to each of B slots in one
+  batched call, every row at its own position. Shapes are static, positions are tensors, the
+  cache is written by index and nothing syncs with the host, so it can be CUDA-graphed.
+
+Hidden states returned are after the final norm (the ``llm_decoder`` input). ``logprobs``
+applies the head and a float32 log-softmax.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+#: Fixed by the model family (spec 2.1): 6561 FSQ codes, then EOS, a reserved stop id and FILL.
+SPEECH_TOKEN_SIZE = 6561
+N_SPEECH_SPECIALS = 3
+#: Rows of ``llm_embedding``.
+SOS_ROW = 0
+TASK_ID_ROW = 1
+#: ``kind`` of an input row (matches the parity traces' ``lm_input_ids`` / ``fed_ids``).
+KIND_LLM = 0
+KIND_TEXT = 1
+KIND_SPEECH = 2
+
+
+@dataclass(frozen=True)
+class LLMDims:
+    """Every size of the LM, read from ``cosyvoice2.yaml`` (``llm``) and ``CosyVoice-BlankEN/config.json``."""
+
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    text_vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    speech_token_size: int = SPEECH_TOKEN_SIZE
+
+    @property
+    def speech_vocab_size(self) -> int:
+        """Rows of ``speech_embedding`` and outputs of ``llm_decoder`` (6564 for CosyVoice2)."""
+        return self.speech_token_size + N_SPEECH_SPECIALS
+
+    @property
+    def eos_token(self) -> int:
+        return self.speech_token_size
+
+    @property
+    def fill_token(self) -> int:
+        return self.speech_token_size + 2
+
+    @property
+    def stop_tokens(self) -> frozenset[int]:
+        return frozenset(range(self.speech_token_size, self.speech_vocab_size))
+
+    @classmethod
+    def from_configs(cls, llm: Mapping[str, Any], qwen: Mapping[str, Any]) -> LLMDims:
+        """Build from the ``llm`` kwargs of ``cosyvoice2.yaml`` and the Qwen2 ``config.json``.
+
+        Raises ``ValueError`` naming the field for a missing or inconsistent value.
+        """
+
+        def need(src: Mapping[str, Any], key: str, where: str) -> Any:
+            if key not in src:
+                raise ValueError(f"{where}: {key!r} is missing")
+            return src[key]
+
+        qj = "CosyVoice-BlankEN/config.json"
+        hidden = int(need(qwen, "hidden_size", qj))
+        heads = int(need(qwen, "num_attention_heads", qj))
+        kv_heads = int(need(qwen, "num_key_value_heads", qj))
+        head_dim = int(qwen.get("head_dim") or (hidden // heads if heads else 0))
+        for key in ("llm_input_size", "llm_output_size"):
+            size = int(need(llm, key, "cosyvoice2.yaml llm"))
+            if size != hidden:
+                raise ValueError(f"cosyvoice2.yaml llm.{key} = {size} but {qj} hidden_size = {hidden}")
+        if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+            raise ValueError(f"{qj}: num_attention_heads {heads} must be a positive multiple of {kv_heads}")
+        if head_dim * heads != hidden or head_dim % 2:
+            raise ValueError(f"{qj}: head_dim {head_dim} x {heads} heads must equal hidden_size {hidden}")
+        act = qwen.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{qj}: hidden_act {act!r} is not supported (only silu)")
+        if qwen.get("use_sliding_window", False):
+            raise ValueError(f"{qj}: use_sliding_window is not supported")
+        rope_scaling = qwen.get("rope_scaling")
+        if rope_scaling not in (None, {}):
+            raise ValueError(f"{qj}: rope_scaling {rope_scaling!r} is not supported")
+        return cls(
+            hidden_size=hidden,
+            n_layers=int(need(qwen, "num_hidden_layers", qj)),
+            n_heads=heads,
+            n_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=int(need(qwen, "intermediate_size", qj)),
+            text_vocab_size=int(need(qwen, "vocab_size", qj)),
+            rms_norm_eps=float(need(qwen, "rms_norm_eps", qj)),
+            rope_theta=float(need(qwen, "rope_theta", qj)),
+            max_position_embeddings=int(qwen.get("max_position_embeddings", 32768)),
+            speech_token_size=int(need(llm, "speech_token_size", "cosyvoice2.yaml llm")),
+        )
+
+
+@dataclass
+class KVCache:
+    """Preallocated static K/V for ``n_slots`` streams of up to ``max_len`` positions each.
+
+    * ``k``, ``v``: ``[n_layers, n_slots, n_kv_heads, max_len, head_dim]`` in the model dtype.
+      Position ``p`` of slot ``s`` in layer ``l`` is ``k[l, s, :, p]`` (RoPE already applied).
+    * ``lengths``: ``[n_slots]`` int32, the number of valid positions per slot (= the position
+      of the next row). Positions at or beyond it hold stale values and are masked out.
+
+    Nothing is ever reallocated: :meth:`reset` zeroes lengths in place, so CUDA graphs captured
+    over these tensors stay valid across streams and barge-ins. Writing past ``max_len`` is the
+    caller's bug (the decode step cannot check without a host sync): track lengths on the host.
+    """
+
+    k: Tensor
+    v: Tensor
+    lengths: Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        dims: LLMDims,
+        n_slots: int,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> KVCache:
+        shape = (dims.n_layers, n_slots, dims.n_kv_heads, max_len, dims.head_dim)
+        return cls(
+            k=torch.zeros(shape, device=device, dtype=dtype),
+            v=torch.zeros(shape, device=device, dtype=dtype),
+            lengths=torch.zeros(n_slots, device=device, dtype=torch.int32),
+        )
+
+    @property
+    def n_slots(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def max_len(self) -> int:
+        return int(self.k.shape[3])
+
+    def reset(self, slots: int | Sequence[int] | Tensor | None = None) -> None:
+        """Forget the content of ``slots`` (all when None), in place."""
+        if slots is None:
+            self.lengths.zero_()
+        elif isinstance(slots, int):
+            self.lengths[slots] = 0
+        else:
+            idx = torch.as_tensor(slots, dtype=torch.long, device=self.lengths.device)
+            self.lengths.index_fill_(0, idx, 0)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """float32 ``cos``, ``sin`` of shape ``positions.shape + (head_dim,)`` (angles repeated twice)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [..., head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x ``[B, H, L, D]``; cos/sin ``[B, L, D]`` float32. Rotate-half layout, computed in float32."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    out = xf * cos[:, None] + rotated * sin[:, None]
+    return out.to(x.dtype)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """GQA attention through SDPA without repeating K/V.
+
+    q ``[B, Hq, L, D]``, k/v ``[B, Hkv, S, D]``, mask bool ``[B, L, S]`` (True = may attend).
+    Returns ``[B, Hq, L, D]``. The ``G = Hq / Hkv`` query heads of a group become ``G * L``
+    query rows against that group's keys.
+    """
+    b, hq, seq_q, d = q.shape
+    hkv, seq_k = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g * seq_q, d)
+    m = mask[:, None, None].expand(b, 1, g, seq_q, seq_k).reshape(b, 1, g * seq_q, seq_k)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m)
+    return out.reshape(b, hq, seq_q, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, dims: LLMDims) -> None:
+        super().__init__()
+        self.n_heads = dims.n_heads
+        self.n_kv_heads = dims.n_kv_heads
+        self.head_dim = dims.head_dim
+        qkv_out = (dims.n_heads + 2 * dims.n_kv_heads) * dims.head_dim
+        self.wqkv = nn.Linear(dims.hidden_size, qkv_out, bias=True)
+        self.wo = nn.Linear(dims.n_heads * dims.head_dim, dims.hidden_size, bias=False)
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x ``[B, L, H]`` -> q ``[B, Hq, L, D]``, k/v ``[B, Hkv, L, D]`` with RoPE on q and k."""
+        b, seq, _ = x.shape
+        d = self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d], dim=-1)
+        q = q.view(b, seq, self.n_heads, d).transpose(1, 2)
+        k = k.view(b, seq, self.n_kv_heads, d).transpose(1, 2)
+        v = v.view(b, seq, self.n_kv_heads, d).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o: Tensor) -> Tensor:
+        """o ``[B, Hq, L, D]`` -> ``[B, L, H]``."""
+        b, _, seq, _ = o.shape
+        return self.wo(o.transpose(1, 2).reshape(b, seq, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, dims: LLMDims) -> None:
+        super().__init__()
+        self.intermediate_size = dims.intermediate_size
+        self.w13 = nn.Linear(dims.hidden_size, 2 * dims.intermediate_size, bias=False)  # [gate; up]
+        self.w2 = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, dims: LLMDims) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.attn = Attention(dims)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.mlp = MLP(dims)
+
+
+class SpeechLM(nn.Module):
+    """CosyVoice2 ``Qwen2LM`` for inference; the cache and the stream state live outside."""
+
+    def __init__(self, dims: LLMDims) -> None:
+        super().__init__()
+        self.dims = dims
+        self.embed_tokens = nn.Embedding(dims.text_vocab_size, dims.hidden_size)
+        self.speech_embedding = nn.Embedding(dims.speech_vocab_size, dims.hidden_size)
+        self.llm_embedding = nn.Embedding(2, dims.hidden_size)
+        self.layers = nn.ModuleList(Block(dims) for _ in range(dims.n_layers))
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.llm_decoder = nn.Linear(dims.hidden_size, dims.speech_vocab_size, bias=True)
+
+    # -- inputs -----------------------------------------------------------------------------
+
+    def embed_rows(self, rows: Sequence[tuple[int, int]]) -> Tensor:
+        """Embeddings ``[L, H]`` of ``(kind, id)`` rows (kind 0 llm_embedding, 1 text, 2 speech)."""
+        if any(k not in (KIND_LLM, KIND_TEXT, KIND_SPEECH) for k, _ in rows):
+            raise ValueError("row kind must be 0 (llm_embedding), 1 (text) or 2 (speech)")
+        dev = self.llm_decoder.weight.device
+        tables = (self.llm_embedding, self.embed_tokens, self.speech_embedding)
+        out = torch.empty(len(rows), self.dims.hidden_size, device=dev, dtype=self.llm_decoder.weight.dtype)
+        for kind, table in enumerate(tables):
+            where = [i for i, (k, _) in enumerate(rows) if k == kind]
+            if where:
+                ids = torch.tensor([rows[i][1] for i in where], device=dev)
+                out[torch.tensor(where, device=dev)] = table(ids)
+        return out
+
+    def embed_speech(self, ids: Tensor) -> Tensor:
+        """``speech_embedding`` rows for device-side token ids ``[B]`` -> ``[B, H]`` (no sync)."""
+        return self.speech_embedding(ids)
+
+    # -- backbone ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, cache: KVCache, slot: int, embeds: Tensor, start_pos: int | None = None) -> Tensor:
+        """Append ``embeds`` ``[L, H]`` to ``slot`` at positions ``start..start+L-1``.
+
+        ``start_pos`` is the slot's current length; when None it is read from ``cache.lengths``
+        (one host sync). Returns the final-norm hidden state of the last row, ``[H]``.
+        Not graph-safe (variable L); meant for prompts and bistream text feeds.
+        """
+        seq = int(embeds.shape[0])
+        start = int(cache.lengths[slot].item()) if start_pos is None else start_pos
+        end = start + seq
+        if seq < 1 or end > cache.max_len:
+            raise ValueError(f"prefill of {seq} rows at {start} does not fit a cache of {cache.max_len}")
+        dev = embeds.device
+        positions = torch.arange(start, end, device=dev)[None]  # [1, L]
+        cos, sin = rope_cos_sin(positions, self.dims.head_dim, self.dims.rope_theta)
+        key_pos = torch.arange(end, device=dev)
+        mask = (key_pos[None, :] <= positions[0, :, None])[None]  # [1, L, end] causal with offset
+        h = embeds[None].to(self.llm_decoder.weight.dtype)  # [1, L, H]
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, Block)
+            q, k, v = layer.attn.qkv(layer.input_layernorm(h), cos, sin)
+            cache.k[i, slot, :, start:end] = k[0]
+            cache.v[i, slot, :, start:end] = v[0]
+            keys = cache.k[i, slot : slot + 1, :, :end]
+            values = cache.v[i, slot : slot + 1, :, :end]
+            h = h + layer.attn.out(attend(q, keys, values, mask))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        cache.lengths[slot] = end
+        return self.norm(h[0, -1])
+
+    @torch.no_grad()
+    def decode_step(self, cache: KVCache, slots: Tensor | None, embeds: Tensor, kv_len: int | None = None) -> Tensor:
+        """Append one row to each of B slots; return final-norm hidden states ``[B, H]``.
+
+        * ``slots``: int64 ``[B]`` distinct slot indices, or None for slots ``0..B-1`` (views
+          instead of gathers: cheaper when the caller keeps active streams packed at the front).
+        * ``embeds``: ``[B, H]``; row b goes to position ``cache.lengths[slots[b]]``.
+        * ``kv_len``: attend over the first ``kv_len`` positions only (a static bound, e.g. a
+          bucket; must exceed every row's position). None = ``cache.max_len``.
+
+        Static shapes, tensor positions, index writes, no host sync: CUDA-graph capturable.
+        """
+        b = int(embeds.shape[0])
+        window = cache.max_len if kv_len is None else kv_len
+        dev = embeds.device
+        if slots is None:
+            slot_idx = torch.arange(b, device=dev)
+            lengths = cache.lengths[:b]
+        else:
+            slot_idx = slots
+            lengths = cache.lengths.index_select(0, slots)
+        pos = lengths.long()  # [B]
+        cos, sin = rope_cos_sin(pos[:, None], self.dims.head_dim, self.dims.rope_theta)  # [B, 1, D]
+        mask = (torch.arange(window, device=dev)[None, :] <= pos[:, None])[:, None]  # [B, 1, W]
+        h = embeds[:, None].to(self.llm_decoder.weight.dtype)  # [B, 1, H]
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, Block)
+            q, k, v = layer.attn.qkv(layer.input_layernorm(h), cos, sin)
+            cache.k[i][slot_idx, :, pos] = k[:, :, 0]
+            cache.v[i][slot_idx, :, pos] = v[:, :, 0]
+            if slots is None:
+                keys, values = cache.k[i, :b, :, :window], cache.v[i, :b, :, :window]
+            else:
+                keys = cache.k[i, :, :, :window].index_select(0, slots)
+                values = cache.v[i, :, :, :window].index_select(0, slots)
+            h = h + layer.attn.out(attend(q, keys, values, mask))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        cache.lengths.index_add_(0, slot_idx, torch.ones_like(slot_idx, dtype=cache.lengths.dtype))
+        return self.norm(h[:, 0])
+
+    # -- head -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def logits(self, hidden: Tensor) -> Tensor:
+        """``llm_decoder`` logits ``[..., V]`` in float32."""
+        return self.llm_decoder(hidden).float()
+
+    @torch.no_grad()
+    def logprobs(self, hidden: Tensor) -> Tensor:
+        """float32 log-softmax over the ``speech_vocab_size`` outputs, ``[..., V]``."""
+        return torch.log_softmax(self.logits(hidden), dim=-1)
+
+
+@torch.no_grad()
+def init_random_(model: SpeechLM, seed: int = 0) -> SpeechLM:
+    """Fill ``model`` with seeded random weights whose activations stay O(1).
+
+    Embeddings ~ N(0, 1); projections ~ N(0, 1/fan_in), the residual outputs (``wo``, ``w2``)
+    further divided by sqrt(2 * n_layers); norms 1; biases small. Draws in float32 from a
+    generator on the model's device (so a full-size model is built on the GPU quickly); the
+    values depend on the seed and the device type.
+    """
+    gen = torch.Generator(device=model.llm_decoder.weight.device).manual_seed(seed)
+    residual_scale = 1.0 / math.sqrt(2 * model.dims.n_layers)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            p.fill_(1.0)
+            continue
+        if name.endswith("bias"):
+            t = 0.02 * torch.randn(p.shape, generator=gen, device=p.device)
+        elif isinstance(model.get_submodule(name.rsplit(".", 1)[0]), nn.Embedding):
+            t = torch.randn(p.shape, generator=gen, device=p.device)
+        else:
+            t = torch.randn(p.shape, generator=gen, device=p.device) / math.sqrt(p.shape[1])
+            if name.endswith(("wo.weight", "w2.weight")):
+                t *= residual_scale
+        p.copy_(t.to(p.dtype))
+    return model
