@@ -374,6 +374,11 @@ def random_hift(config: str | Path, device: str | torch.device = "cpu", seed: in
                 t.copy_(torch.randn(t.shape, generator=gen) / math.sqrt(fan_in))
         # f0 = |linear(...)|: offset it so the source is mostly voiced, as in real speech.
         model.f0_predictor.classifier.bias.fill_(150.0)
+        # keep the iSTFT magnitudes (exp of the first n_fft/2 + 1 rows) small: no clipping
+        post = model.conv_post
+        post.weight.mul_(0.1)
+        if post.bias is not None:
+            post.bias[: dims.n_bins].fill_(-3.0)
     return model.to(device=device, dtype=torch.float32).eval()
 
 
