@@ -1,0 +1,137 @@
+"""One small CUDA-graph wrapper: capture a function once per shape bucket, replay it after.
+
+``GraphedFn(fn)`` calls ``fn(*tensors)`` eagerly on the CPU, when graphs are disabled, or for
+a key it has not captured yet while capture is not allowed. Otherwise, for each ``key`` (for
+example the batch bucket), it copies the inputs into static buffers, warms up, captures one
+CUDA graph in a memory pool shared by all keys, and replays it on later calls. Outputs are the
+graph's static output tensors: callers must consume (or copy) them before the next call with
+the same key.
+
+Switches: ``enabled=False``, the environment variable ``VOICE_OUT_CUDA_GRAPHS=0``, or the
+``graphs_disabled()`` context manager (per thread). Capture and replay must happen on the one
+thread that owns CUDA (the engine's GPU worker); graphs are not shared across threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_local = threading.local()
+
+
+def graphs_globally_enabled() -> bool:
+    """False when ``VOICE_OUT_CUDA_GRAPHS`` is set to 0/false/off."""
+    return os.environ.get("VOICE_OUT_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@contextmanager
+def graphs_disabled() -> Iterator[None]:
+    """Run every ``GraphedFn`` of this thread eagerly inside the block."""
+    prev = getattr(_local, "disabled", False)
+    _local.disabled = True
+    try:
+        yield
+    finally:
+        _local.disabled = prev
+
+
+class GraphShapeError(RuntimeError):
+    """Inputs do not match the shapes a graph was captured with."""
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]
+    output: Any
+
+
+class GraphedFn:
+    """Wrap ``fn(*tensors) -> tensor | tuple of tensors`` with per-key CUDA graphs.
+
+    ``fn`` must be capturable: no host syncs, no allocation that depends on values, and all
+    state it mutates (KV caches, ...) must live in tensors whose addresses never change.
+    Capturing runs ``fn`` ``warmup + 1`` times on copies of the inputs, so any state it mutates
+    is written then: capture every key at start-up (``capture``) before real work exists, or
+    make sure the captured inputs point at scratch state.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        enabled: bool = True,
+        warmup: int = 2,
+        pool: Any | None = None,
+        name: str = "fn",
+    ) -> None:
+        self.fn = fn
+        self.enabled = enabled and graphs_globally_enabled()
+        self.warmup = warmup
+        self.name = name
+        self._graphs: dict[Hashable, _Captured] = {}
+        self._pool = pool
+
+    @property
+    def captured_keys(self) -> list[Hashable]:
+        return list(self._graphs)
+
+    def _active(self, args: Sequence[torch.Tensor]) -> bool:
+        if not self.enabled or getattr(_local, "disabled", False):
+            return False
+        return all(a.is_cuda for a in args)
+
+    def __call__(self, key: Hashable, *args: torch.Tensor) -> Any:
+        if not self._active(args):
+            return self.fn(*args)
+        cap = self._graphs.get(key)
+        if cap is None:
+            cap = self._capture(key, args)
+        if len(args) != len(cap.inputs):
+            raise GraphShapeError(
+                f"{self.name}[{key!r}]: {len(args)} inputs, captured with {len(cap.inputs)}; "
+                "set VOICE_OUT_CUDA_GRAPHS=0 to run eagerly"
+            )
+        for i, (dst, src) in enumerate(zip(cap.inputs, args, strict=True)):
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                raise GraphShapeError(
+                    f"{self.name}[{key!r}] input {i}: got {tuple(src.shape)} {src.dtype}, captured "
+                    f"{tuple(dst.shape)} {dst.dtype}; set VOICE_OUT_CUDA_GRAPHS=0 to run eagerly"
+                )
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src, non_blocking=True)
+        cap.graph.replay()
+        return cap.output
+
+    def capture(self, key: Hashable, *args: torch.Tensor) -> None:
+        """Capture ``key`` now (start-up warm-up) without replaying it."""
+        if self._active(args) and key not in self._graphs:
+            self._capture(key, args)
+
+    def _capture(self, key: Hashable, args: Sequence[torch.Tensor]) -> _Captured:
+        static = tuple(a.clone() for a in args)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                self.fn(*static)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = self.fn(*static)
+        cap = _Captured(graph=graph, inputs=static, output=output)
+        self._graphs[key] = cap
+        return cap
+
+    def reset(self) -> None:
+        """Drop every captured graph (their memory returns to the pool)."""
+        self._graphs.clear()
