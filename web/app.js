@@ -1,0 +1,871 @@
+// voice_out demo page: a WebRTC client of the voice_out server (design: protocol v1 on the
+// data channel "voice_out", audio on one recvonly transceiver), and the measurement hooks that
+// the browser test reads from window.voiceOut. No framework, no build step, no external URLs.
+//
+// Times are performance.now() milliseconds unless a name says otherwise. "Audible" means the
+// RMS of a 128-frame block of the received audio, as WebAudio decoded it, is at or above
+// voiceOut.audio.threshold.
+
+const CHANNEL_LABEL = "voice_out";
+const DEFAULT_THRESHOLD = 0.005; // RMS; about -46 dBFS, well above Opus-decoded digital silence
+const SILENCE_HOLD_MS = 250; // below the threshold this long = silence (bridges pauses between words)
+const MIC_SPEECH_MS = 200; // microphone above its threshold this long = the person is talking
+const MIC_POLL_MS = 20;
+const ICE_GATHERING_TIMEOUT_MS = 3000;
+const SESSION_READY_TIMEOUT_MS = 10000;
+const MAX_LOG_ROWS = 400; // rows kept in the DOM; voiceOut.log keeps everything
+const TERMINAL = new Set(["done", "cancelled", "error"]);
+
+const $ = (id) => document.getElementById(id);
+const now = () => performance.now();
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+// ---------------------------------------------------------------------------------------------
+// Measurement state, exposed for tests and for anyone poking at the page from the console.
+
+const audio = {
+  threshold: DEFAULT_THRESHOLD,
+  audible: false, // current detector state
+  lastAudibleEnd: null, // end of the last audible block
+  onsets: [], // [{t, rms}] first audible block after silence
+  silences: [], // [{t, lastAudible}] t: when silence was decided; lastAudible: end of the last audible block
+  maxRms: 0,
+  level: 0,
+  audibleMs: 0, // total audible time received
+  blocks: 0, // level reports received (the audio clock is running when this grows)
+  meter: "none", // "worklet" | "analyser" | "none"
+  trackReceived: false,
+};
+
+const state = {
+  pc: null,
+  dc: null,
+  sessionId: null,
+  sampleRate: null,
+  nextId: 1,
+  utteranceOrder: [], // ids in the order they were started
+  streamers: new Set(), // running "stream like an LLM" loops
+  pendingCancel: null, // barge-in waiting for silence
+  audioCtx: null,
+  graphInput: null, // where the remote stream is connected
+  analyser: null,
+  clockOffset: Infinity, // performance.now() - audio-clock ms, smallest seen
+  mic: null, // {stream, analyser, timer, speechMs}
+  recorder: null,
+  recordedWav: null,
+  readyWaiters: [],
+};
+
+const voiceOut = {
+  loaded: false,
+  log: [], // every protocol message and page measurement: {t, dir: "out"|"in"|"page"|"http", type, msg}
+  marks: {}, // first time each named moment happened
+  utterances: {}, // id -> timings, see newUtterance()
+  bargeIns: [], // {at, reason, ids, lastAudibleAt, silenceAt, ms}
+  audio,
+  connect,
+  disconnect,
+  speak,
+  stream: startStream,
+  cancel,
+  ping,
+  listVoices,
+  uploadVoice,
+  deleteVoice,
+  setThreshold(value) {
+    audio.threshold = value;
+  },
+  summary,
+  resetMeasurements,
+};
+window.voiceOut = voiceOut;
+
+function mark(name, t = now()) {
+  if (!(name in voiceOut.marks)) voiceOut.marks[name] = t;
+  return t;
+}
+
+function summary() {
+  // A JSON-safe snapshot: what the test reads in one evaluation.
+  return JSON.parse(
+    JSON.stringify({
+      sessionId: state.sessionId,
+      sampleRate: state.sampleRate,
+      connection: state.pc ? state.pc.connectionState : "none",
+      channel: state.dc ? state.dc.readyState : "none",
+      audioContext: state.audioCtx ? state.audioCtx.state : "none",
+      now: now(),
+      marks: voiceOut.marks,
+      utterances: voiceOut.utterances,
+      bargeIns: voiceOut.bargeIns,
+      audio,
+      events: voiceOut.log.filter((e) => e.dir === "in").map((e) => ({ t: e.t, ...e.msg })),
+    }),
+  );
+}
+
+function resetMeasurements() {
+  voiceOut.marks = {};
+  voiceOut.bargeIns = [];
+  audio.onsets = [];
+  audio.silences = [];
+  audio.maxRms = 0;
+  audio.audibleMs = 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Event log
+
+function record(dir, type, msg) {
+  const entry = { t: now(), dir, type, msg };
+  voiceOut.log.push(entry);
+  renderLogEntry(entry);
+  return entry;
+}
+
+function describe(type, msg) {
+  switch (type) {
+    case "session.ready":
+      return `session ${msg.session_id} · ${msg.sample_rate} Hz · voices: ${(msg.voices || []).map(voiceName).join(", ") || "none"}`;
+    case "text.delta":
+      return `${msg.id} ${JSON.stringify(msg.delta)}${msg.voice ? ` (voice ${msg.voice})` : ""}`;
+    case "audio.started":
+      return `${msg.id} · server TTFA ${fmtMs(msg.ttfa_ms)}`;
+    case "audio.done":
+      return `${msg.id} · ${fmtMs(msg.audio_ms)} of audio`;
+    case "cancelled":
+      return `${msg.id} · played ${fmtMs(msg.played_ms)}: ${JSON.stringify(msg.played_text ?? "")}`;
+    case "error":
+      return `${msg.id ?? "-"} · ${msg.code}: ${msg.message}`;
+    case "pong":
+      return `t=${msg.t} · round trip ${fmtMs(now() - msg.t)}`;
+    default: {
+      const rest = { ...msg };
+      delete rest.type;
+      return Object.keys(rest).length ? JSON.stringify(rest) : "";
+    }
+  }
+}
+
+function renderLogEntry(entry) {
+  const list = $("log");
+  if (!list) return;
+  const li = document.createElement("li");
+  li.className = entry.dir + (entry.type === "error" ? " error" : "");
+  const arrow = { out: "→", in: "←", page: "•", http: "⇄" }[entry.dir] || "";
+  const cells = [
+    ["t", `${(entry.t / 1000).toFixed(3)} s`],
+    ["dir", arrow],
+    ["type", entry.type],
+    ["detail", describe(entry.type, entry.msg || {})],
+  ];
+  for (const [cls, text] of cells) {
+    const span = document.createElement("span");
+    span.className = cls;
+    span.textContent = text;
+    li.append(span);
+  }
+  const atBottom = list.scrollTop + list.clientHeight >= list.scrollHeight - 4;
+  list.append(li);
+  while (list.childElementCount > MAX_LOG_ROWS) list.firstElementChild.remove();
+  if (atBottom) list.scrollTop = list.scrollHeight;
+}
+
+function fmtMs(ms) {
+  if (ms === null || ms === undefined || Number.isNaN(ms)) return "–";
+  return ms >= 10000 ? `${(ms / 1000).toFixed(1)} s` : `${Math.round(ms)} ms`;
+}
+
+// ---------------------------------------------------------------------------------------------
+// HTTP
+
+function authHeaders() {
+  const token = $("token").value.trim();
+  return token ? { Authorization: `Bearer ${token}` } : {};
+}
+
+async function api(method, path, body) {
+  const headers = authHeaders();
+  let payload = body;
+  if (body !== undefined && !(body instanceof FormData)) {
+    headers["Content-Type"] = "application/json";
+    payload = JSON.stringify(body);
+  }
+  const res = await fetch(path, { method, headers, body: payload, cache: "no-store" });
+  const text = await res.text();
+  let data = text;
+  try {
+    data = text ? JSON.parse(text) : null;
+  } catch {
+    // not JSON: keep the text for the error message
+  }
+  if (!res.ok) {
+    const detail =
+      (data && typeof data === "object" && (data.message || data.error?.message || data.error)) ||
+      text ||
+      res.statusText;
+    const hint = res.status === 401 ? " (set the bearer token)" : "";
+    throw new Error(`${method} ${path}: HTTP ${res.status} ${detail}${hint}`);
+  }
+  return data;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Audio: one AudioContext; remote stream -> level meter -> analyser (waveform) -> speakers.
+
+async function ensureAudio() {
+  if (state.audioCtx) {
+    if (state.audioCtx.state === "suspended") await state.audioCtx.resume();
+    return state.audioCtx;
+  }
+  const ctx = new AudioContext({ latencyHint: "interactive" });
+  state.audioCtx = ctx;
+  const analyser = ctx.createAnalyser();
+  analyser.fftSize = 2048;
+  analyser.connect(ctx.destination);
+  state.analyser = analyser;
+  try {
+    await ctx.audioWorklet.addModule("meter-worklet.js");
+    const meter = new AudioWorkletNode(ctx, "level-meter", { numberOfInputs: 1, numberOfOutputs: 1 });
+    meter.port.onmessage = (e) => onLevelReport(e.data);
+    meter.connect(analyser);
+    state.graphInput = meter;
+    audio.meter = "worklet";
+  } catch (err) {
+    // No AudioWorklet (for example an insecure origin): poll the analyser instead.
+    record("page", "meter", { note: `AudioWorklet unavailable (${err}); polling an AnalyserNode` });
+    state.graphInput = analyser;
+    audio.meter = "analyser";
+    startAnalyserPolling(analyser);
+  }
+  if (ctx.state === "suspended") await ctx.resume();
+  requestAnimationFrame(drawWaveform);
+  return ctx;
+}
+
+function onLevelReport(report) {
+  // report: Float64Array of [start s, end s, rms, peak] per block, audio-clock seconds.
+  const arrival = now();
+  const lastEnd = report[report.length - 3] * 1000;
+  // The smallest (arrival - audio clock) seen is the best estimate of the clock offset: it is
+  // the report that waited least in the message queue.
+  state.clockOffset = Math.min(state.clockOffset, arrival - lastEnd);
+  for (let i = 0; i < report.length; i += 4) {
+    onAudioBlock(report[i] * 1000 + state.clockOffset, report[i + 1] * 1000 + state.clockOffset, report[i + 2], report[i + 3]);
+  }
+}
+
+function startAnalyserPolling(analyser) {
+  const buf = new Float32Array(analyser.fftSize);
+  const pollMs = 10;
+  const n = Math.min(buf.length, Math.round((state.audioCtx.sampleRate * pollMs) / 1000));
+  setInterval(() => {
+    analyser.getFloatTimeDomainData(buf);
+    let sum = 0;
+    let peak = 0;
+    for (let i = buf.length - n; i < buf.length; i++) {
+      sum += buf[i] * buf[i];
+      peak = Math.max(peak, Math.abs(buf[i]));
+    }
+    const t = now();
+    onAudioBlock(t - pollMs, t, Math.sqrt(sum / n), peak);
+  }, pollMs);
+}
+
+function onAudioBlock(start, end, rms, _peak) {
+  audio.blocks += 1;
+  audio.level = rms;
+  if (rms > audio.maxRms) audio.maxRms = rms;
+  if (rms >= audio.threshold) {
+    audio.audibleMs += end - start;
+    if (!audio.audible) {
+      audio.audible = true;
+      onOnset(start, rms);
+    }
+    audio.lastAudibleEnd = end;
+  } else if (audio.audible && end - audio.lastAudibleEnd >= SILENCE_HOLD_MS) {
+    audio.audible = false;
+    audio.silences.push({ t: end, lastAudible: audio.lastAudibleEnd });
+    record("page", "silence", { last_audible_ms: Math.round(audio.lastAudibleEnd) });
+  }
+  const cancel = state.pendingCancel;
+  if (cancel && !audio.audible) {
+    const lastAudible = audio.lastAudibleEnd ?? -Infinity;
+    if (end - Math.max(cancel.at, lastAudible) >= SILENCE_HOLD_MS) {
+      cancel.lastAudibleAt = lastAudible > -Infinity ? lastAudible : null;
+      cancel.ms = Math.max(0, lastAudible - cancel.at);
+      cancel.silenceAt = end;
+      state.pendingCancel = null;
+      mark("silenceAfterCancel", end);
+      $("stat-bargein").textContent = fmtMs(cancel.ms);
+      record("page", "barge-in", { reason: cancel.reason, last_audible_after_cancel_ms: Math.round(cancel.ms) });
+    }
+  }
+}
+
+function onOnset(t, rms) {
+  audio.onsets.push({ t, rms });
+  mark("firstAudible", t);
+  // The first audible sound after an utterance's first delta, while no earlier utterance is
+  // waiting for its own, is that utterance's first audio.
+  const u = state.utteranceOrder
+    .map((id) => voiceOut.utterances[id])
+    .find((x) => x.firstDeltaAt !== null && x.firstDeltaAt <= t && x.firstAudibleAt === null && !x.cancelSentAt);
+  const detail = { rms: Number(rms.toFixed(4)) };
+  if (u) {
+    u.firstAudibleAt = t;
+    u.pageTtfaMs = t - u.firstDeltaAt;
+    detail.id = u.id;
+    detail.page_ttfa_ms = Math.round(u.pageTtfaMs);
+    $("stat-page-ttfa").textContent = fmtMs(u.pageTtfaMs);
+  }
+  record("page", "audible", detail);
+}
+
+function attachRemoteStream(stream) {
+  audio.trackReceived = true;
+  // Chrome only pulls a remote WebRTC track into WebAudio while a media element plays it; the
+  // element stays muted and WebAudio does the playing (so the meter measures what is heard).
+  const el = $("remote-audio");
+  el.srcObject = stream;
+  el.muted = true;
+  el.play().catch(() => {});
+  const source = state.audioCtx.createMediaStreamSource(stream);
+  source.connect(state.graphInput);
+  record("page", "track", { id: stream.id });
+}
+
+function drawWaveform() {
+  const canvas = $("waveform");
+  const analyser = state.analyser;
+  if (!canvas || !analyser) return;
+  const dpr = window.devicePixelRatio || 1;
+  const width = Math.round(canvas.clientWidth * dpr);
+  const height = Math.round(canvas.clientHeight * dpr);
+  if (canvas.width !== width || canvas.height !== height) {
+    canvas.width = width;
+    canvas.height = height;
+  }
+  const g = canvas.getContext("2d");
+  const samples = new Float32Array(analyser.fftSize);
+  analyser.getFloatTimeDomainData(samples);
+  const style = getComputedStyle(document.documentElement);
+  g.clearRect(0, 0, width, height);
+  g.strokeStyle = style.getPropertyValue("--border");
+  g.lineWidth = 1;
+  g.beginPath();
+  g.moveTo(0, height / 2);
+  g.lineTo(width, height / 2);
+  g.stroke();
+  g.strokeStyle = style.getPropertyValue("--wave");
+  g.lineWidth = 2 * dpr;
+  g.beginPath();
+  for (let i = 0; i < samples.length; i++) {
+    const x = (i / (samples.length - 1)) * width;
+    const y = height / 2 - Math.max(-1, Math.min(1, samples[i] * 2)) * (height / 2 - 2);
+    if (i === 0) g.moveTo(x, y);
+    else g.lineTo(x, y);
+  }
+  g.stroke();
+  $("out-level").value = audio.level;
+  requestAnimationFrame(drawWaveform);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Connection
+
+function setStatus(text, kind) {
+  const el = $("status");
+  el.textContent = text;
+  el.className = `pill pill-${kind}`;
+}
+
+function channelOpen() {
+  return state.dc !== null && state.dc.readyState === "open";
+}
+
+function updateButtons() {
+  const open = channelOpen();
+  for (const id of ["speak", "stream", "cancel", "ping"]) $(id).disabled = !open;
+  $("connect").textContent = state.pc ? "Disconnect" : "Connect";
+}
+
+async function connect() {
+  if (state.pc) return state.sessionId;
+  mark("connectStarted");
+  setStatus("connecting", "busy");
+  await ensureAudio();
+  const pc = new RTCPeerConnection({ iceServers: [] });
+  state.pc = pc;
+  updateButtons();
+  const dc = pc.createDataChannel(CHANNEL_LABEL, { ordered: true });
+  state.dc = dc;
+  pc.addTransceiver("audio", { direction: "recvonly" });
+  pc.ontrack = (e) => attachRemoteStream(e.streams[0] || new MediaStream([e.track]));
+  pc.onconnectionstatechange = () => {
+    record("page", "connection", { state: pc.connectionState });
+    if (pc.connectionState === "failed") setStatus("connection failed", "error");
+    if (pc.connectionState === "disconnected") setStatus("connection lost", "error");
+  };
+  dc.onopen = () => updateButtons();
+  dc.onclose = () => {
+    updateButtons();
+    if (state.dc === dc) setStatus("disconnected", "idle");
+  };
+  dc.onmessage = (e) => onServerMessage(e.data);
+  const ready = new Promise((resolve, reject) => {
+    state.readyWaiters.push({ resolve, reject });
+    setTimeout(() => reject(new Error("no session.ready from the server")), SESSION_READY_TIMEOUT_MS);
+  });
+  try {
+    await pc.setLocalDescription(await pc.createOffer());
+    await iceGatheringComplete(pc);
+    const offer = pc.localDescription;
+    const answer = await api("POST", "/offer", { sdp: offer.sdp, type: offer.type });
+    record("http", "answer", { session_id: answer.session_id });
+    state.sessionId = answer.session_id ?? null;
+    await pc.setRemoteDescription({ type: "answer", sdp: answer.sdp });
+    await ready;
+  } catch (err) {
+    record("page", "error", { code: "connect", message: String(err.message || err) });
+    disconnect();
+    setStatus("error", "error");
+    throw err;
+  }
+  setStatus("connected", "ok");
+  return state.sessionId;
+}
+
+function iceGatheringComplete(pc) {
+  if (pc.iceGatheringState === "complete") return Promise.resolve();
+  return new Promise((resolve) => {
+    const done = () => {
+      pc.removeEventListener("icegatheringstatechange", check);
+      resolve();
+    };
+    const check = () => {
+      if (pc.iceGatheringState === "complete") done();
+    };
+    pc.addEventListener("icegatheringstatechange", check);
+    // Host candidates are enough on a LAN or loopback; do not wait forever for the rest.
+    setTimeout(done, ICE_GATHERING_TIMEOUT_MS);
+  });
+}
+
+function disconnect() {
+  stopStreamers(() => true);
+  if (state.dc) state.dc.close();
+  if (state.pc) state.pc.close();
+  state.dc = null;
+  state.pc = null;
+  state.sessionId = null;
+  for (const w of state.readyWaiters.splice(0)) w.reject(new Error("disconnected"));
+  setStatus("disconnected", "idle");
+  updateButtons();
+}
+
+function send(msg) {
+  if (!channelOpen()) throw new Error("not connected");
+  state.dc.send(JSON.stringify(msg));
+  record("out", msg.type, msg);
+}
+
+function onServerMessage(data) {
+  let msg;
+  try {
+    msg = JSON.parse(data);
+  } catch {
+    record("in", "invalid", { data: String(data).slice(0, 200) });
+    return;
+  }
+  record("in", msg.type || "?", msg);
+  const t = now();
+  const u = msg.id !== undefined && msg.id !== null ? voiceOut.utterances[msg.id] : undefined;
+  switch (msg.type) {
+    case "session.ready":
+      mark("sessionReady", t);
+      state.sessionId = msg.session_id ?? state.sessionId;
+      state.sampleRate = msg.sample_rate ?? null;
+      if (Array.isArray(msg.voices)) fillVoices(msg.voices);
+      for (const w of state.readyWaiters.splice(0)) w.resolve();
+      break;
+    case "audio.started":
+      mark("audioStarted", t);
+      if (u) {
+        u.startedAt = t;
+        u.serverTtfaMs = msg.ttfa_ms;
+        if (!TERMINAL.has(u.status)) u.status = "playing";
+      }
+      $("stat-server-ttfa").textContent = fmtMs(msg.ttfa_ms);
+      break;
+    case "audio.done":
+      if (u) {
+        u.audioDoneAt = t;
+        u.audioMs = msg.audio_ms;
+        u.status = "done";
+        $("heard").textContent = u.text;
+      }
+      break;
+    case "cancelled":
+      if (u) {
+        u.cancelledAt = t;
+        u.playedMs = msg.played_ms;
+        u.playedText = msg.played_text ?? "";
+        u.status = "cancelled";
+      }
+      $("heard").textContent = `${msg.played_text ?? ""} …`;
+      break;
+    case "error":
+      if (u) {
+        u.status = "error";
+        u.error = msg.code;
+        stopStreamers((s) => s.id === u.id);
+      }
+      break;
+    case "pong":
+      if (typeof msg.t === "number") $("stat-rtt").textContent = fmtMs(t - msg.t);
+      break;
+    default:
+      break;
+  }
+}
+
+function ping() {
+  send({ type: "ping", t: now() });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Utterances
+
+function newUtterance(voice) {
+  const id = `u${state.nextId++}`;
+  voiceOut.utterances[id] = {
+    id,
+    voice: voice || null,
+    text: "",
+    status: "sending", // sending -> sent -> playing -> done | cancelled | error
+    firstDeltaAt: null,
+    doneSentAt: null,
+    startedAt: null, // audio.started received
+    serverTtfaMs: null,
+    firstAudibleAt: null, // first audible block in the page
+    pageTtfaMs: null, // firstAudibleAt - firstDeltaAt
+    audioDoneAt: null,
+    audioMs: null,
+    cancelSentAt: null,
+    cancelledAt: null,
+    playedMs: null,
+    playedText: null,
+    error: null,
+  };
+  state.utteranceOrder.push(id);
+  return id;
+}
+
+function sendDelta(id, delta) {
+  const u = voiceOut.utterances[id];
+  const msg = { type: "text.delta", id, delta };
+  if (u.firstDeltaAt === null && u.voice) msg.voice = u.voice;
+  send(msg);
+  if (u.firstDeltaAt === null) u.firstDeltaAt = mark("firstDeltaSent");
+  u.text += delta;
+}
+
+function sendDone(id) {
+  send({ type: "text.done", id });
+  const u = voiceOut.utterances[id];
+  u.doneSentAt = now();
+  if (u.status === "sending") u.status = "sent";
+}
+
+function selectedVoice() {
+  return $("voice").value || null;
+}
+
+/** Speak a whole text at once: one delta, then done. Returns the utterance id. */
+function speak(text, { voice = selectedVoice() } = {}) {
+  if (!text.trim()) return null;
+  const id = newUtterance(voice);
+  sendDelta(id, text);
+  sendDone(id);
+  return id;
+}
+
+/** Split text into word-ish deltas like an LLM's tokens: " word", long words in pieces. */
+function splitIntoDeltas(text) {
+  const deltas = [];
+  for (const word of text.match(/\s*\S+/g) || []) {
+    let rest = word;
+    while (rest.trimStart().length > 8) {
+      const cut = rest.length - rest.trimStart().length + 4;
+      deltas.push(rest.slice(0, cut));
+      rest = rest.slice(cut);
+    }
+    deltas.push(rest);
+  }
+  return deltas;
+}
+
+/** Stream text at `tps` deltas per second, then text.done. Returns the id at once. */
+function startStream(text, { tps = 20, voice = selectedVoice() } = {}) {
+  const deltas = splitIntoDeltas(text);
+  if (deltas.length === 0) return null;
+  const id = newUtterance(voice);
+  const streamer = { id, stopped: false };
+  state.streamers.add(streamer);
+  const interval = 1000 / Math.max(0.1, tps);
+  (async () => {
+    const start = now();
+    try {
+      for (let i = 0; i < deltas.length && !streamer.stopped; i++) {
+        const wait = start + i * interval - now();
+        if (wait > 0) await sleep(wait);
+        if (!streamer.stopped) sendDelta(id, deltas[i]);
+      }
+      if (!streamer.stopped) sendDone(id);
+    } catch (err) {
+      record("page", "error", { id, code: "stream", message: String(err.message || err) });
+    } finally {
+      state.streamers.delete(streamer);
+    }
+  })();
+  return id;
+}
+
+function stopStreamers(predicate) {
+  for (const s of state.streamers) if (predicate(s)) s.stopped = true;
+}
+
+/** Barge-in: {"type":"cancel"} (everything) or {"type":"cancel","id"} (id and all after it). */
+function cancel(id = null, reason = "button") {
+  const at = now();
+  const index = id ? state.utteranceOrder.indexOf(id) : 0;
+  const ids = state.utteranceOrder
+    .slice(Math.max(0, index))
+    .filter((x) => !TERMINAL.has(voiceOut.utterances[x].status));
+  stopStreamers((s) => ids.includes(s.id));
+  send(id ? { type: "cancel", id } : { type: "cancel" });
+  mark("cancelSent", at);
+  for (const x of ids) voiceOut.utterances[x].cancelSentAt = at;
+  const bargeIn = { at, reason, ids, lastAudibleAt: null, silenceAt: null, ms: null };
+  voiceOut.bargeIns.push(bargeIn);
+  state.pendingCancel = bargeIn;
+  return bargeIn;
+}
+
+function speaking() {
+  return audio.audible || state.utteranceOrder.some((id) => !TERMINAL.has(voiceOut.utterances[id].status));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Microphone barge-in: a simple energy VAD on the microphone.
+
+async function setMicBargeIn(on) {
+  if (!on) {
+    if (state.mic) {
+      clearInterval(state.mic.timer);
+      for (const track of state.mic.stream.getTracks()) track.stop();
+      state.mic = null;
+    }
+    $("mic-level").value = 0;
+    return;
+  }
+  const ctx = await ensureAudio();
+  const stream = await navigator.mediaDevices.getUserMedia({
+    audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: false },
+  });
+  const analyser = ctx.createAnalyser();
+  analyser.fftSize = 1024;
+  ctx.createMediaStreamSource(stream).connect(analyser);
+  const buf = new Float32Array(analyser.fftSize);
+  const mic = { stream, analyser, speechMs: 0, timer: 0 };
+  mic.timer = setInterval(() => {
+    analyser.getFloatTimeDomainData(buf);
+    let sum = 0;
+    for (const x of buf) sum += x * x;
+    const rms = Math.sqrt(sum / buf.length);
+    $("mic-level").value = rms;
+    mic.speechMs = rms >= Number($("mic-threshold").value) ? mic.speechMs + MIC_POLL_MS : 0;
+    if (mic.speechMs >= MIC_SPEECH_MS && channelOpen() && speaking()) {
+      mic.speechMs = 0;
+      mark("micBargeIn");
+      record("page", "mic", { rms: Number(rms.toFixed(4)), note: "speech detected: barge in" });
+      cancel(null, "microphone");
+    }
+  }, MIC_POLL_MS);
+  state.mic = mic;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Voices
+
+function voiceName(v) {
+  return typeof v === "string" ? v : v.name || v.id || "?";
+}
+
+function fillVoices(list) {
+  const select = $("voice");
+  const keep = select.value;
+  select.replaceChildren(new Option("server default", ""));
+  for (const v of list) select.add(new Option(voiceName(v), voiceName(v)));
+  if ([...select.options].some((o) => o.value === keep)) select.value = keep;
+}
+
+async function listVoices() {
+  const data = await api("GET", "/voices");
+  const list = Array.isArray(data) ? data : data?.voices || [];
+  fillVoices(list);
+  record("http", "voices", { voices: list.map(voiceName) });
+  return list.map(voiceName);
+}
+
+async function uploadVoice(name, audioBlob, transcript, filename = "prompt.wav") {
+  const form = new FormData();
+  form.append("name", name);
+  form.append("transcript", transcript);
+  form.append("audio", audioBlob, filename);
+  const data = await api("POST", "/voices", form);
+  record("http", "voice added", { name });
+  await listVoices();
+  $("voice").value = name;
+  return data;
+}
+
+async function deleteVoice(name) {
+  await api("DELETE", `/voices/${encodeURIComponent(name)}`);
+  record("http", "voice deleted", { name });
+  await listVoices();
+}
+
+async function toggleRecording() {
+  const button = $("record");
+  if (state.recorder) {
+    state.recorder.stop();
+    return;
+  }
+  await ensureAudio();
+  const stream = await navigator.mediaDevices.getUserMedia({
+    audio: { echoCancellation: false, noiseSuppression: false, autoGainControl: true },
+  });
+  const recorder = new MediaRecorder(stream);
+  const chunks = [];
+  const started = now();
+  const timer = setInterval(() => {
+    $("record-status").textContent = `recording… ${((now() - started) / 1000).toFixed(1)} s`;
+  }, 100);
+  recorder.ondataavailable = (e) => chunks.push(e.data);
+  recorder.onstop = async () => {
+    clearInterval(timer);
+    for (const track of stream.getTracks()) track.stop();
+    state.recorder = null;
+    button.textContent = "Record with microphone";
+    button.classList.remove("recording");
+    try {
+      state.recordedWav = await toWav(new Blob(chunks, { type: recorder.mimeType }));
+      const preview = $("recording-preview");
+      preview.src = URL.createObjectURL(state.recordedWav);
+      preview.hidden = false;
+      $("record-status").textContent = `recorded ${((now() - started) / 1000).toFixed(1)} s; type its transcript`;
+    } catch (err) {
+      $("record-status").textContent = `could not decode the recording: ${err}`;
+    }
+  };
+  state.recorder = recorder;
+  recorder.start();
+  button.textContent = "Stop recording";
+  button.classList.add("recording");
+}
+
+/** Decode a recording (webm/ogg) and re-encode it as 16-bit mono WAV, which any server reads. */
+async function toWav(blob) {
+  const decoded = await state.audioCtx.decodeAudioData(await blob.arrayBuffer());
+  const n = decoded.length;
+  const mono = new Float32Array(n);
+  for (let c = 0; c < decoded.numberOfChannels; c++) {
+    const data = decoded.getChannelData(c);
+    for (let i = 0; i < n; i++) mono[i] += data[i] / decoded.numberOfChannels;
+  }
+  const view = new DataView(new ArrayBuffer(44 + n * 2));
+  const text = (offset, s) => [...s].forEach((ch, i) => view.setUint8(offset + i, ch.charCodeAt(0)));
+  text(0, "RIFF");
+  view.setUint32(4, 36 + n * 2, true);
+  text(8, "WAVE");
+  text(12, "fmt ");
+  view.setUint32(16, 16, true); // PCM header size
+  view.setUint16(20, 1, true); // PCM
+  view.setUint16(22, 1, true); // mono
+  view.setUint32(24, decoded.sampleRate, true);
+  view.setUint32(28, decoded.sampleRate * 2, true); // bytes per second
+  view.setUint16(32, 2, true); // bytes per frame
+  view.setUint16(34, 16, true); // bits per sample
+  text(36, "data");
+  view.setUint32(40, n * 2, true);
+  for (let i = 0; i < n; i++) view.setInt16(44 + i * 2, Math.max(-1, Math.min(1, mono[i])) * 0x7fff, true);
+  return new Blob([view], { type: "audio/wav" });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wiring
+
+function reportError(err) {
+  record("page", "error", { code: "page", message: String(err.message || err) });
+}
+
+function guarded(fn) {
+  return () => Promise.resolve().then(fn).catch(reportError);
+}
+
+function wire() {
+  $("connect").addEventListener(
+    "click",
+    guarded(async () => {
+      if (state.pc) disconnect();
+      else {
+        await connect();
+        await listVoices().catch(reportError);
+      }
+    }),
+  );
+  $("speak").addEventListener("click", guarded(() => speak($("text").value)));
+  $("stream").addEventListener("click", guarded(() => startStream($("text").value, { tps: Number($("tps").value) || 20 })));
+  $("cancel").addEventListener("click", guarded(() => cancel(null, "button")));
+  $("ping").addEventListener("click", guarded(ping));
+  $("clear-log").addEventListener("click", () => $("log").replaceChildren());
+  $("refresh-voices").addEventListener("click", guarded(listVoices));
+  $("delete-voice").addEventListener(
+    "click",
+    guarded(async () => {
+      const name = selectedVoice();
+      if (name && confirm(`Remove the voice "${name}"?`)) await deleteVoice(name);
+    }),
+  );
+  $("mic-barge-in").addEventListener("change", (e) => {
+    setMicBargeIn(e.target.checked).catch((err) => {
+      e.target.checked = false;
+      reportError(err);
+    });
+  });
+  $("record").addEventListener("click", guarded(toggleRecording));
+  $("upload-voice").addEventListener(
+    "click",
+    guarded(async () => {
+      const name = $("new-voice-name").value.trim();
+      const transcript = $("new-voice-transcript").value.trim();
+      const file = $("new-voice-file").files[0];
+      const audioBlob = file || state.recordedWav;
+      if (!name || !transcript || !audioBlob) throw new Error("a voice needs a name, a transcript and audio");
+      await uploadVoice(name, audioBlob, transcript, file ? file.name : "recording.wav");
+      $("new-voice-file").value = "";
+    }),
+  );
+  window.addEventListener("keydown", (e) => {
+    // Escape: barge in, like talking over the agent.
+    if (e.key === "Escape" && channelOpen()) guarded(() => cancel(null, "escape key"))();
+  });
+  updateButtons();
+  setStatus("disconnected", "idle");
+}
+
+wire();
+listVoices().catch(() => {}); // fill the list early when the server allows it
+voiceOut.loaded = true;
