@@ -1,0 +1,502 @@
+"""The scheduler without a model: hand-built step results, an injected clock, no torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pytest
+
+from voice_out.config import EngineConfig
+from voice_out.engine.api import SAMPLE_RATE, StreamFailedError, TextTooLongError
+from voice_out.engine.request import EOS_TOKEN, FILL_TOKEN, SAMPLES_PER_TOKEN, LlmInputKind, RequestStatus, VoicePrompt
+from voice_out.engine.scheduler import Emitted, Ended, ForcedTokens, Output, Scheduler, StepPlan, StepResult
+from voice_out.engine.textfeed import BistreamFeed, CharPipeline
+
+FORCED = ForcedTokens(3)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def create_scheduler(
+    *,
+    max_streams: int = 4,
+    max_ahead_s: float = 60.0,
+    forced: ForcedTokens | None = FORCED,
+    max_chunks_per_step: int = 8,
+    clock: FakeClock | None = None,
+    **engine: object,
+) -> Scheduler:
+    cfg = EngineConfig(max_streams=max_streams, max_ahead_s=max_ahead_s, **engine)  # type: ignore[arg-type]
+    return Scheduler(
+        cfg,
+        CharPipeline,
+        clock=clock or FakeClock(),
+        forced=forced,
+        max_chunks_per_step=max_chunks_per_step,
+    )
+
+
+def create_requests(
+    sched: Scheduler, n: int, *, text: str | None = None, end: bool = True, prompt_speech: int = 0, prefix: str = "r"
+) -> list[str]:
+    voice = VoicePrompt("v", prompt_text_ids=tuple(range(prompt_speech // 3)), prompt_speech_ids=(7,) * prompt_speech)
+    ids = []
+    for i in range(n):
+        rid = f"{prefix}{i}"
+        sched.add_request(rid, voice, seed=i)
+        if text is not None:
+            sched.push_text(rid, text)
+            if end:
+                sched.end_text(rid)
+        ids.append(rid)
+    return ids
+
+
+def fake_result(plan: StepPlan, *, token: Callable[[str], int] | None = None, fail: Sequence[str] = ()) -> StepResult:
+    """What a runner would return: the forced token (or ``token(id)``), audio of the right size."""
+    res = StepResult()
+    for w in plan.llm:
+        if w.request_id in fail:
+            continue
+        res.tokens[w.request_id] = w.step.force if w.step.force is not None else (token or (lambda _: 5))(w.request_id)
+    for v in plan.vocode:
+        if v.request_id in fail:
+            continue
+        res.audio[v.request_id] = np.zeros(v.chunk.n_samples(SAMPLES_PER_TOKEN), dtype=np.float32)
+    for rid in fail:
+        res.failed[rid] = "injected"
+    return res
+
+
+def step(sched: Scheduler, **kw: object) -> tuple[StepPlan, list[Output]]:
+    plan = sched.plan()
+    return plan, sched.update(plan, fake_result(plan, **kw))  # type: ignore[arg-type]
+
+
+def run_until_idle(sched: Scheduler, max_steps: int = 10_000) -> list[Output]:
+    outs: list[Output] = []
+    for _ in range(max_steps):
+        plan, o = step(sched)
+        outs += o
+        if plan.empty:
+            return outs
+    raise AssertionError("scheduler did not go idle")
+
+
+def chunks_of(outs: list[Output], rid: str) -> list[Emitted]:
+    return [o for o in outs if isinstance(o, Emitted) and o.request_id == rid]
+
+
+def ended(outs: list[Output], rid: str) -> Ended:
+    found = [o for o in outs if isinstance(o, Ended) and o.request_id == rid]
+    assert len(found) == 1, found
+    return found[0]
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def test_scheduler_module_does_not_import_torch() -> None:
+    code = "import sys, voice_out.engine.scheduler, voice_out.engine.request; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_one_request_runs_to_the_end_with_every_sample_accounted() -> None:
+    sched = create_scheduler()
+    (rid,) = create_requests(sched, 1, text="hello world")  # 11 text ids -> 33 speech tokens
+    outs = run_until_idle(sched)
+    chunks = chunks_of(outs, rid)
+    assert [c.chunk.final for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert sum(len(c.chunk.pcm) for c in chunks) == 33 * SAMPLES_PER_TOKEN
+    starts = [c.chunk.start_sample for c in chunks]
+    assert starts == list(np.cumsum([0] + [len(c.chunk.pcm) for c in chunks[:-1]]))
+    assert ended(outs, rid).status is RequestStatus.FINISHED
+    assert sched.n_live == 0 and sched.n_used_slots == 0
+
+
+def test_bistream_interleave_feeds_text_in_groups_and_forces_fill() -> None:
+    sched = create_scheduler()
+    (rid,) = create_requests(sched, 1, text="abcdefghijk")
+    first = sched.plan()
+    (work,) = first.llm
+    kinds = [k for k, _ in work.step.inputs]
+    assert kinds == [LlmInputKind.SOS] + [LlmInputKind.TEXT] * 5
+    sched.update(first, fake_result(first))
+    forced_fill = []
+    for _ in range(40):
+        plan, _ = step(sched)
+        forced_fill += [w.step.force == FILL_TOKEN for w in plan.llm]
+    # the 16th pick of each group of the interleave is the forced FILL
+    assert forced_fill[14] and forced_fill[30]
+    assert sum(forced_fill) == 2
+
+
+def test_admission_is_bounded_by_slots_and_first_come_first_served() -> None:
+    sched = create_scheduler(max_streams=2)
+    ids = create_requests(sched, 4, text="hi there")
+    plan = sched.plan()
+    assert [a.request_id for a in plan.admit] == ids[:2]
+    assert sorted(a.slot for a in plan.admit) == [0, 1]
+    assert sched.n_used_slots == 2 and list(sched.waiting) == ids[2:]
+    sched.update(plan, fake_result(plan))
+    # the LLM of r0/r1 finishes; their slots go to r2/r3 while r0/r1 are still vocoding
+    admitted: list[str] = []
+    for _ in range(200):
+        plan, _ = step(sched)
+        admitted += [a.request_id for a in plan.admit]
+        if admitted == ids[2:]:
+            break
+    assert admitted == ids[2:]
+    assert {sched.requests[r].status for r in ids[:2] if r in sched.requests} <= {RequestStatus.VOCODING}
+    outs = run_until_idle(sched)
+    assert sched.n_used_slots == 0 and sched.n_live == 0
+    assert all(ended(outs, r).status is RequestStatus.FINISHED for r in ids[2:])
+
+
+def test_slot_is_released_when_the_llm_is_done_and_reset_before_reuse() -> None:
+    sched = create_scheduler(max_streams=1)
+    a, b = create_requests(sched, 2, text="hey you")
+    releases = []
+    for _ in range(200):
+        plan, _ = step(sched)
+        releases += plan.release
+        if plan.admit and plan.admit[0].request_id == b:
+            # the release of a's slot comes in the same plan as b's admission, before it
+            assert any(r.request_id == a and r.slot == 0 and not r.drop for r in plan.release)
+            break
+    else:
+        raise AssertionError("b was never admitted")
+
+
+def test_text_slower_than_speech_waits_without_holding_up_others() -> None:
+    sched = create_scheduler()
+    slow, fast = create_requests(sched, 2, text="abcde", end=False)
+    sched.push_text(fast, "fghijklmnopqrstuvwxyz")
+    sched.end_text(fast)
+    llm_counts = {slow: 0, fast: 0}
+    for _ in range(60):
+        plan, _ = step(sched)
+        for w in plan.llm:
+            llm_counts[w.request_id] += 1
+    # slow: one text group -> 15 speech + FILL, then it waits for text
+    assert llm_counts[slow] == 16
+    assert llm_counts[fast] == 60
+    req = sched.requests[slow]
+    assert req.status is RequestStatus.RUNNING and not req.llm_done
+    sched.push_text(slow, "fghij")
+    plan, _ = step(sched)
+    assert slow in {w.request_id for w in plan.llm}
+
+
+def test_text_faster_than_speech_drops_nothing() -> None:
+    sched = create_scheduler()
+    (rid,) = create_requests(sched, 1, text="x" * 97)
+    req = sched.requests[rid]
+    outs = run_until_idle(sched)
+    assert req.feed.text_fed == 97
+    chunks = chunks_of(outs, rid)
+    assert sum(len(c.chunk.pcm) for c in chunks) == 3 * 97 * SAMPLES_PER_TOKEN
+    assert chunks[-1].chunk.text_end == 97
+
+
+def test_text_end_counts_characters_fed_when_the_tokens_were_made() -> None:
+    sched = create_scheduler()
+    (rid,) = create_requests(sched, 1, text="a" * 10, end=False)
+    outs: list[Output] = []
+    for _ in range(30):  # 2 groups of 5 text -> 30 speech tokens (+ fills)
+        outs += step(sched)[1]
+    sched.push_text(rid, "b" * 40)
+    sched.end_text(rid)
+    outs += run_until_idle(sched)
+    text_ends = [c.chunk.text_end for c in chunks_of(outs, rid)]
+    assert text_ends == sorted(text_ends)
+    assert text_ends[0] == 10  # the first chunk's tokens were made from the first 10 characters
+    assert text_ends[-1] == 50
+
+
+def test_first_chunks_go_first_then_earliest_deadline() -> None:
+    clock = FakeClock()
+    sched = create_scheduler(max_chunks_per_step=1, clock=clock)
+    checked_first = checked_edf = 0
+    for n in range(600):
+        if n % 15 == 0 and n < 60:  # staggered arrivals
+            create_requests(sched, 1, text="a" * (100 + n), prefix=f"s{n}-")
+        clock.t += 0.01
+        ready = {
+            rid: (c.index, req.playout_deadline())
+            for rid, req in sched.requests.items()
+            if (c := sched._vocode_candidate(req)) is not None
+        }
+        plan = sched.plan()
+        if n < 150:  # hold vocoding back so that chunks pile up and compete
+            plan = dataclasses.replace(plan, vocode=())
+            sched.update(plan, fake_result(plan))
+            continue
+        sched.update(plan, fake_result(plan))
+        if not plan.vocode:
+            assert not ready
+            continue
+        (chosen,) = plan.vocode
+        index, deadline = ready[chosen.request_id]
+        if any(i == 0 for i, _ in ready.values()):
+            assert index == 0
+            checked_first += 1
+        else:
+            assert deadline == min(d for _, d in ready.values())
+            checked_edf += int(len(ready) > 1)
+    assert checked_first >= 4 and checked_edf >= 3
+
+
+def test_back_pressure_stops_a_stream_that_is_far_ahead_of_its_consumer() -> None:
+    sched = create_scheduler(max_ahead_s=2.0)
+    (rid,) = create_requests(sched, 1, text="a" * 200)  # 600 tokens = 24 s of audio
+    req = sched.requests[rid]
+    limit = int(2.0 * SAMPLE_RATE)
+    for _ in range(1000):
+        plan, _ = step(sched)
+        if plan.empty:
+            break
+    else:
+        raise AssertionError("a stream without a consumer should stop, not run on")
+    # delivered audio: at most one chunk past the limit; decided tokens: at most one more chunk
+    assert limit < req.buffered_samples() <= limit + 100 * SAMPLES_PER_TOKEN
+    assert req.ahead_samples() <= req.buffered_samples() + (100 + 3) * SAMPLES_PER_TOKEN
+    assert not req.llm_done and req.status is RequestStatus.RUNNING
+    produced = req.samples_produced
+    sched.ack(rid, produced)  # the consumer played everything
+    plan, _ = step(sched)
+    assert not plan.empty
+    outs = run_until_idle_with_consumer(sched, rid)
+    assert ended(outs, rid).status is RequestStatus.FINISHED
+
+
+def run_until_idle_with_consumer(sched: Scheduler, rid: str) -> list[Output]:
+    outs: list[Output] = []
+    for _ in range(10_000):
+        plan, o = step(sched)
+        outs += o
+        if rid in sched.requests:
+            sched.ack(rid, sched.requests[rid].samples_produced)
+        if plan.empty:
+            return outs
+    raise AssertionError("did not finish")
+
+
+def test_ack_never_exceeds_what_was_produced() -> None:
+    sched = create_scheduler()
+    (rid,) = create_requests(sched, 1, text="abc")
+    sched.ack(rid, 10**9)
+    assert sched.requests[rid].samples_consumed == 0
+
+
+@pytest.mark.parametrize("stage", ["waiting", "prefill", "waiting_for_text", "running", "vocoding"])
+def test_cancel_at_every_stage_frees_everything(stage: str) -> None:
+    sched = create_scheduler(max_streams=1)
+    blocker = None
+    if stage == "waiting":
+        (blocker,) = create_requests(sched, 1, text="hold the slot", end=False, prefix="b")
+        sched.plan()
+    (rid,) = create_requests(sched, 1, text=None)
+    req = sched.requests[rid]
+    if stage == "prefill":
+        step(sched)
+        assert req.status is RequestStatus.PREFILL
+    elif stage == "waiting_for_text":
+        sched.push_text(rid, "abcde")
+        for _ in range(20):
+            step(sched)
+        assert req.status is RequestStatus.RUNNING and not sched.plan().llm
+    elif stage == "running":
+        sched.push_text(rid, "a" * 30)
+        for _ in range(10):
+            step(sched)
+        assert req.status is RequestStatus.RUNNING
+    elif stage == "vocoding":
+        sched.push_text(rid, "a" * 30)
+        sched.end_text(rid)
+        while req.status is not RequestStatus.VOCODING:
+            step(sched)
+    else:
+        assert req.status is RequestStatus.WAITING
+    plan_before = sched.plan() if stage in ("running", "vocoding") else None
+    sched.finish([rid], RequestStatus.ABORTED)
+    sched.finish([rid], RequestStatus.ABORTED)  # idempotent
+    outs = sched.take_outputs()
+    assert [o for o in outs if isinstance(o, Ended)] == [Ended(rid, RequestStatus.ABORTED)]
+    if plan_before is not None:
+        # results of the step that was in flight are dropped
+        assert sched.update(plan_before, fake_result(plan_before)) == []
+    nxt = sched.plan()
+    assert rid not in nxt.request_ids()
+    if stage in ("prefill", "waiting_for_text", "running"):
+        assert [(r.request_id, r.slot, r.drop) for r in nxt.release] == [(rid, 0, True)]
+    if stage == "vocoding":
+        assert [(r.request_id, r.slot, r.drop) for r in nxt.release] == [(rid, None, True)]
+    assert rid not in sched.requests and rid not in sched.waiting
+    if blocker is None:
+        assert sched.n_used_slots == 0 and sched.n_live == 0
+    else:
+        assert sched.n_used_slots == 1 and sched.n_live == 1
+
+
+def test_cancel_of_an_unknown_or_finished_request_is_a_no_op() -> None:
+    sched = create_scheduler()
+    (rid,) = create_requests(sched, 1, text="ok")
+    run_until_idle(sched)
+    sched.finish([rid, "nope"], RequestStatus.ABORTED)
+    assert sched.take_outputs() == []
+
+
+def test_a_failure_in_one_request_leaves_the_others_alone() -> None:
+    sched = create_scheduler()
+    a, b, c = create_requests(sched, 3, text="some words here")
+    outs: list[Output] = []
+    for i in range(500):
+        plan = sched.plan()
+        if plan.empty:
+            break
+        outs += sched.update(plan, fake_result(plan, fail=[b] if i == 20 else []))
+    assert ended(outs, b).status is RequestStatus.FAILED
+    assert isinstance(ended(outs, b).error, StreamFailedError)
+    for rid in (a, c):
+        assert ended(outs, rid).status is RequestStatus.FINISHED
+        assert sum(len(e.chunk.pcm) for e in chunks_of(outs, rid)) == 3 * 15 * SAMPLES_PER_TOKEN
+    assert sched.n_used_slots == 0
+
+
+def test_a_missing_token_fails_only_that_request() -> None:
+    sched = create_scheduler()
+    a, b = create_requests(sched, 2, text="abcdef")
+    plan = sched.plan()
+    res = fake_result(plan)
+    del res.tokens[a]
+    outs = sched.update(plan, res)
+    assert ended(outs, a).status is RequestStatus.FAILED
+    assert sched.requests[b].llm_steps == 1
+
+
+def test_text_too_long_fails_the_stream() -> None:
+    sched = create_scheduler(max_text_chars=10)
+    (rid,) = create_requests(sched, 1, text=None)
+    sched.push_text(rid, "0123456789")
+    assert rid in sched.requests
+    sched.push_text(rid, "!")
+    outs = sched.take_outputs()
+    assert ended(outs, rid).status is RequestStatus.FAILED
+    assert isinstance(ended(outs, rid).error, TextTooLongError)
+
+
+def test_a_text_pipeline_error_fails_only_its_stream() -> None:
+    class Broken(CharPipeline):
+        def push(self, delta: str) -> list:  # type: ignore[type-arg]
+            if "!" in delta:
+                raise UnicodeError("bad input")
+            return super().push(delta)
+
+    sched = Scheduler(EngineConfig(max_streams=2), Broken, clock=FakeClock(), forced=ForcedTokens(3))
+    a, b = create_requests(sched, 2, text=None)
+    sched.push_text(a, "boom!")
+    sched.push_text(b, "fine")
+    sched.end_text(b)
+    outs = sched.take_outputs() + run_until_idle(sched)
+    assert ended(outs, a).status is RequestStatus.FAILED
+    assert "bad input" in str(ended(outs, a).error)
+    assert ended(outs, b).status is RequestStatus.FINISHED
+
+
+def test_speech_token_guard_stops_a_model_that_never_ends() -> None:
+    sched = create_scheduler(forced=None, max_speech_tokens_per_text_token=4)
+    (rid,) = create_requests(sched, 1, text="abcdefg")  # 7 text ids -> at most 28 speech tokens
+    req = sched.requests[rid]
+    outs = run_until_idle(sched)  # the fake model always answers speech token 5 (never EOS)
+    assert ended(outs, rid).status is RequestStatus.FINISHED
+    assert len(req.speech_tokens) == 28
+
+
+def test_eos_ends_the_llm_and_the_stream_finishes() -> None:
+    sched = create_scheduler(forced=None)
+    (rid,) = create_requests(sched, 1, text="abc")  # < 5 text ids: straight to the final phase
+    plan = sched.plan()
+    assert plan.llm[0].step.allow_eos
+    sched.update(plan, fake_result(plan, token=lambda _: 11))
+    plan = sched.plan()
+    sched.update(plan, fake_result(plan, token=lambda _: EOS_TOKEN))
+    assert sched.requests[rid].status is RequestStatus.VOCODING
+    outs = run_until_idle(sched)
+    assert sum(len(c.chunk.pcm) for c in chunks_of(outs, rid)) == SAMPLES_PER_TOKEN
+
+
+def test_empty_text_finishes_without_running_the_model() -> None:
+    sched = create_scheduler()
+    (rid,) = create_requests(sched, 1, text="")
+    outs = sched.take_outputs()
+    assert ended(outs, rid).status is RequestStatus.FINISHED
+    assert sched.plan().llm == ()
+
+
+def test_eos_before_any_speech_finishes_with_no_audio() -> None:
+    sched = create_scheduler(forced=None)
+    (rid,) = create_requests(sched, 1, text="ab")
+    plan = sched.plan()
+    outs = sched.update(plan, fake_result(plan, token=lambda _: EOS_TOKEN))
+    assert ended(outs, rid).status is RequestStatus.FINISHED and not chunks_of(outs, rid)
+
+
+def test_prompt_speech_is_interleaved_with_text_before_decoding() -> None:
+    feed = BistreamFeed(prompt_text_ids=[1, 2, 3, 4, 5], prompt_speech_ids=[9] * 20)
+    assert feed.next_step() is None  # 5 prompt text ids cover 15 prompt speech; 5 more are left
+    feed.add_text([10, 11, 12, 13])
+    assert feed.next_step() is None
+    feed.add_text([14])
+    s = feed.next_step()
+    assert s is not None and not s.allow_eos
+    kinds = [k for k, _ in s.inputs]
+    assert (
+        kinds
+        == [LlmInputKind.SOS]
+        + [LlmInputKind.TEXT] * 5
+        + [LlmInputKind.SPEECH] * 15
+        + [LlmInputKind.TEXT] * 5
+        + [LlmInputKind.SPEECH] * 5
+    )
+    assert feed.text_fed == 5
+    # next_fill = (20 // 15 + 1) * 15 - 20 = 10 picks until the forced FILL
+    forces = []
+    for _ in range(10):
+        assert feed.on_token(3).value == "speech"
+        nxt = feed.next_step()
+        assert nxt is not None
+        forces.append(nxt.force)
+    assert forces == [None] * 9 + [FILL_TOKEN]
+
+
+def test_many_requests_with_random_cancels_leak_nothing() -> None:
+    rng = np.random.default_rng(0)
+    sched = create_scheduler(max_streams=8, max_chunks_per_step=3)
+    live: list[str] = []
+    for n in range(300):
+        rid = f"q{n}"
+        sched.add_request(rid, VoicePrompt("v"), seed=n)
+        sched.push_text(rid, "hi " * int(rng.integers(1, 6)))
+        if rng.random() < 0.8:
+            sched.end_text(rid)
+        live.append(rid)
+        for _ in range(int(rng.integers(0, 4))):
+            step(sched)
+        if rng.random() < 0.3:
+            sched.finish([live[int(rng.integers(len(live)))]], RequestStatus.ABORTED)
+    for rid in list(sched.requests):
+        sched.end_text(rid)
+    run_until_idle(sched)
+    assert sched.n_live == 0 and sched.n_used_slots == 0 and not sched.waiting
+    assert sorted(sched.free_slots) == list(range(8))

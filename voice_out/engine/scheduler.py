@@ -1,0 +1,433 @@
+"""Scheduling policy of the GPU worker. No torch: it exchanges plain records with the runner.
+
+Each worker iteration is ``plan = scheduler.plan()``, ``result = runner.execute(plan)``,
+``scheduler.update(plan, result)``. A plan holds, in the order the runner executes them:
+
+1. ``release``: KV slots to reset and per-request GPU state to drop (finished, cancelled or
+   failed requests, and requests whose LLM part is done);
+2. ``admit``: waiting requests given a free KV slot, first come first served, at most
+   ``max_streams`` holding slots;
+3. ``llm``: ONE batched LLM forward for every admitted request that can decode now: it has
+   input (text or its last speech token) and is not too far ahead of its consumer. A request
+   waiting for text (the model asked for FILL) is simply left out, holding nobody up;
+4. ``vocode``: token2wav chunks, first chunks first, then by playout deadline (earliest
+   first), at most ``max_chunks_per_step``; a request whose delivered audio exceeds
+   ``max_ahead_s`` ahead of its consumer is not vocoded (back-pressure).
+
+Cancellation is ``finish(ids, ABORTED)``: the request leaves at once and its slot is released
+in the next plan. Every method is called from the worker thread only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from voice_out.config import EngineConfig
+from voice_out.engine.api import (
+    SAMPLE_RATE,
+    EngineError,
+    PcmChunk,
+    StreamFailedError,
+    TextTooLongError,
+)
+from voice_out.engine.request import (
+    EOS_TOKEN,
+    SPEECH_VOCAB,
+    LlmStep,
+    Request,
+    RequestStatus,
+    TextFeed,
+    TextPiece,
+    TextPipeline,
+    TokenOutcome,
+    VoicePrompt,
+)
+from voice_out.engine.textfeed import BistreamFeed
+from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
+
+Clock = Callable[[], float]
+
+
+# --------------------------------------------------------------------------------------------
+# Records exchanged with the runner
+
+
+@dataclass(frozen=True)
+class Release:
+    """Reset ``slot`` in place (when not None); drop all GPU state of the request when ``drop``."""
+
+    request_id: str
+    slot: int | None
+    drop: bool
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Set up a request in ``slot``: its sampling generator (``seed``) and token2wav stream."""
+
+    request_id: str
+    slot: int
+    seed: int
+    voice: VoicePrompt
+
+
+@dataclass(frozen=True)
+class LlmWork:
+    """Feed ``step.inputs`` into ``slot``, then pick a token (``step.force`` or a sample over the
+    logits with ``recent`` as the repetition window)."""
+
+    request_id: str
+    slot: int
+    step: LlmStep
+    recent: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class VocodeWork:
+    """Run token2wav ``chunk`` of a request over ``tokens[:chunk.token_len]``."""
+
+    request_id: str
+    chunk: ChunkPlan
+    tokens: Sequence[int]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    release: tuple[Release, ...] = ()
+    admit: tuple[Admit, ...] = ()
+    llm: tuple[LlmWork, ...] = ()
+    vocode: tuple[VocodeWork, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.release or self.admit or self.llm or self.vocode)
+
+    def request_ids(self) -> set[str]:
+        """Requests whose GPU work is in this plan (releases excluded)."""
+        ids = {a.request_id for a in self.admit}
+        ids.update(w.request_id for w in self.llm)
+        ids.update(w.request_id for w in self.vocode)
+        return ids
+
+
+@dataclass
+class StepResult:
+    """What the runner did: a token per LLM work item, float32 audio per vocode item, and the
+    requests that failed (message per request)."""
+
+    tokens: dict[str, int] = field(default_factory=dict)
+    audio: dict[str, np.ndarray] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs for the consumers
+
+
+@dataclass(frozen=True)
+class Emitted:
+    request_id: str
+    chunk: PcmChunk
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The request reached a terminal status; ``error`` is set for FAILED."""
+
+    request_id: str
+    status: RequestStatus
+    error: EngineError | None = None
+
+
+Output = Emitted | Ended
+
+
+@dataclass(frozen=True)
+class ForcedTokens:
+    """Forced-tokens mode for tests and benchmarks with random weights.
+
+    The LLM still runs every step, but the picked speech token is ``token_fn(seed, i)`` for the
+    i-th speech token of a request, and EOS is forced once the request has
+    ``tokens_per_text_token`` speech tokens per text token (in the final phase; the interleave
+    phase makes 15 per 5 text tokens by itself).
+    """
+
+    tokens_per_text_token: int = 3
+    token_fn: Callable[[int, int], int] | None = None
+
+    def token(self, seed: int, i: int) -> int:
+        if self.token_fn is not None:
+            return self.token_fn(seed, i)
+        return (seed * 1_000_003 + i * 7919 + 17) % SPEECH_VOCAB
+
+
+def _default_feed(voice: VoicePrompt) -> TextFeed:
+    return BistreamFeed(voice.prompt_text_ids, voice.prompt_speech_ids)
+
+
+class Scheduler:
+    """Decides what each worker step does (see the module docstring). Worker thread only."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        pipeline_factory: Callable[[], TextPipeline],
+        *,
+        feed_factory: Callable[[VoicePrompt], TextFeed] = _default_feed,
+        clock: Clock,
+        forced: ForcedTokens | None = None,
+        max_chunks_per_step: int = 4,
+    ) -> None:
+        if max_chunks_per_step < 1:
+            raise ValueError("max_chunks_per_step must be >= 1")
+        self.config = config
+        self.clock = clock
+        self.forced = forced
+        self.max_chunks_per_step = max_chunks_per_step
+        self._pipeline_factory = pipeline_factory
+        self._feed_factory = feed_factory
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[str] = deque()
+        self.free_slots: list[int] = list(range(config.max_streams))
+        self._slot_owner: dict[int, str] = {}
+        self._releases: list[Release] = []
+        self._outputs: list[Output] = []
+        self._max_ahead = int(config.max_ahead_s * SAMPLE_RATE)
+        self._seq = itertools.count()
+        self._order: dict[str, int] = {}
+
+    # ---- accounting --------------------------------------------------------------------------
+
+    @property
+    def n_live(self) -> int:
+        return len(self.requests)
+
+    @property
+    def n_used_slots(self) -> int:
+        return self.config.max_streams - len(self.free_slots)
+
+    def take_outputs(self) -> list[Output]:
+        out, self._outputs = self._outputs, []
+        return out
+
+    # ---- events from the consumers -------------------------------------------------------------
+
+    def add_request(self, request_id: str, voice: VoicePrompt, seed: int) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        req = Request(
+            request_id=request_id,
+            voice=voice,
+            feed=self._feed_factory(voice),
+            pipeline=self._pipeline_factory(),
+            schedule=ChunkSchedule(
+                prompt_tokens=len(voice.prompt_speech_ids),
+                first_hop=self.config.first_hop_tokens,
+                max_hop=self.config.max_hop_tokens,
+            ),
+            seed=seed,
+            arrival_time=self.clock(),
+        )
+        self.requests[request_id] = req
+        self._order[request_id] = next(self._seq)
+        self.waiting.append(request_id)
+        return req
+
+    def push_text(self, request_id: str, delta: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.text_ended:
+            return
+        if req.first_text_time is None:
+            req.first_text_time = self.clock()
+        req.chars_received += len(delta)
+        if req.chars_received > self.config.max_text_chars:
+            self._fail(req, TextTooLongError(f"text longer than {self.config.max_text_chars} characters"))
+            return
+        self._guarded_feed(req, lambda: req.pipeline.push(delta))
+
+    def end_text(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.text_ended:
+            return
+        req.text_ended = True
+        if not self._guarded_feed(req, req.pipeline.finish):
+            return
+        req.feed.end_text()
+        if req.n_text_ids == 0:
+            self.finish([request_id], RequestStatus.FINISHED)  # nothing to say
+
+    def ack(self, request_id: str, samples_consumed: int) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.samples_consumed = max(req.samples_consumed, min(samples_consumed, req.samples_produced))
+
+    def _guarded_feed(self, req: Request, produce: Callable[[], list[TextPiece]]) -> bool:
+        try:
+            for piece in produce():
+                req.feed.add_text(piece.ids)
+                req.text_id_char_end.extend([piece.char_end] * len(piece.ids))
+        except Exception as e:  # noqa: BLE001 - a bad text fails its own stream only
+            self._fail(req, StreamFailedError(f"text processing failed: {type(e).__name__}: {e}"))
+            return False
+        return True
+
+    # ---- termination -------------------------------------------------------------------------
+
+    def finish(self, request_ids: Iterable[str], status: RequestStatus, error: EngineError | None = None) -> None:
+        """End requests now (cancel: ABORTED). Their GPU state is released by the next plan."""
+        if not status.terminal:
+            raise ValueError(f"finish() needs a terminal status, not {status.name}")
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            self._order.pop(rid, None)
+            if req.status == RequestStatus.WAITING:
+                self.waiting.remove(rid)
+            else:
+                self._releases.append(Release(rid, self._free_slot(req), drop=True))
+            req.status = status
+            req.finish_time = self.clock()
+            req.error = str(error) if error is not None else None
+            self._outputs.append(Ended(rid, status, error))
+
+    def _fail(self, req: Request, error: EngineError) -> None:
+        self.finish([req.request_id], RequestStatus.FAILED, error)
+
+    def _free_slot(self, req: Request) -> int | None:
+        slot = req.slot
+        if slot is None:
+            return None
+        req.slot = None
+        del self._slot_owner[slot]
+        self.free_slots.append(slot)
+        self.free_slots.sort()
+        return slot
+
+    def _llm_finished(self, req: Request) -> None:
+        req.llm_done = True
+        req.status = RequestStatus.VOCODING
+        self._releases.append(Release(req.request_id, self._free_slot(req), drop=False))
+
+    # ---- planning ----------------------------------------------------------------------------
+
+    def _can_decode(self, req: Request) -> bool:
+        """Back-pressure on the LLM: pause only when a chunk is ready, so vocoding (and with it
+        the consumer) can still make progress."""
+        if req.ahead_samples() <= self._max_ahead:
+            return True
+        return req.schedule.ready(len(req.speech_tokens), False) is None
+
+    def _vocode_candidate(self, req: Request) -> ChunkPlan | None:
+        if req.status not in (RequestStatus.RUNNING, RequestStatus.VOCODING):
+            return None
+        if req.chunks_produced > 0 and req.buffered_samples() > self._max_ahead:
+            return None
+        return req.schedule.ready(len(req.speech_tokens), req.llm_done)
+
+    def plan(self) -> StepPlan:
+        releases, self._releases = tuple(self._releases), []
+        admits = []
+        while self.waiting and self.free_slots:
+            rid = self.waiting.popleft()
+            req = self.requests[rid]
+            slot = self.free_slots.pop(0)
+            req.slot = slot
+            req.status = RequestStatus.PREFILL
+            self._slot_owner[slot] = rid
+            admits.append(Admit(rid, slot, req.seed, req.voice))
+
+        llm: list[LlmWork] = []
+        win = self.config.ras_win_size
+        for req in self._ordered(r for r in self.requests.values() if r.status.holds_slot):
+            if req.llm_done or not self._can_decode(req):
+                continue
+            step = req.feed.next_step()
+            if step is None:
+                continue  # waiting for text: the others go on
+            if self.forced is not None and step.force is None:
+                step = self._force(req, step)
+            assert req.slot is not None
+            llm.append(LlmWork(req.request_id, req.slot, step, tuple(req.history[-win:])))
+
+        ready: list[tuple[Request, ChunkPlan]] = []
+        for req in self.requests.values():
+            chunk = self._vocode_candidate(req)
+            if chunk is not None:
+                ready.append((req, chunk))
+        ready.sort(key=lambda rc: (rc[1].index > 0, rc[0].playout_deadline(), self._order[rc[0].request_id]))
+        vocode = tuple(VocodeWork(r.request_id, c, r.speech_tokens) for r, c in ready[: self.max_chunks_per_step])
+        return StepPlan(releases, tuple(admits), tuple(llm), vocode)
+
+    def _ordered(self, reqs: Iterable[Request]) -> list[Request]:
+        return sorted(reqs, key=lambda r: self._order[r.request_id])
+
+    def _force(self, req: Request, step: LlmStep) -> LlmStep:
+        assert self.forced is not None
+        n = len(req.speech_tokens)
+        if step.allow_eos and n >= self.forced.tokens_per_text_token * req.n_text_ids:
+            force = EOS_TOKEN
+        else:
+            force = self.forced.token(req.seed, n)
+        return LlmStep(step.inputs, step.allow_eos, force)
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[Output]:
+        """Apply what the runner did; returns the outputs to deliver (chunks, ends)."""
+        now = self.clock()
+        for rid, message in result.failed.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                self._fail(req, StreamFailedError(message))
+
+        guard = self.config.max_speech_tokens_per_text_token
+        for work in plan.llm:
+            req = self.requests.get(work.request_id)
+            if req is None:
+                continue
+            token = result.tokens.get(work.request_id)
+            if token is None:
+                self._fail(req, StreamFailedError("the runner returned no token"))
+                continue
+            req.llm_steps += 1
+            req.history.append(token)
+            outcome = req.feed.on_token(token)
+            if outcome is TokenOutcome.SPEECH:
+                req.speech_tokens.append(token)
+                req.speech_text_end.append(req.chars_fed())
+                req.status = RequestStatus.RUNNING
+                if len(req.speech_tokens) >= guard * max(1, req.n_text_ids) and req.feed.final_phase:
+                    outcome = TokenOutcome.END  # a model that never stops (spec 2.7 quirk C)
+            if outcome is TokenOutcome.END:
+                if not req.speech_tokens:
+                    self.finish([req.request_id], RequestStatus.FINISHED)
+                else:
+                    self._llm_finished(req)
+
+        for vwork in plan.vocode:
+            req = self.requests.get(vwork.request_id)
+            if req is None:
+                continue
+            pcm = result.audio.get(vwork.request_id)
+            if pcm is None:
+                self._fail(req, StreamFailedError("the runner returned no audio"))
+                continue
+            chunk = vwork.chunk
+            req.schedule.commit(chunk)
+            end = chunk.token_offset + chunk.hop_tokens
+            text_end = req.speech_text_end[end - 1] if end > 0 else req.chars_fed()
+            pcm_chunk = PcmChunk(pcm=pcm, start_sample=req.samples_produced, text_end=text_end, final=chunk.finalize)
+            req.samples_produced += len(pcm)
+            req.chunks_produced += 1
+            if req.first_audio_time is None:
+                req.first_audio_time = now
+            self._outputs.append(Emitted(req.request_id, pcm_chunk))
+            if chunk.finalize:
+                self.finish([req.request_id], RequestStatus.FINISHED)
+        return self.take_outputs()
