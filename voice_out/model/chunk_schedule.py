@@ -131,10 +131,14 @@ class ChunkSchedule:
             return ChunkPlan(self.n_chunks, self.offset, n_available, n_available - self.offset, True)
         return None
 
-    def commit(self, plan: ChunkPlan) -> None:
-        """Record that ``plan`` was run (its audio emitted)."""
+    def check(self, plan: ChunkPlan) -> None:
+        """Raise ValueError unless ``plan`` is the next chunk of this schedule."""
         if self.finished or plan.index != self.n_chunks or plan.token_offset != self.offset:
             raise ValueError(f"chunk plan {plan} is not the next chunk of this schedule")
+
+    def commit(self, plan: ChunkPlan) -> None:
+        """Record that ``plan`` was run (its audio emitted)."""
+        self.check(plan)
         self.n_chunks += 1
         if plan.finalize:
             self.finished = True

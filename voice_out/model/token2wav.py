@@ -237,6 +237,7 @@ class Token2Wav:
         ``tokens``: the request's speech tokens so far, [1, n] / [n] tensor or a list; only the
         first ``plan.token_len`` are read. Advances the stream's schedule and caches.
         """
+        stream.schedule.check(plan)
         token = self._as_tokens(tokens)
         if token.shape[1] < plan.token_len:
             raise ValueError(f"chunk needs {plan.token_len} tokens, got {token.shape[1]}")
