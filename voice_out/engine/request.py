@@ -75,13 +75,15 @@ class VoicePrompt:
     """What the scheduler needs of a voice: token ids only (the tensors stay in the runner).
 
     ``prompt_text_ids``: the tokenized transcript of the prompt audio (seeds the text buffer).
-    ``prompt_speech_ids``: the prompt's speech tokens (interleaved into the LLM input and, as
-    the flow prompt, setting the pad of the first token2wav chunk).
+    ``prompt_speech_ids``: the prompt's speech tokens for the LLM (interleaved into its input);
+    ``flow_prompt_tokens`` sets the pad of the first token2wav chunk.
     """
 
     name: str
     prompt_text_ids: tuple[int, ...] = ()
     prompt_speech_ids: tuple[int, ...] = ()
+    #: Flow prompt tokens P (may be fewer than the LLM's: the store cuts it to whole chunks).
+    flow_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from voice_out.engine.request import (
 )
 from voice_out.engine.textfeed import BistreamFeed
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
+from voice_out.text.bistream import BistreamConfig
 
 Clock = Callable[[], float]
 
@@ -166,8 +167,9 @@ class ForcedTokens:
         return (seed * 1_000_003 + i * 7919 + 17) % SPEECH_VOCAB
 
 
-def _default_feed(voice: VoicePrompt) -> TextFeed:
-    return BistreamFeed(voice.prompt_text_ids, voice.prompt_speech_ids)
+def _default_feed(voice: VoicePrompt, config: EngineConfig) -> TextFeed:
+    feed_config = BistreamConfig(max_tokens_per_text_token=config.max_speech_tokens_per_text_token)
+    return BistreamFeed(voice.prompt_text_ids, voice.prompt_speech_ids, feed_config)
 
 
 class Scheduler:
@@ -178,7 +180,7 @@ class Scheduler:
         config: EngineConfig,
         pipeline_factory: Callable[[], TextPipeline],
         *,
-        feed_factory: Callable[[VoicePrompt], TextFeed] = _default_feed,
+        feed_factory: Callable[[VoicePrompt, EngineConfig], TextFeed] = _default_feed,
         clock: Clock,
         forced: ForcedTokens | None = None,
         max_chunks_per_step: int = 4,
@@ -223,10 +225,10 @@ class Scheduler:
         req = Request(
             request_id=request_id,
             voice=voice,
-            feed=self._feed_factory(voice),
+            feed=self._feed_factory(voice, self.config),
             pipeline=self._pipeline_factory(),
             schedule=ChunkSchedule(
-                prompt_tokens=len(voice.prompt_speech_ids),
+                prompt_tokens=voice.flow_prompt_tokens,
                 first_hop=self.config.first_hop_tokens,
                 max_hop=self.config.max_hop_tokens,
             ),
@@ -404,6 +406,8 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 if len(req.speech_tokens) >= guard * max(1, req.n_text_ids) and req.feed.final_phase:
                     outcome = TokenOutcome.END  # a model that never stops (spec 2.7 quirk C)
+            if req.feed.done:
+                outcome = TokenOutcome.END  # the feed's own length guard or a stop token
             if outcome is TokenOutcome.END:
                 if not req.speech_tokens:
                     self.finish([req.request_id], RequestStatus.FINISHED)

@@ -1,137 +1,95 @@
-"""The per-request text feed the scheduler drives. No torch.
+"""The per-request text side the scheduler drives. No torch.
 
-:class:`BistreamFeed` implements :class:`~voice_out.engine.request.TextFeed` over the 5 text :
-15 speech interleave of spec 2.7. :class:`CharPipeline` is a trivial text pipeline for tests and
-for ``random:*`` models (one id per character).
+* :class:`BistreamFeed`: :class:`~voice_out.engine.request.TextFeed` over the pure bistream
+  state machine of :mod:`voice_out.text.bistream` (the 5 text : 15 speech interleave, spec 2.7).
+* :class:`TokenizerPipeline`: raw deltas -> text pieces: held back to word boundaries so that BPE
+  never sees half a word, then tokenized, each piece carrying the input characters it covers.
+* :class:`CharPipeline`: one id per character, for tests.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from voice_out.engine.request import (
-    EOS_TOKEN,
-    FILL_TOKEN,
-    STOP_TOKENS,
-    LlmInputKind,
-    LlmStep,
-    TextPiece,
-    TokenOutcome,
-)
+from voice_out.engine.request import FILL_TOKEN, LlmInputKind, LlmStep, TextPiece, TokenOutcome
+from voice_out.text import bistream as bs
 
-TEXT_GROUP = 5
-SPEECH_GROUP = 15
+_KINDS = {bs.KIND_LLM: None, bs.KIND_TEXT: LlmInputKind.TEXT, bs.KIND_SPEECH: LlmInputKind.SPEECH}
 
-_SOS = (LlmInputKind.SOS, 0)
-_TASK = (LlmInputKind.TASK, 1)
+
+def _row(kind: int, ident: int) -> tuple[LlmInputKind, int]:
+    if kind == bs.KIND_LLM:
+        return (LlmInputKind.SOS if ident == 0 else LlmInputKind.TASK, ident)
+    mapped = _KINDS[kind]
+    assert mapped is not None
+    return (mapped, ident)
 
 
 class BistreamFeed:
-    """Spec 2.7's ``inference_bistream`` as a state machine, one LLM forward per call.
+    """One request's interleave, driven through :func:`voice_out.text.bistream.process`.
 
-    Deliberate differences from upstream: no duplicated speech token before the final text
-    (quirk A), and a stop id other than FILL in the interleave phase counts as FILL (upstream
-    raises). Quirk B (prompt speech dropped when the text ends first) is kept: it is what the
-    model was run with upstream.
+    ``next_step`` hands out the state machine's outstanding ``Step`` once; ``on_token`` reports
+    its result. Worker thread only.
     """
 
-    def __init__(self, prompt_text_ids: Sequence[int] = (), prompt_speech_ids: Sequence[int] = ()) -> None:
-        # (id, is_prompt): prompt transcript ids seed the buffer but do not count as fed text
-        self._text: deque[tuple[int, bool]] = deque((i, True) for i in prompt_text_ids)
-        self._pspeech: deque[int] = deque(prompt_speech_ids)
-        p = len(prompt_speech_ids)
-        self._next_fill = (p // SPEECH_GROUP + 1) * SPEECH_GROUP - p
-        self._pending: list[tuple[LlmInputKind, int]] = [_SOS]
-        self._n_out = 0  # tokens picked, FILL included
-        self._last: int | None = None
-        self._ended = False
-        self._final = False
-        self._done = False
-        self._text_fed = 0
-
-    @property
-    def text_fed(self) -> int:
-        return self._text_fed
+    def __init__(
+        self,
+        prompt_text_ids: Sequence[int] = (),
+        prompt_speech_ids: Sequence[int] = (),
+        config: bs.BistreamConfig | None = None,
+    ) -> None:
+        self._n_prompt_text = len(prompt_text_ids)
+        self.state = bs.new_state(config or bs.BistreamConfig(), tuple(prompt_text_ids), tuple(prompt_speech_ids))
+        self._handed_out = False
 
     @property
     def done(self) -> bool:
-        return self._done
+        return self.state.phase is bs.Phase.FINISHED
 
     @property
     def final_phase(self) -> bool:
-        return self._final
+        return self.state.phase is bs.Phase.FINAL or self.state.text_ended
+
+    @property
+    def text_fed(self) -> int:
+        """Request text ids (prompt transcript excluded) already in an issued LLM step."""
+        s = self.state
+        unfed = len(s.text_buf) + sum(len(c) for c in s.chunks)
+        if not s.pending_fed:
+            unfed += sum(1 for kind, _ in s.pending if kind == bs.KIND_TEXT)
+        # the prompt transcript is fed first, so it is what the buffers lack first
+        return max(0, s.text_tokens - unfed)
 
     def add_text(self, ids: Sequence[int]) -> None:
-        if self._ended:
-            raise ValueError("text added after end_text")
-        self._text.extend((i, False) for i in ids)
+        bs.process(self.state, bs.TextReceived(tuple(ids)))
 
     def end_text(self) -> None:
-        self._ended = True
-
-    def _take_text(self, n: int) -> None:
-        for _ in range(n):
-            tid, is_prompt = self._text.popleft()
-            self._pending.append((LlmInputKind.TEXT, tid))
-            if not is_prompt:
-                self._text_fed += 1
+        bs.process(self.state, bs.TextEnded())
 
     def next_step(self) -> LlmStep | None:
-        if self._done:
+        step = self.state.step
+        if step is None or self._handed_out:
             return None
-        if not self._final:
-            while self._pspeech and len(self._text) >= TEXT_GROUP:
-                self._take_text(TEXT_GROUP)
-                for _ in range(min(SPEECH_GROUP, len(self._pspeech))):
-                    self._pending.append((LlmInputKind.SPEECH, self._pspeech.popleft()))
-            if self._pspeech and not self._ended:
-                return None
-            if not self._pspeech:
-                needs_text = self._last == FILL_TOKEN or (self._n_out == 0 and self._pending == [_SOS])
-                if needs_text and len(self._text) >= TEXT_GROUP:
-                    self._take_text(TEXT_GROUP)
-                    needs_text = False
-                if not needs_text:
-                    force = FILL_TOKEN if self._n_out == self._next_fill else None
-                    return self._emit(allow_eos=False, force=force)
-            if not self._ended:
-                return None
-            # text is over: everything left, then TASK, then speech until EOS
-            self._pspeech.clear()
-            self._take_text(len(self._text))
-            self._pending.append(_TASK)
-            self._final = True
-        return self._emit(allow_eos=True, force=None)
-
-    def _emit(self, allow_eos: bool, force: int | None) -> LlmStep:
-        step = LlmStep(tuple(self._pending), allow_eos=allow_eos, force=force)
-        self._pending = []
-        return step
+        self._handed_out = True
+        inputs = tuple(_row(kind, ident) for kind, ident in step.feed)
+        if step.mode is bs.StepMode.FORCE_FILL:
+            return LlmStep(inputs, allow_eos=False, force=FILL_TOKEN)
+        return LlmStep(inputs, allow_eos=step.mode is bs.StepMode.SAMPLE_FINAL)
 
     def on_token(self, token: int) -> TokenOutcome:
-        self._n_out += 1
-        self._last = token
-        if token in STOP_TOKENS:
-            if self._final:
-                self._done = True
-                return TokenOutcome.END
-            self._last = FILL_TOKEN
-            self._next_fill = self._n_out + SPEECH_GROUP
-            return TokenOutcome.FILL
-        self._pending = [(LlmInputKind.SPEECH, token)]
-        return TokenOutcome.SPEECH
-
-    def stop(self) -> None:
-        """End the LLM side now (a guard tripped)."""
-        self._done = True
+        if not self._handed_out:
+            raise ValueError("on_token without a handed-out step")
+        self._handed_out = False
+        actions = bs.process(self.state, bs.StepDone(token))
+        if any(isinstance(a, bs.Emit) for a in actions):
+            return TokenOutcome.SPEECH  # possibly also finished (length guard): see ``done``
+        if self.done:
+            return TokenOutcome.END
+        return TokenOutcome.FILL
 
 
 class CharPipeline:
-    """One text id per input character (``ord(c) % vocab``); no normalization.
-
-    For tests and for random-weight models without tokenizer files.
-    """
+    """One text id per input character (``ord(c) % vocab``); no normalization. For tests."""
 
     def __init__(self, vocab: int = 1000) -> None:
         self._vocab = vocab
@@ -148,4 +106,42 @@ class CharPipeline:
         return []
 
 
-__all__ = ["EOS_TOKEN", "BistreamFeed", "CharPipeline"]
+_BOUNDARY = frozenset(" \t\n\r.,;:!?\u3002\uff0c\uff1b\uff1a\uff01\uff1f\u3001")
+
+
+class TokenizerPipeline:
+    """Deltas -> tokenized pieces, released at word boundaries.
+
+    Text is held until a boundary character (space or punctuation; every CJK character stands
+    alone), so a word split across deltas is tokenized whole, as upstream's frontend sees it.
+    ``normalize`` (optional) maps each released piece to the text the LLM sees; the characters
+    a piece covers are counted in the raw input.
+    """
+
+    def __init__(self, encode: Callable[[str], list[int]], normalize: Callable[[str], str] | None = None) -> None:
+        self._encode = encode
+        self._normalize = normalize
+        self._held = ""
+        self._chars = 0  # raw characters released so far
+
+    def _release(self, text: str) -> list[TextPiece]:
+        self._chars += len(text)
+        shown = self._normalize(text) if self._normalize is not None else text
+        ids = tuple(self._encode(shown))
+        return [TextPiece(ids, self._chars)] if ids else []
+
+    def push(self, delta: str) -> list[TextPiece]:
+        self._held += delta
+        cut = max((i for i, c in enumerate(self._held) if c in _BOUNDARY or _is_cjk(c)), default=-1)
+        if cut < 0:
+            return []
+        text, self._held = self._held[: cut + 1], self._held[cut + 1 :]
+        return self._release(text)
+
+    def finish(self) -> list[TextPiece]:
+        text, self._held = self._held, ""
+        return self._release(text) if text else []
+
+
+def _is_cjk(c: str) -> bool:
+    return "\u4e00" <= c <= "\u9fff" or "\u3040" <= c <= "\u30ff"
