@@ -139,6 +139,18 @@ function describe(type, msg) {
       return `${msg.id ?? "-"} · ${msg.code}: ${msg.message}`;
     case "pong":
       return `t=${msg.t} · round trip ${fmtMs(now() - msg.t)}`;
+    case "text.done":
+      return msg.id;
+    case "cancel":
+      return msg.id ? `${msg.id} and after` : "everything";
+    case "audible":
+      return `${msg.id ? `${msg.id} · page TTFA ${fmtMs(msg.page_ttfa_ms)} · ` : ""}rms ${msg.rms}`;
+    case "silence":
+      return `last audible sample at ${(msg.last_audible_ms / 1000).toFixed(3)} s`;
+    case "barge-in":
+      return `${msg.reason}: silent ${fmtMs(msg.last_audible_after_cancel_ms)} after the cancel`;
+    case "connection":
+      return msg.state;
     default: {
       const rest = { ...msg };
       delete rest.type;
@@ -151,7 +163,7 @@ function renderLogEntry(entry) {
   const list = $("log");
   if (!list) return;
   const li = document.createElement("li");
-  li.className = entry.dir + (entry.type === "error" ? " error" : "");
+  li.className = entry.dir + (entry.type === "error" ? " error" : "") + (entry.type === "text.delta" ? " delta" : "");
   const arrow = { out: "→", in: "←", page: "•", http: "⇄" }[entry.dir] || "";
   const cells = [
     ["t", `${(entry.t / 1000).toFixed(3)} s`],
@@ -831,6 +843,7 @@ function wire() {
   $("cancel").addEventListener("click", guarded(() => cancel(null, "button")));
   $("ping").addEventListener("click", guarded(ping));
   $("clear-log").addEventListener("click", () => $("log").replaceChildren());
+  $("show-deltas").addEventListener("change", (e) => $("log").classList.toggle("hide-deltas", !e.target.checked));
   $("refresh-voices").addEventListener("click", guarded(listVoices));
   $("delete-voice").addEventListener(
     "click",
