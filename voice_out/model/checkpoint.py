@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from voice_out.errors import VoiceOutError
+from voice_out.model.flow import Flow, FlowDims
 from voice_out.model.hift import HiFT, HiFTDims
 from voice_out.model.qwen2 import LLMDims, SpeechLM, init_random_
 
@@ -493,3 +494,140 @@ def random_llm(
         model = SpeechLM(dims)
     init_random_(model, seed)
     return model.to(dtype=dtype).eval()
+
+
+# Flow ---------------------------------------------------------------------------------------
+
+#: flow.pt key -> Flow parameter name, as (pattern, replacement) rules tried in order.
+_FLOW_TB = r"(norm1|norm3|to_q|to_k|to_v)"
+_FLOW_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(p), r)
+    for p, r in (
+        (r"^input_embedding\.weight$", "input_embedding.weight"),
+        (r"^spk_embed_affine_layer\.(weight|bias)$", r"spk_affine.\1"),
+        (r"^encoder_proj\.(weight|bias)$", r"encoder_proj.\1"),
+        (r"^encoder\.(embed|up_embed)\.out\.0\.(weight|bias)$", r"encoder.\1.\2"),
+        (r"^encoder\.(embed|up_embed)\.out\.1\.(weight|bias)$", r"encoder.\1_norm.\2"),
+        (r"^encoder\.pre_lookahead_layer\.conv([12])\.(weight|bias)$", r"encoder.lookahead_conv\1.\2"),
+        (r"^encoder\.up_layer\.conv\.(weight|bias)$", r"encoder.up_conv.\1"),
+        (r"^encoder\.after_norm\.(weight|bias)$", r"encoder.after_norm.\1"),
+        (
+            r"^encoder\.(encoders|up_encoders)\.(\d+)\.self_attn\."
+            r"(linear_[qkv]\.(?:weight|bias)|linear_out\.(?:weight|bias)|linear_pos\.weight|pos_bias_[uv])$",
+            r"encoder.\1.\2.self_attn.\3",
+        ),
+        (r"^encoder\.(encoders|up_encoders)\.(\d+)\.feed_forward\.(w_[12]\.(?:weight|bias))$", r"encoder.\1.\2.\3"),
+        (r"^encoder\.(encoders|up_encoders)\.(\d+)\.(norm_mha|norm_ff)\.(weight|bias)$", r"encoder.\1.\2.\3.\4"),
+        (r"^decoder\.estimator\.time_mlp\.linear_([12])\.(weight|bias)$", r"estimator.time_linear\1.\2"),
+        (r"^decoder\.estimator\.final_block\.block\.0\.(weight|bias)$", r"estimator.final_block.conv.\1"),
+        (r"^decoder\.estimator\.final_block\.block\.2\.(weight|bias)$", r"estimator.final_block.norm.\1"),
+        (r"^decoder\.estimator\.final_proj\.(weight|bias)$", r"estimator.final_proj.\1"),
+        # resnet blocks: <stage>.0 (down/up) or mid_blocks.<m>.0
+        (r"^decoder\.estimator\.(down|up)_blocks\.0\.0\.(.+)$", r"estimator.\1_res.\2"),
+        (r"^decoder\.estimator\.mid_blocks\.(\d+)\.0\.(.+)$", r"estimator.mid_res.\1.\2"),
+        # transformer blocks: <stage>.1.<j> or mid_blocks.<m>.1.<j>
+        (r"^decoder\.estimator\.(down|up)_blocks\.0\.1\.(\d+)\.(.+)$", r"estimator.\1_tbs.\2.\3"),
+        (r"^decoder\.estimator\.mid_blocks\.(\d+)\.1\.(\d+)\.(.+)$", r"estimator.mid_tbs.\1.\2.\3"),
+        # the stand-alone causal convs closing the down and up stages
+        (r"^decoder\.estimator\.(down|up)_blocks\.0\.2\.(weight|bias)$", r"estimator.\1_conv.\2"),
+    )
+)
+#: Inner names of one resnet / transformer block: upstream suffix -> ours.
+_FLOW_INNER: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(p), r)
+    for p, r in (
+        (r"^(estimator\.\w+_res(?:\.\d+)?)\.mlp\.1\.(weight|bias)$", r"\1.time_proj.\2"),
+        (r"^(estimator\.\w+_res(?:\.\d+)?)\.block([12])\.block\.0\.(weight|bias)$", r"\1.block\2.conv.\3"),
+        (r"^(estimator\.\w+_res(?:\.\d+)?)\.block([12])\.block\.2\.(weight|bias)$", r"\1.block\2.norm.\3"),
+        (r"^(estimator\.\w+_res(?:\.\d+)?)\.res_conv\.(weight|bias)$", r"\1.res_conv.\2"),
+        (rf"^(estimator\.\w+_tbs(?:\.\d+)*)\.(?:attn1\.)?{_FLOW_TB}\.(weight|bias)$", r"\1.\2.\3"),
+        (r"^(estimator\.\w+_tbs(?:\.\d+)*)\.attn1\.to_out\.0\.(weight|bias)$", r"\1.to_out.\2"),
+        (r"^(estimator\.\w+_tbs(?:\.\d+)*)\.ff\.net\.0\.proj\.(weight|bias)$", r"\1.ff_in.\2"),
+        (r"^(estimator\.\w+_tbs(?:\.\d+)*)\.ff\.net\.2\.(weight|bias)$", r"\1.ff_out.\2"),
+    )
+)
+
+
+def flow_key(key: str) -> str | None:
+    """Map one ``flow.pt`` key to its :class:`Flow` parameter name (None: not a flow key)."""
+    for pat, rep in _FLOW_RULES:
+        if pat.match(key):
+            name = pat.sub(rep, key).replace(".encoders.", ".blocks.").replace(".up_encoders.", ".up_blocks.")
+            if not name.startswith("estimator.") or name.startswith(
+                ("estimator.time_", "estimator.final_", "estimator.down_conv", "estimator.up_conv")
+            ):
+                return name
+            for inner, inner_rep in _FLOW_INNER:
+                if inner.match(name):
+                    return inner.sub(inner_rep, name)
+            return None
+    return None
+
+
+def flow_dims(cfg: Mapping[str, Any]) -> FlowDims:
+    """``FlowDims`` from a loaded ``cosyvoice2.yaml`` (errors as :class:`CheckpointError`)."""
+    try:
+        return FlowDims.from_config(section(cfg, "flow"))
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(str(e).strip("'\"")) from None
+
+
+def load_flow(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Flow:
+    """Build ``Flow`` from ``<model_dir>/cosyvoice2.yaml`` and load ``flow.pt`` (eval mode).
+
+    Every key must map (:func:`flow_key`) and match in shape; tensors are read in whatever
+    dtype the file holds (float16 in the parity directories), upcast to float32 on load, then
+    the module is cast to ``dtype``.
+    """
+    d = Path(model_dir)
+    model = Flow(flow_dims(load_yaml(d)))
+    path = d / "flow.pt"
+    state = {k: v.float() for k, v in load_state_dict(path).items()}
+    strict_load(model, state, rename=flow_key, source=str(path))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def init_random_flow_(model: Flow, seed: int = 0) -> Flow:
+    """Fill ``model`` with seeded random weights whose activations stay O(1).
+
+    Embedding ~ N(0, 1); weights ~ N(0, 1/fan_in) (residual-branch outputs further scaled by
+    1/sqrt(2 n_blocks) per stack); norms 1; biases and the relative-position biases small.
+    Drawn in float32 on the CPU, so the values depend only on the seed.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    enc_scale = 1.0 / math.sqrt(2 * (model.dims.enc_blocks + model.dims.enc_up_blocks))
+    est_scale = 1.0 / math.sqrt(2 * (model.dims.n_est_blocks + model.dims.est_mid_blocks + 2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[0]
+            if isinstance(model.get_submodule(leaf), torch.nn.LayerNorm):
+                p.copy_(torch.ones_like(p) if name.endswith("weight") else torch.zeros_like(p))
+                continue
+            if name.endswith("bias") or "pos_bias" in name:
+                t = 0.02 * torch.randn(p.shape, generator=gen)
+            elif name == "input_embedding.weight":
+                t = torch.randn(p.shape, generator=gen)
+            else:
+                t = torch.randn(p.shape, generator=gen) / math.sqrt(p[0].numel())
+                if name.endswith(("linear_out.weight", "w_2.weight")):
+                    t *= enc_scale
+                elif name.endswith(("to_out.weight", "ff_out.weight", "block2.conv.weight")):
+                    t *= est_scale
+            p.copy_(t.to(p.dtype))
+    return model
+
+
+def random_flow(
+    config: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Flow:
+    """A ``Flow`` with seeded random weights, dims from a ``cosyvoice2.yaml`` (file or model dir).
+
+    For speed measurements at full size without the real weights: same shapes and compute.
+    """
+    p = Path(config)
+    cfg = load_yaml(p) if p.is_dir() else parse_yaml(p.read_text(encoding="utf-8"))
+    model = init_random_flow_(Flow(flow_dims(cfg)), seed)
+    return model.to(device=device, dtype=dtype).eval()

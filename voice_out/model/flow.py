@@ -1,0 +1,754 @@
+"""CosyVoice2 flow (``CausalMaskedDiffWithXvec``, spec section 3): speech tokens -> 80-bin mel.
+
+Token embedding -> ``UpsampleConformerEncoder`` (relative-position attention, x2 upsampling) ->
+``encoder_proj`` = mu -> conditional flow matching (10 Euler steps, classifier-free guidance
+as a batch of 2, fixed noise) with the causal UNet of :mod:`voice_out.model.flow_estimator`.
+
+Public API (stable; :mod:`voice_out.model.token2wav` drives it; GPU worker thread only)::
+
+    flow = load_flow(model_dir, device, dtype)        # voice_out.model.checkpoint
+
+    # Reference path, upstream-exact: re-runs prompt + every token on each call (cost grows).
+    mel = flow.inference(token, prompt_token, prompt_feat, embedding, streaming, finalize)
+    #   token [1, N] int, prompt_token [1, P] int, prompt_feat [1, 2P, 80], embedding [1, 192]
+    #   -> float32 [1, 80, 2N] (finalize) or [1, 80, 2(N - 3)] (not finalize: last 3 = look-ahead)
+
+    # Cached streaming path: each chunk costs only its new tokens.
+    prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)   # once per voice; share it
+    cache = flow.new_stream_cache(prompt)                                # per request (or reset_stream_cache)
+    mel = flow.stream_chunk(cache, token[:, offset : offset + hop + 3], finalize=False)  # [1, 80, 2 hop]
+    ...
+    mel = flow.stream_chunk(cache, token[:, offset:], finalize=True)     # [1, 80, 2 (N - offset)]
+
+``stream_chunk(cache, tokens, finalize)``: ``tokens`` are the tokens not yet given as new, and,
+when not finalizing, ``pre_lookahead`` (3) look-ahead tokens at the end, which are given again
+at the start of the next call. A non-final call must end on a chunk boundary counted from the
+first prompt token (prompt + tokens so far a multiple of 25), as upstream's schedule 25+pad, 50,
+100... guarantees. Its mel equals ``inference(token[:, :offset + hop + 3], ..., streaming=True,
+finalize=False)[:, :, 2 offset:]``. The final call (``finalize=True``) by default reproduces
+upstream's full-attention last pass exactly by re-running the whole utterance once (the only
+non-incremental step; see ``stream_chunk``); ``full_attention_final=False`` keeps it chunk-causal
+and incremental (= the matching slice of one streaming pass).
+
+Pure torch: no I/O, no threads, no logging; the noise buffer comes from a local generator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from voice_out.model.flow_estimator import Estimator, EstimatorState, causal_conv, chunk_mask
+
+#: Hard-coded by upstream, in no config file (parity README: the only fixed flow constants).
+UPSTREAM_ENCODER_CHANNELS = 512  # PreLookaheadLayer and Upsample1D widths
+UPSTREAM_UP_BLOCKS = 4  # conformer blocks after the upsampling
+N_TIMESTEPS = 10  # Euler steps of the CFM
+NOISE_FRAMES = 15000  # fixed noise buffer length (300 s of mel); longer inputs are rejected
+NOISE_SEED = 0
+ENC_LN_EPS = 1e-5  # embed / up_embed / after_norm
+BLOCK_LN_EPS = 1e-12  # conformer blocks (norm_mha, norm_ff)
+LOOKAHEAD_CONV2_KERNEL = 3
+LEAKY_SLOPE = 0.01
+
+
+@dataclass(frozen=True)
+class FlowDims:
+    """Every dimension of the flow, read from ``cosyvoice2.yaml`` (see :meth:`from_config`)."""
+
+    vocab_size: int  # speech tokens (6561)
+    input_size: int  # token embedding width (512)
+    n_mels: int  # flow output_size (80)
+    spk_embed_dim: int  # x-vector width (192)
+    token_mel_ratio: int  # mel frames per token = upsampling stride (2)
+    pre_lookahead: int  # look-ahead tokens (3)
+    enc_input_size: int  # encoder embed input width (512)
+    enc_dim: int  # encoder output_size (512)
+    enc_heads: int
+    enc_ffn: int  # linear_units
+    enc_blocks: int  # num_blocks before the upsampling
+    enc_chunk: int  # static_chunk_size in tokens (25)
+    cfg_rate: float  # inference_cfg_rate (0.7)
+    est_in: int  # estimator in_channels (320 = x, mu, spks, cond)
+    est_out: int  # estimator out_channels (80)
+    est_channels: int  # channels[0]
+    est_heads: int
+    est_head_dim: int
+    est_blocks: int  # transformer blocks per stage
+    est_mid_blocks: int
+    est_chunk: int  # estimator static_chunk_size in frames (50)
+    enc_up_blocks: int = UPSTREAM_UP_BLOCKS
+    n_timesteps: int = N_TIMESTEPS
+    noise_frames: int = NOISE_FRAMES
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.enc_dim % self.enc_heads == 0, f"encoder output_size {self.enc_dim} % heads {self.enc_heads} != 0"),
+            (
+                self.enc_dim == UPSTREAM_ENCODER_CHANNELS,
+                f"encoder output_size {self.enc_dim}: upstream hard-codes {UPSTREAM_ENCODER_CHANNELS} "
+                "channels in its pre-lookahead and upsampling layers",
+            ),
+            (self.est_in == 4 * self.n_mels, f"estimator in_channels {self.est_in} != 4 x {self.n_mels} mel bins"),
+            (self.est_out == self.n_mels, f"estimator out_channels {self.est_out} != {self.n_mels} mel bins"),
+            (self.token_mel_ratio >= 1 and self.pre_lookahead >= 1, "token_mel_ratio and pre_lookahead must be >= 1"),
+            (self.enc_chunk > 0 and self.est_chunk > 0, "streaming chunk sizes must be > 0"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+    @property
+    def enc_head_dim(self) -> int:
+        return self.enc_dim // self.enc_heads
+
+    @property
+    def up_chunk(self) -> int:
+        """Chunk of the upsampled conformer stage, in frames (25 x 2)."""
+        return self.enc_chunk * self.token_mel_ratio
+
+    @property
+    def n_est_blocks(self) -> int:
+        """Transformer blocks of the estimator (down + mid + up)."""
+        return self.est_blocks * (self.est_mid_blocks + 2)
+
+    @property
+    def max_tokens(self) -> int:
+        """Prompt + generated tokens the fixed noise buffer can cover."""
+        return self.noise_frames // self.token_mel_ratio
+
+    def chunk_aligned(self, n_tokens: int) -> bool:
+        """Whether a stream may stop at ``n_tokens`` (prompt included) and keep its state final."""
+        frames = n_tokens * self.token_mel_ratio
+        return n_tokens % self.enc_chunk == 0 and frames % self.est_chunk == 0
+
+    @staticmethod
+    def from_config(flow: Mapping[str, Any]) -> FlowDims:
+        """Build from the kwargs of the ``flow: !new:...CausalMaskedDiffWithXvec`` node."""
+
+        def kw(node: Any) -> Mapping[str, Any]:
+            return getattr(node, "kwargs", node)
+
+        def need(src: Mapping[str, Any], key: str, where: str) -> Any:
+            if key not in src:
+                raise KeyError(f"cosyvoice2.yaml: {where}.{key} is missing")
+            return src[key]
+
+        enc = kw(need(flow, "encoder", "flow"))
+        dec = kw(need(flow, "decoder", "flow"))
+        est = kw(need(dec, "estimator", "flow.decoder"))
+        cfm = kw(dec.get("cfm_params", {}))
+        cfm = kw(cfm.get("content", cfm))
+        channels = list(need(est, "channels", "flow.decoder.estimator"))
+        if len(channels) != 1:
+            raise ValueError(f"flow.decoder.estimator.channels = {channels}: only one level is supported")
+        if str(cfm.get("t_scheduler", "cosine")) != "cosine" or str(cfm.get("solver", "euler")) != "euler":
+            raise ValueError("flow.decoder.cfm_params: only the euler solver with the cosine scheduler is supported")
+        if str(est.get("act_fn", "gelu")) != "gelu":
+            raise ValueError(f"flow.decoder.estimator.act_fn = {est.get('act_fn')!r}: only 'gelu' is supported")
+        for where, left in (("estimator", est.get("num_decoding_left_chunks", -1)),):
+            if int(left) >= 0:
+                raise ValueError(f"flow.decoder.{where}.num_decoding_left_chunks = {left}: only -1 (all) is supported")
+        return FlowDims(
+            vocab_size=int(need(flow, "vocab_size", "flow")),
+            input_size=int(need(flow, "input_size", "flow")),
+            n_mels=int(need(flow, "output_size", "flow")),
+            spk_embed_dim=int(need(flow, "spk_embed_dim", "flow")),
+            token_mel_ratio=int(need(flow, "token_mel_ratio", "flow")),
+            pre_lookahead=int(need(flow, "pre_lookahead_len", "flow")),
+            enc_input_size=int(need(enc, "input_size", "flow.encoder")),
+            enc_dim=int(need(enc, "output_size", "flow.encoder")),
+            enc_heads=int(need(enc, "attention_heads", "flow.encoder")),
+            enc_ffn=int(need(enc, "linear_units", "flow.encoder")),
+            enc_blocks=int(need(enc, "num_blocks", "flow.encoder")),
+            enc_chunk=int(need(enc, "static_chunk_size", "flow.encoder")),
+            cfg_rate=float(cfm.get("inference_cfg_rate", 0.7)),
+            est_in=int(need(est, "in_channels", "flow.decoder.estimator")),
+            est_out=int(need(est, "out_channels", "flow.decoder.estimator")),
+            est_channels=int(channels[0]),
+            est_heads=int(need(est, "num_heads", "flow.decoder.estimator")),
+            est_head_dim=int(need(est, "attention_head_dim", "flow.decoder.estimator")),
+            est_blocks=int(need(est, "n_blocks", "flow.decoder.estimator")),
+            est_mid_blocks=int(need(est, "num_mid_blocks", "flow.decoder.estimator")),
+            est_chunk=int(need(est, "static_chunk_size", "flow.decoder.estimator")),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Encoder
+
+
+def rel_pos_rows(r_max: int, count: int, dim: int, device: torch.device) -> Tensor:
+    """ESPnet relative positional rows ``[count, dim]`` (float32) for r = r_max, r_max-1, ...
+
+    Row k encodes distance r = r_max - k with interleaved sin/cos: ``[2m] = sin(r w_m)``,
+    ``[2m+1] = cos(r w_m)``, ``w_m = 10000^(-2m/dim)``; the products are formed in float32 the
+    way upstream's table is, so any slice of it is reproduced bit for bit.
+    """
+    r = (r_max - torch.arange(count, device=device)).float().unsqueeze(1)
+    div = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32, device=device) * -(math.log(10000.0) / dim))
+    arg = r * div
+    pe = torch.empty(count, dim, device=device)
+    pe[:, 0::2] = torch.sin(arg)
+    pe[:, 1::2] = torch.cos(arg)
+    return pe
+
+
+class RelPosAttention(nn.Module):
+    """Transformer-XL style relative-position multi-head attention (ESPnet ``rel_selfattn``).
+
+    score_h(i, j) = [(q_i + u_h) . k_j + (q_i + v_h) . Wpos PE(i - j)] / sqrt(d_head).
+    """
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.head_dim = dim // heads
+        self.linear_q = nn.Linear(dim, dim)
+        self.linear_k = nn.Linear(dim, dim)
+        self.linear_v = nn.Linear(dim, dim)
+        self.linear_out = nn.Linear(dim, dim)
+        self.linear_pos = nn.Linear(dim, dim, bias=False)
+        self.pos_bias_u = nn.Parameter(torch.zeros(heads, self.head_dim))
+        self.pos_bias_v = nn.Parameter(torch.zeros(heads, self.head_dim))
+
+    def forward(
+        self, x: Tensor, pos: Tensor, mask: Tensor | None, kv: tuple[Tensor, Tensor] | None, start: int
+    ) -> Tensor:
+        """x ``[1, T, C]`` at absolute positions ``start ..``; pos ``[T + Tk - 1, C]`` = PE rows
+        for r = start + T - 1 down to start - (Tk - 1), Tk = start + T; kv = cached
+        (k, v) ``[1, H, capacity, D]`` (written at ``start ..``) or None (start must be 0)."""
+        b, t, _ = x.shape
+        hd = self.head_dim
+        q = self.linear_q(x).view(b, t, self.heads, hd)
+        k = self.linear_k(x).view(b, t, self.heads, hd).transpose(1, 2)  # [B, H, T, D]
+        v = self.linear_v(x).view(b, t, self.heads, hd).transpose(1, 2)
+        if kv is not None:
+            k_buf, v_buf = kv
+            k_buf[:, :, start : start + t] = k
+            v_buf[:, :, start : start + t] = v
+            k = k_buf[:, :, : start + t]
+            v = v_buf[:, :, : start + t]
+        tk = k.shape[2]
+        p = self.linear_pos(pos).view(1, -1, self.heads, hd).transpose(1, 2)  # [1, H, R, D]
+        ac = (q + self.pos_bias_u).transpose(1, 2) @ k.transpose(-2, -1)  # [B, H, T, Tk]
+        bd = (q + self.pos_bias_v).transpose(1, 2) @ p.transpose(-2, -1)  # [B, H, T, R]
+        # Query i', key j -> row (T - 1 - i') + j of the descending table (relative shift).
+        idx = (t - 1 - torch.arange(t, device=x.device)).unsqueeze(1) + torch.arange(tk, device=x.device)
+        bd = torch.gather(bd, 3, idx.expand(b, self.heads, t, tk))
+        scores = (ac + bd) / math.sqrt(hd)
+        if mask is None:
+            attn = torch.softmax(scores, dim=-1)
+        else:
+            scores = scores.masked_fill(~mask, float("-inf"))
+            attn = torch.softmax(scores, dim=-1).masked_fill(~mask, 0.0)
+        out = (attn @ v).transpose(1, 2).reshape(b, t, self.heads * hd)
+        return self.linear_out(out)
+
+
+class ConformerBlock(nn.Module):
+    """Pre-LN block: x + MHA_rel(LN(x)); x + W2 SiLU(W1 LN(x)). No macaron, no conv module."""
+
+    def __init__(self, dim: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.self_attn = RelPosAttention(dim, heads)
+        self.norm_mha = nn.LayerNorm(dim, eps=BLOCK_LN_EPS)
+        self.norm_ff = nn.LayerNorm(dim, eps=BLOCK_LN_EPS)
+        self.w_1 = nn.Linear(dim, ffn)
+        self.w_2 = nn.Linear(ffn, dim)
+
+    def forward(
+        self, x: Tensor, pos: Tensor, mask: Tensor | None, kv: tuple[Tensor, Tensor] | None, start: int
+    ) -> Tensor:
+        x = x + self.self_attn(self.norm_mha(x), pos, mask, kv, start)
+        return x + self.w_2(F.silu(self.w_1(self.norm_ff(x))))
+
+
+class Encoder(nn.Module):
+    """``UpsampleConformerEncoder``: ``[1, T, input]`` tokens -> ``[1, ratio * T, enc_dim]``."""
+
+    def __init__(self, d: FlowDims) -> None:
+        super().__init__()
+        c = UPSTREAM_ENCODER_CHANNELS
+        self.dims = d
+        self.embed = nn.Linear(d.enc_input_size, d.enc_dim)
+        self.embed_norm = nn.LayerNorm(d.enc_dim, eps=ENC_LN_EPS)
+        self.lookahead_conv1 = nn.Conv1d(c, c, d.pre_lookahead + 1)
+        self.lookahead_conv2 = nn.Conv1d(c, c, LOOKAHEAD_CONV2_KERNEL)
+        self.blocks = nn.ModuleList(ConformerBlock(d.enc_dim, d.enc_heads, d.enc_ffn) for _ in range(d.enc_blocks))
+        self.up_conv = nn.Conv1d(c, c, 2 * d.token_mel_ratio + 1)
+        self.up_embed = nn.Linear(d.enc_input_size, d.enc_dim)
+        self.up_embed_norm = nn.LayerNorm(d.enc_dim, eps=ENC_LN_EPS)
+        self.up_blocks = nn.ModuleList(
+            ConformerBlock(d.enc_dim, d.enc_heads, d.enc_ffn) for _ in range(d.enc_up_blocks)
+        )
+        self.after_norm = nn.LayerNorm(d.enc_dim, eps=ENC_LN_EPS)
+
+    def _stage(
+        self,
+        blocks: nn.ModuleList,
+        x: Tensor,
+        start: int,
+        chunk: int | None,
+        kv: tuple[Tensor, Tensor] | None,
+    ) -> Tensor:
+        t = x.shape[1]
+        tk = start + t
+        mask = chunk_mask(start, t, tk, chunk, x.device) if chunk is not None else None
+        pos = rel_pos_rows(start + t - 1, t + tk - 1, self.dims.enc_dim, x.device).to(x.dtype)
+        for i, blk in enumerate(blocks):
+            x = blk(x, pos, mask, (kv[0][i], kv[1][i]) if kv is not None else None, start)
+        return x
+
+    def forward(
+        self,
+        xs: Tensor,
+        context: Tensor | None,
+        streaming: bool,
+        cache: FlowStreamCache | None = None,
+        start: int = 0,
+    ) -> Tensor:
+        """xs ``[1, T, input]`` embedded tokens at absolute token positions ``start ..``;
+        context ``[1, lookahead, input]`` (the next tokens, embedded) or None (zeros).
+
+        With ``cache`` the call continues a stream: it extends the cached keys/values and conv
+        contexts of every layer (``start`` = tokens already in the cache).
+        """
+        d = self.dims
+        scale = math.sqrt(d.enc_dim)
+        x = self.embed_norm(self.embed(xs)) * scale
+        if context is None:
+            ctx = x.new_zeros(1, d.pre_lookahead, d.enc_dim)
+        else:
+            ctx = self.embed_norm(self.embed(context)) * scale
+        # Pre-lookahead: token t sees tokens t..t+lookahead through conv1, then a causal conv2.
+        y = F.leaky_relu(self.lookahead_conv1(torch.cat([x, ctx], dim=1).transpose(1, 2)), LEAKY_SLOPE)
+        y = causal_conv(self.lookahead_conv2, y, cache.la_ctx if cache is not None else None)
+        x = x + y.transpose(1, 2)
+        chunk = d.enc_chunk if streaming else None
+        x = self._stage(self.blocks, x, start, chunk, (cache.enc_k, cache.enc_v) if cache is not None else None)
+        # x ratio: nearest-neighbour repeat, then a causal conv (k = 2 ratio + 1).
+        up = x.transpose(1, 2).repeat_interleave(d.token_mel_ratio, dim=2)
+        up = causal_conv(self.up_conv, up, cache.up_ctx if cache is not None else None)
+        x = self.up_embed_norm(self.up_embed(up.transpose(1, 2))) * scale
+        up_chunk = d.up_chunk if streaming else None
+        kv_up = (cache.up_k, cache.up_v) if cache is not None else None
+        x = self._stage(self.up_blocks, x, start * d.token_mel_ratio, up_chunk, kv_up)
+        return self.after_norm(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming state
+
+
+@dataclass
+class FlowStreamCache:
+    """Incremental flow state of one request (or of a voice's prompt prefix). Preallocated for
+    ``capacity`` tokens (prompt included), grown by :meth:`Flow.stream_chunk` when exceeded.
+
+    Shapes (Tc = capacity tokens, Fc = ratio x Tc frames, S = Euler steps, dtype = the flow's):
+
+    * ``tokens`` ``[Tc]`` int64: prompt + new tokens received (for the exact final re-run).
+    * ``enc_k`` / ``enc_v`` ``[enc_blocks, 1, H, Tc, D]``: keys/values of the first conformer stage.
+    * ``la_ctx`` ``[1, 512, 2]``: last two pre-lookahead conv1 outputs (conv2's left context).
+    * ``up_ctx`` ``[1, 512, 2 ratio]``: last upsampled frames (the upsampling conv's left context).
+    * ``up_k`` / ``up_v`` ``[4, 1, H, Fc, D]``: keys/values of the upsampled conformer stage.
+    * ``est_k`` / ``est_v`` ``[S, n_tb, 2, He, Fc, De]``: estimator keys/values per Euler step,
+      transformer block and CFG row.
+    * ``est_ctx``: per estimator causal conv, ``[S, 2, C_in, 2]`` (its last two input frames).
+    * ``n_tokens``: tokens in ``tokens``; ``n_done``: tokens whose state is final (a chunk
+      boundary); ``finished``: the final chunk was made.
+
+    Memory per frame of capacity ~ S x n_tb x 2 rows x 2 (k, v) x He x De elements (2.3 MB in
+    bf16 for CosyVoice2-0.5B): size ``capacity`` for the expected utterance length.
+    """
+
+    tokens: Tensor
+    enc_k: Tensor
+    enc_v: Tensor
+    la_ctx: Tensor
+    up_ctx: Tensor
+    up_k: Tensor
+    up_v: Tensor
+    est_k: Tensor
+    est_v: Tensor
+    est_ctx: list[Tensor]
+    n_tokens: int = 0
+    n_done: int = 0
+    finished: bool = False
+    prompt: FlowPrompt | None = field(default=None, repr=False)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def estimator_state(self, step: int) -> EstimatorState:
+        n_tb = self.est_k.shape[1]
+        kv = [(self.est_k[step, i], self.est_v[step, i]) for i in range(n_tb)]
+        return EstimatorState(kv=kv, conv_ctx=[c[step] for c in self.est_ctx])
+
+    def copy_prefix_(self, src: FlowStreamCache, n_tokens: int, ratio: int) -> None:
+        """Copy the state of ``src``'s first ``n_tokens`` tokens into this cache (in place)."""
+        f = n_tokens * ratio
+        self.tokens[:n_tokens] = src.tokens[:n_tokens]
+        self.enc_k[:, :, :, :n_tokens] = src.enc_k[:, :, :, :n_tokens]
+        self.enc_v[:, :, :, :n_tokens] = src.enc_v[:, :, :, :n_tokens]
+        self.up_k[:, :, :, :f] = src.up_k[:, :, :, :f]
+        self.up_v[:, :, :, :f] = src.up_v[:, :, :, :f]
+        self.est_k[:, :, :, :, :f] = src.est_k[:, :, :, :, :f]
+        self.est_v[:, :, :, :, :f] = src.est_v[:, :, :, :, :f]
+        self.la_ctx.copy_(src.la_ctx)
+        self.up_ctx.copy_(src.up_ctx)
+        for dst, s in zip(self.est_ctx, src.est_ctx, strict=True):
+            dst.copy_(s)
+
+
+@dataclass
+class FlowPrompt:
+    """A voice's flow state, made once by :meth:`Flow.prepare_prompt` and shared read-only.
+
+    ``prompt_token`` ``[1, P]`` int64, ``prompt_feat`` ``[1, ratio P, n_mels]`` float32,
+    ``embedding`` ``[1, spk_dim]`` float32, ``spk`` ``[1, n_mels]`` (flow dtype). ``prefix``
+    holds the final state of the first ``n_prefix`` prompt tokens: the largest chunk boundary
+    with ``pre_lookahead`` prompt tokens after it (the rest of the prompt depends on the first
+    generated tokens through chunk attention and is computed with the first chunk).
+    """
+
+    prompt_token: Tensor
+    prompt_feat: Tensor
+    embedding: Tensor
+    spk: Tensor
+    prefix: FlowStreamCache
+
+    @property
+    def n_prompt(self) -> int:
+        return int(self.prompt_token.shape[1])
+
+    @property
+    def n_prefix(self) -> int:
+        return self.prefix.n_done
+
+
+# --------------------------------------------------------------------------------------------
+# Flow
+
+
+def fixed_noise(n_mels: int, n_frames: int) -> Tensor:
+    """Upstream's CFM noise: seed 0 on a CPU generator, ``randn(1, n_mels, n_frames)`` float32.
+
+    A local generator: the global RNG is left untouched.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(NOISE_SEED)
+    return torch.randn(1, n_mels, n_frames, generator=gen, dtype=torch.float32)
+
+
+class Flow(nn.Module):
+    """``CausalMaskedDiffWithXvec`` inference (batch 1), reference and cached streaming paths.
+
+    Weights and activations use the module dtype (float32 for parity; bfloat16/float16 for
+    speed); the Euler state is float32 in every mode. Call under ``torch.no_grad()`` /
+    ``torch.inference_mode()``.
+    """
+
+    noise: Tensor
+
+    def __init__(self, dims: FlowDims) -> None:
+        super().__init__()
+        d = dims
+        self.dims = d
+        self.input_embedding = nn.Embedding(d.vocab_size, d.input_size)
+        self.spk_affine = nn.Linear(d.spk_embed_dim, d.n_mels)
+        self.encoder = Encoder(d)
+        self.encoder_proj = nn.Linear(d.enc_dim, d.n_mels)
+        self.estimator = Estimator(
+            in_channels=d.est_in,
+            out_channels=d.est_out,
+            channels=d.est_channels,
+            heads=d.est_heads,
+            head_dim=d.est_head_dim,
+            n_blocks=d.est_blocks,
+            n_mid=d.est_mid_blocks,
+            chunk_frames=d.est_chunk,
+        )
+        self.register_buffer("noise", fixed_noise(d.n_mels, d.noise_frames), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spk_affine.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.spk_affine.weight.device
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def speaker(self, embedding: Tensor) -> Tensor:
+        """x-vector ``[1, spk_dim]`` -> ``[1, n_mels]``: affine of the L2-normalised vector."""
+        return self.spk_affine(F.normalize(embedding.to(self.device, self.dtype), dim=1))
+
+    def embed_tokens(self, ids: Tensor) -> Tensor:
+        return self.input_embedding(ids.to(self.device).long().clamp(min=0))
+
+    def time_grid(self) -> Tensor:
+        """Cosine schedule ``[n_timesteps + 1]`` float32: 1 - cos(pi/2 * k / n)."""
+        tau = torch.linspace(0, 1, self.dims.n_timesteps + 1, device=self.device, dtype=torch.float32)
+        return 1 - torch.cos(tau * 0.5 * torch.pi)
+
+    def solve(
+        self,
+        mu: Tensor,
+        spk: Tensor,
+        cond: Tensor,
+        streaming: bool,
+        start: int = 0,
+        cache: FlowStreamCache | None = None,
+    ) -> Tensor:
+        """CFM Euler solve for frames ``start .. start + L`` -> float32 ``[1, n_mels, L]``.
+
+        mu, cond ``[1, n_mels, L]``; spk ``[1, n_mels]``. x starts from the fixed noise at the
+        same absolute frames; with ``cache`` every step extends its own estimator state.
+        """
+        n = mu.shape[2]
+        if start + n > self.dims.noise_frames:
+            raise ValueError(f"{start + n} mel frames exceed the flow's {self.dims.noise_frames}-frame noise buffer")
+        x = self.noise[:, :, start : start + n].to(self.device, torch.float32)
+        mu_in = torch.cat([mu, torch.zeros_like(mu)]).to(self.dtype)
+        spk_in = torch.cat([spk, torch.zeros_like(spk)]).to(self.dtype)
+        cond_in = torch.cat([cond, torch.zeros_like(cond)]).to(self.dtype)
+        tau = self.time_grid()
+        t, dt = tau[0], tau[1] - tau[0]
+        cfg = self.dims.cfg_rate
+        for step in range(1, self.dims.n_timesteps + 1):
+            state = cache.estimator_state(step - 1) if cache is not None else None
+            v = self.estimator(
+                torch.cat([x, x]).to(self.dtype), mu_in, spk_in, cond_in, t.expand(2), streaming, state, start
+            ).float()
+            v = (1.0 + cfg) * v[:1] - cfg * v[1:]
+            x = x + dt * v
+            t = t + dt
+            if step < self.dims.n_timesteps:
+                dt = tau[step + 1] - t
+        return x
+
+    def _cond(self, prompt_feat: Tensor, start: int, n: int) -> Tensor:
+        """Condition frames ``start .. start + n``: the prompt mel where it exists, else zeros."""
+        cond = torch.zeros(1, self.dims.n_mels, n, device=self.device, dtype=self.dtype)
+        feat = prompt_feat.to(self.device, self.dtype).transpose(1, 2)  # [1, n_mels, ratio P]
+        stop = min(feat.shape[2], start + n)
+        if stop > start:
+            cond[:, :, : stop - start] = feat[:, :, start:stop]
+        return cond
+
+    def _check_prompt(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> None:
+        d = self.dims
+        p = prompt_token.shape[1]
+        if prompt_token.dim() != 2 or prompt_token.shape[0] != 1:
+            raise ValueError(f"prompt_token must be [1, P], got {tuple(prompt_token.shape)}")
+        if tuple(prompt_feat.shape) != (1, d.token_mel_ratio * p, d.n_mels):
+            raise ValueError(
+                f"prompt_feat must be [1, {d.token_mel_ratio} x {p}, {d.n_mels}], got {tuple(prompt_feat.shape)}"
+            )
+        if tuple(embedding.shape) != (1, d.spk_embed_dim):
+            raise ValueError(f"embedding must be [1, {d.spk_embed_dim}], got {tuple(embedding.shape)}")
+
+    # -- reference path ----------------------------------------------------------------------
+
+    def inference(
+        self,
+        token: Tensor,
+        prompt_token: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        streaming: bool,
+        finalize: bool,
+    ) -> Tensor:
+        """Upstream ``flow.inference`` exactly: re-runs prompt + all tokens (spec 3.1).
+
+        token ``[1, N]``; returns float32 ``[1, n_mels, ratio N]`` (finalize) or
+        ``[1, n_mels, ratio (N - lookahead)]`` (the last ``lookahead`` tokens are context only).
+        ``streaming`` selects chunk-causal attention (else full attention).
+        """
+        d = self.dims
+        self._check_prompt(prompt_token, prompt_feat, embedding)
+        spk = self.speaker(embedding)
+        x = self.embed_tokens(torch.cat([prompt_token.to(self.device), token.to(self.device)], dim=1))
+        if finalize:
+            h = self.encoder(x, None, streaming)
+        else:
+            if token.shape[1] < d.pre_lookahead:
+                raise ValueError(f"a non-final call needs at least {d.pre_lookahead} tokens (look-ahead)")
+            h = self.encoder(x[:, : -d.pre_lookahead], x[:, -d.pre_lookahead :], streaming)
+        mu = self.encoder_proj(h).transpose(1, 2)
+        cond = self._cond(prompt_feat, 0, mu.shape[2])
+        mel = self.solve(mu, spk, cond, streaming)
+        return mel[:, :, d.token_mel_ratio * prompt_token.shape[1] :]
+
+    # -- cached streaming path ---------------------------------------------------------------
+
+    def allocate_stream_cache(self, capacity: int) -> FlowStreamCache:
+        """An empty :class:`FlowStreamCache` for ``capacity`` tokens (prompt included)."""
+        d = self.dims
+        if capacity > d.max_tokens:
+            capacity = d.max_tokens
+        frames = capacity * d.token_mel_ratio
+        kw: dict[str, Any] = {"device": self.device, "dtype": self.dtype}
+        enc = (d.enc_blocks, 1, d.enc_heads, capacity, d.enc_head_dim)
+        up = (d.enc_up_blocks, 1, d.enc_heads, frames, d.enc_head_dim)
+        est = (d.n_timesteps, d.n_est_blocks, 2, d.est_heads, frames, d.est_head_dim)
+        c = UPSTREAM_ENCODER_CHANNELS
+        return FlowStreamCache(
+            tokens=torch.zeros(capacity, dtype=torch.long, device=self.device),
+            enc_k=torch.zeros(enc, **kw),
+            enc_v=torch.zeros(enc, **kw),
+            la_ctx=torch.zeros(1, c, LOOKAHEAD_CONV2_KERNEL - 1, **kw),
+            up_ctx=torch.zeros(1, c, 2 * d.token_mel_ratio, **kw),
+            up_k=torch.zeros(up, **kw),
+            up_v=torch.zeros(up, **kw),
+            est_k=torch.zeros(est, **kw),
+            est_v=torch.zeros(est, **kw),
+            est_ctx=[torch.zeros(d.n_timesteps, 2, ch, 2, **kw) for ch in self.estimator.conv_channels()],
+        )
+
+    def _advance(self, cache: FlowStreamCache, context: Tensor | None, spk: Tensor, prompt_feat: Tensor) -> Tensor:
+        """Run tokens ``n_done .. n_tokens`` of ``cache`` through the whole flow, chunk-causally,
+        extending every layer's state; ``context`` ``[1, lookahead]`` ids or None (zeros).
+        Returns their float32 mel ``[1, n_mels, ratio (n_tokens - n_done)]``."""
+        d = self.dims
+        start, stop = cache.n_done, cache.n_tokens
+        x = self.embed_tokens(cache.tokens[start:stop].unsqueeze(0))
+        ctx = self.embed_tokens(context) if context is not None else None
+        h = self.encoder(x, ctx, True, cache, start)
+        mu = self.encoder_proj(h).transpose(1, 2)
+        f0 = start * d.token_mel_ratio
+        cond = self._cond(prompt_feat, f0, mu.shape[2])
+        mel = self.solve(mu, spk, cond, True, f0, cache)
+        cache.n_done = stop
+        return mel
+
+    def prepare_prompt(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> FlowPrompt:
+        """Precompute a voice's prompt state (once per voice; reuse it for every request).
+
+        Runs the largest chunk-aligned prefix of the prompt that has ``pre_lookahead`` prompt
+        tokens after it through the flow and keeps every layer's state (see :class:`FlowPrompt`).
+        """
+        d = self.dims
+        self._check_prompt(prompt_token, prompt_feat, embedding)
+        p = prompt_token.shape[1]
+        token = prompt_token.to(self.device).long()
+        n_prefix = max(p - d.pre_lookahead, 0)
+        while n_prefix > 0 and not d.chunk_aligned(n_prefix):
+            n_prefix -= 1
+        spk = self.speaker(embedding)
+        prefix = self.allocate_stream_cache(n_prefix)
+        if n_prefix > 0:
+            prefix.tokens[:n_prefix] = token[0, :n_prefix]
+            prefix.n_tokens = n_prefix
+            self._advance(prefix, token[:, n_prefix : n_prefix + d.pre_lookahead], spk, prompt_feat)
+        return FlowPrompt(
+            prompt_token=token,
+            prompt_feat=prompt_feat.to(self.device, torch.float32),
+            embedding=embedding.to(self.device, torch.float32),
+            spk=spk,
+            prefix=prefix,
+        )
+
+    def reset_stream_cache(self, cache: FlowStreamCache, prompt: FlowPrompt) -> None:
+        """Start a new request in ``cache`` (in place): copy the prompt prefix state in."""
+        p = prompt.n_prompt
+        if cache.capacity < p:
+            raise ValueError(f"cache capacity {cache.capacity} tokens < prompt length {p}")
+        cache.copy_prefix_(prompt.prefix, prompt.n_prefix, self.dims.token_mel_ratio)
+        cache.tokens[:p] = prompt.prompt_token[0]
+        cache.n_tokens = p
+        cache.n_done = prompt.n_prefix
+        cache.finished = False
+        cache.prompt = prompt
+
+    def new_stream_cache(self, prompt: FlowPrompt, capacity: int | None = None) -> FlowStreamCache:
+        """A request cache for ``capacity`` tokens (default: the prompt + 20 s), reset to ``prompt``."""
+        d = self.dims
+        default = prompt.n_prompt + 20 * d.enc_chunk * 2  # 500 tokens = 20 s at 25 Hz
+        cache = self.allocate_stream_cache(capacity if capacity is not None else default)
+        self.reset_stream_cache(cache, prompt)
+        return cache
+
+    def _grow(self, cache: FlowStreamCache, n_tokens: int) -> None:
+        """Make room for ``n_tokens`` tokens: reallocate (x2 at least) and copy the state."""
+        d = self.dims
+        if n_tokens <= cache.capacity:
+            return
+        if n_tokens > d.max_tokens:
+            raise ValueError(
+                f"{n_tokens} tokens (prompt included) exceed the flow's limit of {d.max_tokens} "
+                f"({d.noise_frames} mel frames of fixed noise)"
+            )
+        bigger = self.allocate_stream_cache(max(n_tokens, 2 * cache.capacity))
+        bigger.copy_prefix_(cache, cache.n_done, d.token_mel_ratio)
+        bigger.tokens[: cache.n_tokens] = cache.tokens[: cache.n_tokens]
+        for name in ("tokens", "enc_k", "enc_v", "la_ctx", "up_ctx", "up_k", "up_v", "est_k", "est_v", "est_ctx"):
+            setattr(cache, name, getattr(bigger, name))
+
+    def stream_chunk(
+        self,
+        cache: FlowStreamCache,
+        tokens: Tensor,
+        finalize: bool,
+        *,
+        full_attention_final: bool = True,
+    ) -> Tensor:
+        """Mel of the next chunk of a stream: float32 ``[1, n_mels, ratio n_new]``.
+
+        ``tokens`` ``[1, n_new + lookahead]`` (not finalize: new tokens then the look-ahead
+        tokens, given again next time) or ``[1, n_new]`` (finalize). A non-final call must end
+        on a chunk boundary (prompt + tokens so far a multiple of the 25-token chunk); its cost
+        is that of its new tokens (plus attention over the cached keys).
+
+        The final call with ``full_attention_final`` (default, upstream-exact) re-runs the whole
+        utterance once with full attention, as upstream's last pass: every frame attends to
+        every other there, so nothing earlier can be reused. Its cost is one reference pass
+        over prompt + all tokens. With ``full_attention_final=False`` the final chunk stays
+        chunk-causal (look-ahead = zeros) and incremental: the output then equals the slice
+        of one streaming pass (``inference(..., streaming=True, finalize=True)``).
+        """
+        d = self.dims
+        prompt = cache.prompt
+        if prompt is None:
+            raise ValueError("stream cache has no prompt: use new_stream_cache / reset_stream_cache")
+        if cache.finished:
+            raise ValueError("stream already finalized: reset the cache for a new request")
+        if tokens.dim() != 2 or tokens.shape[0] != 1:
+            raise ValueError(f"tokens must be [1, n], got {tuple(tokens.shape)}")
+        tokens = tokens.to(self.device).long()
+        if finalize:
+            new, context = tokens, None
+        else:
+            if tokens.shape[1] <= d.pre_lookahead:
+                raise ValueError(f"a non-final chunk needs new tokens plus {d.pre_lookahead} look-ahead tokens")
+            new, context = tokens[:, : -d.pre_lookahead], tokens[:, -d.pre_lookahead :]
+        n_new = new.shape[1]
+        stop = cache.n_tokens + n_new
+        if not finalize and not d.chunk_aligned(stop):
+            raise ValueError(
+                f"a non-final chunk must end on a {d.enc_chunk}-token chunk boundary counted from the "
+                f"prompt start; prompt + tokens = {stop}"
+            )
+        self._grow(cache, stop)
+        cache.tokens[cache.n_tokens : stop] = new[0]
+        cache.n_tokens = stop
+        ratio = d.token_mel_ratio
+        if finalize:
+            cache.finished = True
+            if n_new == 0:
+                return torch.zeros(1, d.n_mels, 0, device=self.device)
+            if full_attention_final:
+                generated = cache.tokens[prompt.n_prompt : stop].unsqueeze(0)
+                mel = self.inference(generated, prompt.prompt_token, prompt.prompt_feat, prompt.embedding, False, True)
+                return mel[:, :, mel.shape[2] - ratio * n_new :]
+        mel = self._advance(cache, context, prompt.spk, prompt.prompt_feat)
+        return mel[:, :, mel.shape[2] - ratio * n_new :]
