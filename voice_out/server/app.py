@@ -1,0 +1,425 @@
+"""The aiohttp application: routes of design §4.1, auth, admission, lifecycle, and ``serve``.
+
+Routes::
+
+    GET    /                        the demo page (web/index.html), when server.serve_web
+    GET    /{file}                  the page's static files (web/), when server.serve_web
+    POST   /offer                   SDP offer -> answer + session_id (503 beyond max_sessions)
+    GET    /voices                  {"voices": [{name, ...}]}
+    POST   /voices                  multipart name, audio, transcript -> 201 {"voice": {...}}
+    DELETE /voices/{name}           204
+    GET    /healthz                 200 when the engine is warm and sessions are admitted, else 503
+    GET    /metrics                 Prometheus text format (this app's own registry)
+    GET    /sessions/{id}/control   WebSocket: protocol v1 for an agent backend driving a session
+
+Auth: with ``server.auth_token`` set, every route except the page, its static files and
+``/healthz`` needs ``Authorization: Bearer <token>``; the control WebSocket also accepts
+``?token=<token>`` (browsers cannot set headers on a WebSocket). Errors are JSON:
+``{"error": {"code", "message"}}``.
+
+Lifecycle: the engine is entered (``async with engine``: worker started, warmed up) in a
+``cleanup_ctx`` and left after every session has been closed in ``on_shutdown``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import importlib
+import logging
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiohttp import BodyPartReader, WSMsgType, web
+
+from voice_out.config import Config, ServerConfig
+from voice_out.engine.api import EngineLike
+from voice_out.errors import VoiceOutError
+from voice_out.server import protocol as p
+from voice_out.server.metrics import Metrics
+from voice_out.server.session import Session
+from voice_out.server.signaling import AdmissionError, SessionManager
+from voice_out.server.track import Clock
+
+log = logging.getLogger(__name__)
+
+WEB_DIR = Path(__file__).resolve().parent.parent.parent / "web"
+#: Prompt audio uploads: 30 s of 48 kHz stereo 16-bit WAV is ~5.8 MB.
+MAX_UPLOAD_BYTES = 16 * 1024 * 1024
+#: Outgoing messages a slow control WebSocket may have queued before it is dropped.
+MAX_WS_BACKLOG = 1000
+
+
+class VoiceStoreLike(Protocol):
+    """What the server needs of the voice store (``voice_out.voices.store.VoiceStore``).
+
+    Its methods block (file I/O, ONNX), so the server calls them in an executor.
+    """
+
+    def list(self) -> Sequence[Any]: ...
+
+    def add(self, name: str, audio: bytes, transcript: str) -> Any: ...
+
+    def delete(self, name: str) -> None: ...
+
+
+CONFIG_KEY = web.AppKey("voice_out.config", Config)
+ENGINE_KEY: web.AppKey[EngineLike] = web.AppKey("voice_out.engine")
+VOICES_KEY: web.AppKey[VoiceStoreLike | None] = web.AppKey("voice_out.voices")
+SESSIONS_KEY = web.AppKey("voice_out.sessions", SessionManager)
+METRICS_KEY = web.AppKey("voice_out.metrics", Metrics)
+WEB_DIR_KEY: web.AppKey[Path | None] = web.AppKey("voice_out.web_dir")
+
+PUBLIC_ROUTES = frozenset({"index", "static", "healthz"})
+
+
+def json_error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status, headers=headers)
+
+
+# --------------------------------------------------------------------------------------------
+# Middleware
+
+
+def _auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]:
+    expected = token.encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Any:
+        route = request.match_info.route
+        if route.name in PUBLIC_ROUTES:
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            given = request.query.get("token", "") if route.name == "control" else ""
+        if not given or not hmac.compare_digest(given.strip().encode(), expected):
+            return json_error(
+                401,
+                "unauthorized",
+                "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                headers={"WWW-Authenticate": 'Bearer realm="voice_out"'},
+            )
+        return await handler(request)
+
+    return auth
+
+
+# --------------------------------------------------------------------------------------------
+# Handlers
+
+
+async def index(request: web.Request) -> web.StreamResponse:
+    web_dir = request.app[WEB_DIR_KEY]
+    if web_dir is None or not (web_dir / "index.html").is_file():
+        return json_error(404, "no_page", "the demo page is not installed with this server")
+    return web.FileResponse(web_dir / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+async def static(request: web.Request) -> web.StreamResponse:
+    web_dir = request.app[WEB_DIR_KEY]
+    name = request.match_info["path"]
+    if web_dir is not None:
+        root = web_dir.resolve()
+        path = (root / name).resolve()
+        if path.is_relative_to(root) and path.is_file():
+            return web.FileResponse(path, headers={"Cache-Control": "no-cache"})
+    return json_error(404, "not_found", f"no route or file {request.path!r}")
+
+
+async def offer(request: web.Request) -> web.Response:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        return json_error(400, "bad_json", 'the body must be JSON: {"sdp": ..., "type": "offer"}')
+    if not isinstance(body, dict):
+        return json_error(400, "bad_json", 'the body must be a JSON object: {"sdp": ..., "type": "offer"}')
+    for name in ("sdp", "type"):
+        if name not in body:
+            return json_error(400, "missing_field", f"missing field {name!r}")
+    if body["type"] != "offer" or not isinstance(body["sdp"], str):
+        return json_error(400, "bad_field", 'expected {"sdp": <string>, "type": "offer"}')
+    try:
+        answer = await request.app[SESSIONS_KEY].offer(body["sdp"])
+    except AdmissionError as e:
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        return json_error(e.status, e.code, e.message, headers)
+    return web.json_response(answer)
+
+
+def _voice_json(v: Any) -> dict[str, Any]:
+    if isinstance(v, str):
+        return {"name": v}
+    to_json = getattr(v, "to_json", None)
+    if callable(to_json):
+        return dict(to_json())
+    info = getattr(v, "info", None)
+    if info is not None and callable(getattr(info, "to_json", None)):
+        return dict(info.to_json())
+    return {"name": str(getattr(v, "name", v))}
+
+
+def _voice_status(code: str) -> int:
+    return {"unknown_voice": 404, "voice_exists": 409, "prompt_model_unavailable": 501}.get(code, 400)
+
+
+async def list_voices(request: web.Request) -> web.Response:
+    store = request.app[VOICES_KEY]
+    if store is None:
+        voices: list[dict[str, Any]] = [{"name": n} for n in request.app[ENGINE_KEY].voice_names()]
+    else:
+        items = await asyncio.get_running_loop().run_in_executor(None, store.list)
+        voices = [_voice_json(v) for v in items]
+    return web.json_response({"voices": voices})
+
+
+async def add_voice(request: web.Request) -> web.Response:
+    store = request.app[VOICES_KEY]
+    if store is None:
+        return json_error(501, "no_voice_store", "this server has no voice store")
+    if not request.content_type.startswith("multipart/"):
+        return json_error(400, "bad_request", "send multipart/form-data with fields name, audio, transcript")
+    fields: dict[str, bytes] = {}
+    reader = await request.multipart()
+    total = 0
+    while True:
+        part = await reader.next()
+        if part is None:
+            break
+        if not isinstance(part, BodyPartReader) or part.name not in ("name", "audio", "transcript"):
+            continue
+        data = bytearray()
+        while chunk := await part.read_chunk():
+            total += len(chunk)
+            if total > MAX_UPLOAD_BYTES:
+                return json_error(413, "too_large", f"upload larger than {MAX_UPLOAD_BYTES} bytes")
+            data += chunk
+        fields[str(part.name)] = bytes(data)
+    for name in ("name", "audio", "transcript"):
+        if name not in fields:
+            return json_error(400, "missing_field", f"missing multipart field {name!r}")
+    try:
+        voice_name = fields["name"].decode("utf-8").strip()
+        transcript = fields["transcript"].decode("utf-8")
+    except UnicodeDecodeError:
+        return json_error(400, "bad_field", "name and transcript must be UTF-8 text")
+    loop = asyncio.get_running_loop()
+    try:
+        voice = await loop.run_in_executor(None, store.add, voice_name, fields["audio"], transcript)
+    except VoiceOutError as e:
+        code = str(getattr(e, "code", "bad_voice"))
+        return json_error(_voice_status(code), code, str(e))
+    body = _voice_json(voice) if voice is not None else {"name": voice_name}
+    return web.json_response({"voice": body}, status=201)
+
+
+async def delete_voice(request: web.Request) -> web.Response:
+    store = request.app[VOICES_KEY]
+    if store is None:
+        return json_error(501, "no_voice_store", "this server has no voice store")
+    name = request.match_info["name"]
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, store.delete, name)
+    except VoiceOutError as e:
+        code = str(getattr(e, "code", "bad_voice"))
+        return json_error(_voice_status(code), code, str(e))
+    return web.Response(status=204)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    sessions = request.app[SESSIONS_KEY]
+    accepting = engine.ready and sessions.accepting and len(sessions) < sessions.max_sessions
+    body = {
+        "status": "ok" if accepting else "unavailable",
+        "engine_ready": engine.ready,
+        "sessions": len(sessions),
+        "max_sessions": sessions.max_sessions,
+    }
+    return web.json_response(body, status=200 if accepting else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    m = request.app[METRICS_KEY]
+    return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
+
+
+class WebSocketSink:
+    """Queues a session's messages for one control WebSocket; its writer task sends them."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[str | None] = asyncio.Queue(MAX_WS_BACKLOG)
+        self.overflowed = False
+
+    def send(self, text: str) -> None:
+        try:
+            self.queue.put_nowait(text)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(asyncio.QueueFull):
+            self.queue.put_nowait(None)
+
+    async def write(self, ws: web.WebSocketResponse) -> None:
+        while (text := await self.queue.get()) is not None:
+            await ws.send_str(text)
+        await ws.close(message=b"session closed" if not self.overflowed else b"too slow")
+
+
+async def control(request: web.Request) -> web.StreamResponse:
+    """Protocol v1 over a WebSocket, for an agent backend driving (and observing) a session."""
+    session: Session | None = request.app[SESSIONS_KEY].get(request.match_info["session_id"])
+    if session is None:
+        return json_error(404, "unknown_session", "no such session (it may have ended)")
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=p.MAX_MESSAGE_BYTES * 2)
+    await ws.prepare(request)
+    sink = WebSocketSink()
+    writer = asyncio.get_running_loop().create_task(sink.write(ws), name=f"control-writer {session.id}")
+    session.add_sink(sink)
+    try:
+        async for msg in ws:
+            if msg.type == WSMsgType.TEXT:
+                session.receive(msg.data, reply=sink)
+            elif msg.type == WSMsgType.BINARY:
+                session.receive(bytes(msg.data), reply=sink)
+    finally:
+        session.remove_sink(sink)
+        sink.close()
+        try:
+            await asyncio.wait_for(writer, 5.0)
+        except (TimeoutError, ConnectionError, asyncio.CancelledError):
+            writer.cancel()
+            with contextlib.suppress(BaseException):
+                await writer
+    return ws
+
+
+# --------------------------------------------------------------------------------------------
+# The factory
+
+
+def create_app(
+    config: Config | ServerConfig,
+    engine: EngineLike,
+    voice_store: VoiceStoreLike | None = None,
+    *,
+    web_dir: Path | None = WEB_DIR,
+    connect_timeout_s: float = 30.0,
+    clock_factory: Callable[[], Clock] | None = None,
+) -> web.Application:
+    """Build the server for ``engine`` (entered with ``async with`` when the app starts, if it
+    is an async context manager) and ``voice_store`` (None: voices are read-only, from the
+    engine). ``clock_factory`` gives each session's track its clock (tests)."""
+    cfg = config if isinstance(config, Config) else Config(server=config)
+    server = cfg.server
+    middlewares = [_auth_middleware(server.auth_token)] if server.auth_token else []
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_UPLOAD_BYTES + 64 * 1024)
+    metrics_ = Metrics()
+    app[CONFIG_KEY] = cfg
+    app[ENGINE_KEY] = engine
+    app[VOICES_KEY] = voice_store
+    app[METRICS_KEY] = metrics_
+    app[WEB_DIR_KEY] = web_dir if server.serve_web else None
+    app[SESSIONS_KEY] = SessionManager(
+        engine,
+        metrics_,
+        max_sessions=server.max_sessions,
+        max_queued_utterances=server.max_queued_utterances,
+        max_text_chars=cfg.engine.max_text_chars,
+        connect_timeout_s=connect_timeout_s,
+        clock_factory=clock_factory,
+    )
+    app.cleanup_ctx.append(_engine_ctx)
+    app.on_shutdown.append(_close_sessions)
+
+    r = app.router
+    if server.serve_web:
+        r.add_get("/", index, name="index")
+    r.add_post("/offer", offer, name="offer")
+    r.add_get("/voices", list_voices, name="voices")
+    r.add_post("/voices", add_voice, name="add_voice")
+    r.add_delete("/voices/{name}", delete_voice, name="delete_voice")
+    r.add_get("/healthz", healthz, name="healthz")
+    r.add_get("/metrics", metrics, name="metrics")
+    r.add_get("/sessions/{session_id}/control", control, name="control")
+    if server.serve_web:
+        r.add_get("/{path:[^/].*}", static, name="static")
+    return app
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    engine = app[ENGINE_KEY]
+    async with AsyncExitStack() as stack:
+        if hasattr(engine, "__aenter__") and hasattr(engine, "__aexit__"):
+            await stack.enter_async_context(engine)  # type: ignore[arg-type]
+        yield
+        # on_shutdown has closed every session before cleanup_ctx leaves the engine.
+
+
+async def _close_sessions(app: web.Application) -> None:
+    await app[SESSIONS_KEY].close_all()
+
+
+# --------------------------------------------------------------------------------------------
+# serve
+
+
+class EngineUnavailableError(VoiceOutError):
+    """The streaming engine is not part of this build."""
+
+
+def serve(cfg: Config) -> int:
+    """Load the engine and voice store, serve until SIGINT/SIGTERM, shut down cleanly."""
+    engine, store = load_runtime(cfg)
+    loop = _new_loop()
+    server = cfg.server
+
+    def announce(_: str) -> None:
+        print(f"voice_out serving on http://{server.host}:{server.port}/", flush=True)
+
+    try:
+        web.run_app(
+            create_app(cfg, engine, store),
+            host=server.host,
+            port=server.port,
+            print=announce,
+            loop=loop,
+            shutdown_timeout=10.0,
+            handle_signals=True,
+        )
+    finally:
+        if not loop.is_closed():
+            loop.close()
+    return 0
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    if sys.platform != "win32":
+        with contextlib.suppress(ImportError):
+            import uvloop
+
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def load_runtime(cfg: Config) -> tuple[EngineLike, VoiceStoreLike | None]:
+    """The engine and voice store of ``cfg``; one-line :class:`VoiceOutError` if impossible."""
+    try:
+        engine_module = importlib.import_module("voice_out.engine.engine")
+    except ModuleNotFoundError as e:
+        if e.name == "voice_out.engine.engine":
+            raise EngineUnavailableError(
+                "cannot serve: the streaming engine (voice_out.engine.engine) is not part of this build yet"
+            ) from None
+        raise
+    engine_cls = getattr(engine_module, "Engine", None)
+    if engine_cls is None:
+        raise EngineUnavailableError("cannot serve: voice_out.engine.engine has no Engine class")
+    engine: EngineLike = engine_cls.load(cfg)
+    return engine, None

@@ -1,0 +1,54 @@
+"""Prometheus instruments of one server, in a registry of its own (two apps in one process,
+as in tests, never share counters). Updated on the asyncio thread; scraped at ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS_S = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+BARGE_IN_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+
+
+class Metrics:
+    """The server's instruments. ``render()`` gives the text exposition format."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttfa = Histogram(
+            "voice_out_ttfa_seconds",
+            "First text.delta of an utterance to its first audio frame on the track",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.barge_in = Histogram(
+            "voice_out_barge_in_seconds",
+            "cancel received to the last audible sample sent (end of the fade-out)",
+            buckets=BARGE_IN_BUCKETS_S,
+            registry=r,
+        )
+        self.rtf = Histogram(
+            "voice_out_rtf",
+            "Per utterance: seconds spent waiting on the engine per second of audio",
+            buckets=RTF_BUCKETS,
+            registry=r,
+        )
+        self.active_sessions = Gauge("voice_out_active_sessions", "Open sessions", registry=r)
+        self.active_streams = Gauge("voice_out_active_streams", "Utterances being synthesized or played", registry=r)
+        self.underruns = Counter(
+            "voice_out_underruns", "Times a playing utterance ran dry before its audio was complete", registry=r
+        )
+        self.cancels = Counter("voice_out_cancelled_utterances", "Utterances cut by a cancel (barge-in)", registry=r)
+        self.utterances = Counter("voice_out_utterances", "Utterances started", registry=r)
+        self.errors = Counter("voice_out_errors", "error messages sent, by code", ["code"], registry=r)
+        self.sessions_rejected = Counter(
+            "voice_out_sessions_rejected", "Offers refused by admission control", registry=r
+        )
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))

@@ -1,0 +1,277 @@
+"""Data-channel protocol v1: the message vocabulary, parsing and serialization.
+
+Every message is one JSON object (a text message on the data channel ``voice_out`` or on the
+control WebSocket) with a ``"type"`` field. Client messages are parsed with :func:`parse`, which
+returns a frozen dataclass or raises :class:`ProtocolError` carrying a stable :class:`ErrorCode`.
+Server messages are frozen dataclasses turned into JSON text with :func:`dumps`.
+
+Interruptibility is part of the type: :class:`Cancel` is an :class:`InterruptMessage`, handled
+the moment it arrives, ahead of anything else; :class:`TextDelta` / :class:`TextDone` are
+:class:`DataMessage` s, applied in arrival order. Unknown extra fields are ignored so that
+clients can be newer than the server.
+
+Pure logic: no I/O, no asyncio; any thread may call it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from voice_out.errors import VoiceOutError
+
+PROTOCOL_VERSION = 1
+#: Channel label the client creates before its offer.
+CHANNEL_LABEL = "voice_out"
+#: Longest utterance id (characters).
+MAX_ID_CHARS = 128
+#: Largest message accepted (bytes of UTF-8 JSON); a delta is meant to be a few tokens.
+MAX_MESSAGE_BYTES = 64 * 1024
+#: Longest voice name on a text.delta.
+MAX_VOICE_CHARS = 128
+
+
+class ErrorCode(enum.StrEnum):
+    """Stable error codes of the ``error`` message (and of HTTP error bodies)."""
+
+    BAD_JSON = "bad_json"  # not JSON, not an object, or a binary message
+    MESSAGE_TOO_LARGE = "message_too_large"  # over MAX_MESSAGE_BYTES
+    UNKNOWN_TYPE = "unknown_type"
+    MISSING_FIELD = "missing_field"
+    BAD_FIELD = "bad_field"  # a field of the wrong type or out of range
+    TEXT_TOO_LONG = "text_too_long"  # the utterance's text would exceed the limit
+    TOO_MANY_UTTERANCES = "too_many_utterances"  # over server.max_queued_utterances
+    UNKNOWN_ID = "unknown_id"  # text.done / cancel naming an utterance never started
+    UTTERANCE_CLOSED = "utterance_closed"  # text for an utterance already done, cancelled or failed
+    UNKNOWN_VOICE = "unknown_voice"
+    NO_VOICE = "no_voice"  # no voice named and no default voice configured
+    OVERLOADED = "overloaded"  # the engine has no capacity for another stream now
+    NOT_READY = "not_ready"  # the engine is starting or stopping
+    INTERNAL = "internal"  # a failure inside the server or engine; the session goes on
+
+
+class ProtocolError(VoiceOutError):
+    """A client message that cannot be applied. ``id`` is the utterance it concerns, if known."""
+
+    def __init__(self, code: ErrorCode, message: str, id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.id = id
+
+
+# --------------------------------------------------------------------------------------------
+# Client -> server
+
+
+@dataclass(frozen=True)
+class ClientMessage:
+    """Base of every client message."""
+
+
+@dataclass(frozen=True)
+class DataMessage(ClientMessage):
+    """Applied in arrival order."""
+
+
+@dataclass(frozen=True)
+class InterruptMessage(ClientMessage):
+    """Applied at once, ahead of queued work: it drops audio that has not been played."""
+
+
+@dataclass(frozen=True)
+class TextDelta(DataMessage):
+    """Append ``delta`` to utterance ``id``; a new id starts an utterance in ``voice``."""
+
+    id: str
+    delta: str
+    voice: str | None = None
+
+
+@dataclass(frozen=True)
+class TextDone(DataMessage):
+    """No more text for ``id``."""
+
+    id: str
+
+
+@dataclass(frozen=True)
+class Cancel(InterruptMessage):
+    """Barge-in: stop everything (``id`` None) or ``id`` and every utterance started after it."""
+
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class Ping(DataMessage):
+    """Answered by :class:`Pong` with the same ``t``."""
+
+    t: float | int
+
+
+# --------------------------------------------------------------------------------------------
+# Server -> client
+
+
+@dataclass(frozen=True)
+class ServerMessage:
+    """Base of every server message; ``TYPE`` is the wire ``"type"``."""
+
+    TYPE = ""
+
+
+@dataclass(frozen=True)
+class SessionReady(ServerMessage):
+    TYPE = "session.ready"
+    session_id: str
+    sample_rate: int
+    voices: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AudioStarted(ServerMessage):
+    TYPE = "audio.started"
+    id: str
+    ttfa_ms: float
+
+
+@dataclass(frozen=True)
+class AudioDone(ServerMessage):
+    TYPE = "audio.done"
+    id: str
+    audio_ms: float
+
+
+@dataclass(frozen=True)
+class Cancelled(ServerMessage):
+    TYPE = "cancelled"
+    id: str
+    played_ms: float
+    played_text: str
+
+
+@dataclass(frozen=True)
+class Error(ServerMessage):
+    TYPE = "error"
+    id: str | None
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Pong(ServerMessage):
+    TYPE = "pong"
+    t: float | int
+
+
+SERVER_TYPES: dict[str, type[ServerMessage]] = {
+    cls.TYPE: cls for cls in (SessionReady, AudioStarted, AudioDone, Cancelled, Error, Pong)
+}
+
+
+def to_dict(msg: ServerMessage) -> dict[str, Any]:
+    """The wire object of a server message (``type`` first)."""
+    body = asdict(msg)
+    if isinstance(msg, SessionReady):
+        body["voices"] = list(msg.voices)
+    for key in ("ttfa_ms", "audio_ms", "played_ms"):
+        if key in body:
+            body[key] = round(float(body[key]), 3)
+    return {"type": msg.TYPE, **body}
+
+
+def dumps(msg: ServerMessage) -> str:
+    """Serialize a server message to JSON text."""
+    return json.dumps(to_dict(msg), ensure_ascii=False, separators=(",", ":"))
+
+
+def error_from(exc: ProtocolError) -> Error:
+    return Error(id=exc.id, code=str(exc.code), message=exc.message)
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing
+
+
+def _field(obj: dict[str, Any], name: str, mtype: str, id: str | None = None) -> Any:
+    if name not in obj:
+        raise ProtocolError(ErrorCode.MISSING_FIELD, f"{mtype}: missing field {name!r}", id)
+    return obj[name]
+
+
+def _id(obj: dict[str, Any], mtype: str, *, required: bool = True) -> str | None:
+    if not required and obj.get("id") is None:
+        return None
+    value = _field(obj, "id", mtype)
+    if not isinstance(value, str) or not value:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{mtype}: 'id' must be a non-empty string, got {value!r:.40}")
+    if len(value) > MAX_ID_CHARS:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{mtype}: 'id' is longer than {MAX_ID_CHARS} characters")
+    return value
+
+
+def parse(text: str | bytes) -> ClientMessage:
+    """Parse one client message. Raises :class:`ProtocolError` with a stable code."""
+    if isinstance(text, bytes | bytearray):
+        raise ProtocolError(ErrorCode.BAD_JSON, "binary messages are not part of the protocol; send JSON text")
+    if len(text) > MAX_MESSAGE_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE, f"message larger than {MAX_MESSAGE_BYTES} bytes")
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise ProtocolError(ErrorCode.BAD_JSON, f"message is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.BAD_JSON, f"message must be a JSON object, got {type(obj).__name__}")
+    mtype = obj.get("type")
+    if mtype is None:
+        raise ProtocolError(ErrorCode.MISSING_FIELD, "message has no 'type'")
+    if not isinstance(mtype, str):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"'type' must be a string, got {type(mtype).__name__}")
+
+    if mtype == "text.delta":
+        uid = _id(obj, mtype)
+        delta = _field(obj, "delta", mtype, uid)
+        if not isinstance(delta, str):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"text.delta: 'delta' must be a string, got {delta!r:.40}", uid)
+        voice = obj.get("voice")
+        if voice is not None and (not isinstance(voice, str) or not voice or len(voice) > MAX_VOICE_CHARS):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, f"text.delta: 'voice' must be a voice name, got {voice!r:.40}", uid
+            )
+        assert uid is not None
+        return TextDelta(id=uid, delta=delta, voice=voice)
+    if mtype == "text.done":
+        uid = _id(obj, mtype)
+        assert uid is not None
+        return TextDone(id=uid)
+    if mtype == "cancel":
+        return Cancel(id=_id(obj, mtype, required=False))
+    if mtype == "ping":
+        t = _field(obj, "t", mtype)
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"ping: 't' must be a number, got {t!r:.40}")
+        return Ping(t=t)
+    raise ProtocolError(
+        ErrorCode.UNKNOWN_TYPE,
+        f"unknown message type {mtype!r:.40}; expected text.delta, text.done, cancel or ping",
+    )
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_server(text: str) -> ServerMessage:
+    """Parse a server message (for clients). Raises ValueError on anything malformed."""
+    obj = json.loads(text)
+    if not isinstance(obj, dict) or obj.get("type") not in SERVER_TYPES:
+        raise ValueError(f"not a protocol v1 server message: {text[:80]!r}")
+    cls = SERVER_TYPES[obj.pop("type")]
+    known = {f.name for f in fields(cls)}
+    kwargs = {k: v for k, v in obj.items() if k in known}
+    if cls is SessionReady:
+        kwargs["voices"] = tuple(kwargs.get("voices", ()))
+    return cls(**kwargs)

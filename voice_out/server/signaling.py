@@ -1,0 +1,222 @@
+"""Sessions and their peer connections: admission, SDP offer/answer, and every way one ends.
+
+:class:`SessionManager` owns the sessions of one server. ``offer()`` admits a client (or raises
+:class:`AdmissionError`), negotiates an aiortc ``RTCPeerConnection`` that sends the session's
+:class:`~voice_out.server.track.UtteranceTrack` on the client's recvonly audio transceiver, and
+joins the client's data channel ``voice_out`` to the session. A session ends when its data
+channel closes, its connection fails or closes, it does not connect within
+``connect_timeout_s``, or the server shuts down; ending cancels its streams, awaits its tasks
+and closes the peer connection. Every task the manager starts is tracked and awaited.
+
+Threads: asyncio thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc.rtcdatachannel import RTCDataChannel
+
+from voice_out.engine.api import EngineLike
+from voice_out.errors import VoiceOutError
+from voice_out.server.metrics import Metrics
+from voice_out.server.protocol import CHANNEL_LABEL
+from voice_out.server.session import Session
+from voice_out.server.track import Clock, UtteranceTrack
+
+log = logging.getLogger(__name__)
+
+
+class AdmissionError(VoiceOutError):
+    """An offer refused (HTTP 503 for capacity, 400 for a bad offer). ``code`` is stable."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class ChannelSink:
+    """Sends a session's messages on its data channel (dropped once the channel is not open)."""
+
+    def __init__(self, channel: RTCDataChannel) -> None:
+        self.channel = channel
+
+    def send(self, text: str) -> None:
+        if self.channel.readyState == "open":
+            self.channel.send(text)
+
+    def close(self) -> None:
+        """The peer connection closes the channel."""
+
+
+@dataclass(eq=False)
+class Peer:
+    session: Session
+    pc: RTCPeerConnection
+    connected: asyncio.Event
+    watch: asyncio.Task[None] | None = None
+
+
+class SessionManager:
+    """The sessions of one server (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: EngineLike,
+        metrics: Metrics,
+        *,
+        max_sessions: int = 32,
+        max_queued_utterances: int = 16,
+        max_text_chars: int = 4000,
+        connect_timeout_s: float = 30.0,
+        clock_factory: Callable[[], Clock] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_sessions = max_sessions
+        self.max_queued_utterances = max_queued_utterances
+        self.max_text_chars = max_text_chars
+        self.connect_timeout_s = connect_timeout_s
+        self.clock_factory = clock_factory
+        self.peers: dict[str, Peer] = {}
+        self.accepting = True
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.peers)
+
+    def get(self, session_id: str) -> Session | None:
+        peer = self.peers.get(session_id)
+        return peer.session if peer is not None else None
+
+    @property
+    def n_tasks(self) -> int:
+        """Tasks of the manager and of every session (for leak checks)."""
+        return len(self._tasks) + sum(p.session.n_tasks for p in self.peers.values())
+
+    def check_admission(self) -> None:
+        """Raise :class:`AdmissionError` (503) unless a new session can be admitted now."""
+        if not self.accepting or not self.engine.ready:
+            raise AdmissionError(503, "not_ready", "the server is starting or shutting down; retry shortly")
+        if len(self.peers) >= self.max_sessions:
+            self.metrics.sessions_rejected.inc()
+            raise AdmissionError(
+                503,
+                "too_many_sessions",
+                f"the server is at its limit of {self.max_sessions} sessions; retry later",
+            )
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def offer(self, sdp: str) -> dict[str, str]:
+        """Admit a client and answer its SDP offer: ``{"sdp", "type": "answer", "session_id"}``."""
+        self.check_admission()
+        if "m=audio" not in sdp:
+            raise AdmissionError(
+                400, "bad_offer", "the offer has no audio section: add a recvonly audio transceiver before the offer"
+            )
+        session_id = uuid.uuid4().hex
+        clock = self.clock_factory() if self.clock_factory is not None else None
+        track = UtteranceTrack(sample_rate=self.engine.sample_rate, clock=clock)
+        session = Session(
+            session_id,
+            self.engine,
+            metrics=self.metrics,
+            max_queued_utterances=self.max_queued_utterances,
+            max_text_chars=self.max_text_chars,
+            track=track,
+        )
+        # No ICE servers: host candidates only, nothing is ever sent to a STUN server.
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        peer = Peer(session, pc, asyncio.Event())
+        self.peers[session_id] = peer  # counted from now on, so concurrent offers respect the limit
+        self.metrics.active_sessions.inc()
+
+        @pc.on("datachannel")
+        def on_datachannel(channel: RTCDataChannel) -> None:
+            if channel.label != CHANNEL_LABEL:
+                log.info("session %s: closing data channel %r (expected %r)", session_id, channel.label, CHANNEL_LABEL)
+                channel.close()
+                return
+            sink = ChannelSink(channel)
+
+            @channel.on("message")
+            def on_message(message: str | bytes) -> None:
+                session.receive(message, reply=sink)
+
+            @channel.on("close")
+            def on_close() -> None:
+                self.end(session_id, "data channel closed")
+
+            session.add_sink(sink)
+
+        @pc.on("connectionstatechange")
+        def on_state() -> None:
+            state = pc.connectionState
+            if state == "connected":
+                peer.connected.set()
+            elif state in ("failed", "closed"):
+                self.end(session_id, f"connection {state}")
+
+        try:
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+            pc.addTrack(track)
+            answer = await pc.createAnswer()
+            await pc.setLocalDescription(answer)
+        except Exception as e:
+            await self.close(session_id)
+            raise AdmissionError(400, "bad_offer", f"the offer could not be negotiated: {e}") from None
+        peer.watch = self._spawn(self._watch_connect(session_id, peer), name=f"connect-watch {session_id}")
+        local = pc.localDescription
+        return {"sdp": local.sdp, "type": local.type, "session_id": session_id}
+
+    async def _watch_connect(self, session_id: str, peer: Peer) -> None:
+        try:
+            await asyncio.wait_for(peer.connected.wait(), self.connect_timeout_s)
+        except TimeoutError:
+            log.info("session %s: not connected after %.0f s; closing", session_id, self.connect_timeout_s)
+            self.end(session_id, "connect timeout")
+
+    def end(self, session_id: str, reason: str) -> None:
+        """Close a session from a synchronous callback (the close runs as an owned task)."""
+        if session_id in self.peers:
+            log.info("session %s: ending (%s)", session_id, reason)
+            self._spawn(self.close(session_id), name=f"close {session_id}")
+
+    async def close(self, session_id: str) -> None:
+        """Close one session and its peer connection (idempotent)."""
+        peer = self.peers.pop(session_id, None)
+        if peer is None:
+            return
+        self.metrics.active_sessions.dec()
+        if peer.watch is not None and peer.watch is not asyncio.current_task():
+            peer.watch.cancel()
+        try:
+            await peer.session.close()
+        finally:
+            with contextlib.suppress(Exception):
+                await peer.pc.close()
+
+    async def close_all(self) -> None:
+        """Stop admitting, close every session, then await every task the manager started."""
+        self.accepting = False
+        await asyncio.gather(*(self.close(sid) for sid in list(self.peers)), return_exceptions=True)
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)

@@ -1,0 +1,383 @@
+"""The outgoing audio track: utterances played in order, paced by the clock, cut on barge-in.
+
+:class:`UtteranceTrack` is an aiortc ``MediaStreamTrack`` that emits 20 ms s16 mono frames at
+24 kHz (aiortc's Opus encoder resamples to 48 kHz). ``pts`` comes from a sample counter and
+``recv`` sleeps until ``start + pts / sample_rate``, so RTP time never drifts; when there is
+nothing to play it emits silence, so RTP never stalls.
+
+Utterances are opened in start order and played in that order without gaps: when one ends
+inside a frame, the next one fills the rest of that frame. On cancel, queued audio is dropped
+and the utterance that was audible gets a linear fade of at most 5 ms (no click), then silence.
+
+The track accounts for what was actually *sent* (handed to the encoder) per utterance, so the
+``played_ms`` / ``played_text`` of a cancel are exact: only samples returned by ``recv`` count.
+
+Threads: every method runs on the asyncio thread. The per-frame work is a copy of at most 480
+int16 samples; encoding runs in aiortc's executor, so nothing heavy happens on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fractions
+import time
+import unicodedata
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from av import AudioFrame
+
+from voice_out.engine.api import SAMPLE_RATE, PcmChunk
+
+FRAME_MS = 20
+FADE_MS = 5
+#: When ``recv`` is called this late, re-anchor the clock instead of sending a burst.
+MAX_LAG_S = 0.2
+
+
+class Clock(Protocol):
+    """Time source of the track (seconds). Tests inject a fake one."""
+
+    def now(self) -> float: ...
+
+    async def sleep_until(self, t: float) -> None: ...
+
+
+class MonotonicClock:
+    """The real clock: ``time.monotonic`` and ``asyncio.sleep``."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep_until(self, t: float) -> None:
+        delay = t - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+# --------------------------------------------------------------------------------------------
+# Events the track reports (delivered synchronously from ``recv``, in order).
+
+
+@dataclass(frozen=True)
+class Started:
+    """The first sample of utterance ``id`` went out in a frame at time ``t``."""
+
+    id: str
+    t: float
+
+
+@dataclass(frozen=True)
+class Done:
+    """The last sample of ``id`` went out at time ``t``; ``n_samples`` were sent in all."""
+
+    id: str
+    n_samples: int
+    t: float
+
+
+@dataclass(frozen=True)
+class Underrun:
+    """``id`` was playing and its buffer ran dry before its audio was complete."""
+
+    id: str
+
+
+@dataclass(frozen=True)
+class Silenced:
+    """The fade after a cancel has been sent: ``latency_s`` from cancel to the last audible sample."""
+
+    latency_s: float
+
+
+TrackEvent = Started | Done | Underrun | Silenced
+
+
+@dataclass(frozen=True)
+class PlayoutReport:
+    """What the listener got of one utterance that was removed (cancelled or failed).
+
+    ``n_samples`` excludes the fade-out; ``text_end`` is the ``PcmChunk.text_end`` of the last
+    chunk of which at least one sample was sent (0 when nothing was).
+    """
+
+    id: str
+    n_samples: int
+    text_end: int
+    sample_rate: int = SAMPLE_RATE
+
+    @property
+    def played_ms(self) -> float:
+        return 1000.0 * self.n_samples / self.sample_rate
+
+
+@dataclass(eq=False)
+class _Playout:
+    """One utterance in the play queue."""
+
+    id: str
+    pending: deque[tuple[np.ndarray, int]] = field(default_factory=deque)  # (int16 [n], text_end)
+    head_offset: int = 0  # samples of pending[0] already taken
+    pending_samples: int = 0
+    complete: bool = False  # no more audio will be pushed
+    n_sent: int = 0
+    text_end: int = 0
+    started: bool = False
+    starved: bool = False
+    room: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def take(self, n: int) -> np.ndarray:
+        """Remove and return up to ``n`` samples (int16)."""
+        parts: list[np.ndarray] = []
+        while n > 0 and self.pending:
+            arr, text_end = self.pending[0]
+            piece = arr[self.head_offset : self.head_offset + n]
+            parts.append(piece)
+            self.text_end = text_end
+            self.head_offset += len(piece)
+            n -= len(piece)
+            if self.head_offset >= len(arr):
+                self.pending.popleft()
+                self.head_offset = 0
+        out = np.concatenate(parts) if len(parts) != 1 else parts[0]
+        self.pending_samples -= len(out)
+        self.n_sent += len(out)
+        self.room.set()
+        return out
+
+    def peek(self, n: int) -> np.ndarray:
+        parts: list[np.ndarray] = []
+        offset = self.head_offset
+        for arr, _ in self.pending:
+            piece = arr[offset : offset + n]
+            parts.append(piece)
+            n -= len(piece)
+            offset = 0
+            if n <= 0:
+                break
+        return np.concatenate(parts) if parts else np.zeros(0, np.int16)
+
+
+def pcm_to_s16(pcm: np.ndarray) -> np.ndarray:
+    """float32 [-1, 1] -> int16, clipped."""
+    return (np.clip(np.asarray(pcm, dtype=np.float32), -1.0, 1.0) * 32767.0).astype(np.int16)
+
+
+class UtteranceTrack(MediaStreamTrack):
+    """An audio track that plays queued utterances gaplessly and emits silence in between.
+
+    ``on_event`` receives :data:`TrackEvent` s synchronously from ``recv``, after the frame that
+    caused them has been built (so ``Started`` follows the frame holding the first sample).
+    """
+
+    kind = "audio"
+
+    def __init__(
+        self,
+        *,
+        sample_rate: int = SAMPLE_RATE,
+        clock: Clock | None = None,
+        on_event: Callable[[TrackEvent], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.sample_rate = sample_rate
+        self.frame_samples = sample_rate * FRAME_MS // 1000
+        self.fade_samples = sample_rate * FADE_MS // 1000
+        self.time_base = fractions.Fraction(1, sample_rate)
+        self.clock: Clock = clock or MonotonicClock()
+        self.on_event = on_event
+        self._queue: deque[_Playout] = deque()
+        self._by_id: dict[str, _Playout] = {}
+        self._fade = np.zeros(0, np.int16)
+        self._cancel_t: float | None = None
+        self._start: float | None = None
+        self._pts = 0
+        self.frames_sent = 0
+
+    # -- feeding (asyncio thread) ------------------------------------------------------------
+
+    def open(self, uid: str) -> None:
+        """Reserve ``uid``'s place: it plays after every utterance opened before it."""
+        if uid in self._by_id:
+            raise ValueError(f"utterance {uid!r} is already queued")
+        p = _Playout(uid)
+        self._queue.append(p)
+        self._by_id[uid] = p
+
+    def push(self, uid: str, chunk: PcmChunk) -> None:
+        """Append a chunk of ``uid``'s audio. Ignored when ``uid`` was cancelled meanwhile."""
+        p = self._by_id.get(uid)
+        if p is None or p.complete:
+            return
+        s16 = pcm_to_s16(chunk.pcm)
+        if len(s16):
+            p.pending.append((s16, chunk.text_end))
+            p.pending_samples += len(s16)
+        if chunk.final:
+            p.complete = True
+
+    def finish(self, uid: str) -> None:
+        """No more audio for ``uid``; it ends when its buffer is played."""
+        p = self._by_id.get(uid)
+        if p is not None:
+            p.complete = True
+
+    def has(self, uid: str) -> bool:
+        return uid in self._by_id
+
+    def queued_ids(self) -> list[str]:
+        return [p.id for p in self._queue]
+
+    def buffered_samples(self, uid: str) -> int:
+        p = self._by_id.get(uid)
+        return 0 if p is None else p.pending_samples
+
+    async def wait_room(self, uid: str, max_samples: int) -> None:
+        """Wait until ``uid`` holds at most ``max_samples`` unplayed samples (or is gone)."""
+        while True:
+            p = self._by_id.get(uid)
+            if p is None or p.pending_samples <= max_samples or self.readyState != "live":
+                return
+            p.room.clear()
+            await p.room.wait()
+
+    def flush(self, uid: str | None = None) -> list[PlayoutReport]:
+        """Drop ``uid`` and everything opened after it (None: everything), in queue order.
+
+        If the utterance being heard is dropped, its next <= 5 ms fade out to silence.
+        """
+        if uid is None:
+            victims = list(self._queue)
+        else:
+            ids = [p.id for p in self._queue]
+            if uid not in ids:
+                return []
+            victims = list(self._queue)[ids.index(uid) :]
+        return self._remove(victims)
+
+    def drop(self, uid: str) -> PlayoutReport | None:
+        """Remove only ``uid`` (a failed utterance); later ones move up."""
+        p = self._by_id.get(uid)
+        if p is None:
+            return None
+        return self._remove([p])[0]
+
+    def _remove(self, victims: list[_Playout]) -> list[PlayoutReport]:
+        reports = []
+        head = self._queue[0] if self._queue else None
+        for p in victims:
+            if p is head and p.started and not len(self._fade):
+                tail = p.peek(self.fade_samples)
+                if len(tail):
+                    ramp = np.linspace(1.0, 0.0, len(tail) + 1, dtype=np.float32)[1:]
+                    self._fade = (tail.astype(np.float32) * ramp).astype(np.int16)
+                self._cancel_t = self.clock.now()
+            self._queue.remove(p)
+            del self._by_id[p.id]
+            p.room.set()
+            reports.append(PlayoutReport(p.id, p.n_sent, p.text_end if p.n_sent else 0, self.sample_rate))
+        return reports
+
+    # -- playing -------------------------------------------------------------------------------
+
+    def next_frame(self, now: float) -> tuple[np.ndarray, list[TrackEvent]]:
+        """Build the next frame (int16 [frame_samples]) and the events it causes."""
+        n = self.frame_samples
+        out = np.zeros(n, np.int16)
+        events: list[TrackEvent] = []
+        pos = 0
+        if len(self._fade):
+            k = min(n, len(self._fade))
+            out[:k] = self._fade[:k]
+            self._fade = self._fade[k:]
+            pos = k
+            if not len(self._fade) and self._cancel_t is not None:
+                events.append(Silenced(now - self._cancel_t))
+                self._cancel_t = None
+        while pos < n and self._queue:
+            p = self._queue[0]
+            if p.pending_samples:
+                piece = p.take(n - pos)
+                out[pos : pos + len(piece)] = piece
+                pos += len(piece)
+                p.starved = False
+                if not p.started:
+                    p.started = True
+                    events.append(Started(p.id, now))
+            if p.pending_samples == 0:
+                if not p.complete:
+                    if p.started and not p.starved:
+                        p.starved = True
+                        events.append(Underrun(p.id))
+                    break
+                self._queue.popleft()
+                del self._by_id[p.id]
+                p.room.set()
+                events.append(Done(p.id, p.n_sent, now))
+        if self._cancel_t is not None and not len(self._fade):
+            # Cancelled with nothing left to fade: silent from this frame on.
+            events.append(Silenced(now - self._cancel_t))
+            self._cancel_t = None
+        return out, events
+
+    async def recv(self) -> AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        if self._start is None:
+            self._start = self.clock.now()
+        else:
+            self._pts += self.frame_samples
+            target = self._start + self._pts / self.sample_rate
+            lag = self.clock.now() - target
+            if lag > MAX_LAG_S:
+                self._start += lag
+            else:
+                await self.clock.sleep_until(target)
+            if self.readyState != "live":
+                raise MediaStreamError
+        samples, events = self.next_frame(self.clock.now())
+        frame = AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = self.sample_rate
+        frame.pts = self._pts
+        frame.time_base = self.time_base
+        self.frames_sent += 1
+        if self.on_event is not None:
+            for ev in events:
+                self.on_event(ev)
+        return frame
+
+    def stop(self) -> None:
+        for p in self._queue:
+            p.room.set()
+        super().stop()
+
+
+# --------------------------------------------------------------------------------------------
+# What was heard, as text
+
+
+def _in_word(ch: str) -> bool:
+    """True for characters of space-delimited scripts that continue a word."""
+    if ch.isalnum() or ch in "'’-":
+        return unicodedata.east_asian_width(ch) not in ("W", "F")
+    return False
+
+
+def heard_text(text: str, text_end: int, text_complete: bool) -> str:
+    """The input text up to ``text_end``, cut back to a word boundary.
+
+    A cut inside a word (or at the end of text that may still grow, ``text_complete`` False)
+    drops the partial word; CJK characters count as words of their own.
+    """
+    text_end = max(0, min(text_end, len(text)))
+    if text_end == len(text) and text_complete:
+        return text.rstrip()
+    cut = text_end
+    if cut > 0 and _in_word(text[cut - 1]) and (cut == len(text) or _in_word(text[cut])):
+        while cut > 0 and _in_word(text[cut - 1]):
+            cut -= 1
+    return text[:cut].rstrip()
