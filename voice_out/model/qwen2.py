@@ -35,16 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from voice_out.model.llm_inputs import KIND_LLM, KIND_SPEECH, KIND_TEXT
+
 #: Fixed by the model family (spec 2.1): 6561 FSQ codes, then EOS, a reserved stop id and FILL.
 SPEECH_TOKEN_SIZE = 6561
 N_SPEECH_SPECIALS = 3
-#: Rows of ``llm_embedding``.
-SOS_ROW = 0
-TASK_ID_ROW = 1
-#: ``kind`` of an input row (matches the parity traces' ``lm_input_ids`` / ``fed_ids``).
-KIND_LLM = 0
-KIND_TEXT = 1
-KIND_SPEECH = 2
 
 
 @dataclass(frozen=True)
