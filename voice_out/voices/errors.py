@@ -85,6 +85,12 @@ class VoiceStoreCorruptError(VoiceError):
     code = "voice_corrupt"
 
 
+class VoiceStoreWriteError(VoiceError):
+    """The store directory could not be written (disk full, permissions, I/O error)."""
+
+    code = "voice_store_write_failed"
+
+
 class IncompatibleVoiceError(VoiceError):
     """The voice was extracted with other prompt networks than the loaded model's."""
 

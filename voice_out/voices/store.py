@@ -61,6 +61,7 @@ from voice_out.voices.errors import (
     UnsupportedAudioError,
     VoiceExistsError,
     VoiceStoreCorruptError,
+    VoiceStoreWriteError,
 )
 from voice_out.voices.onnx import MAX_PROMPT_S
 from voice_out.voices.prompt import MIN_PROMPT_S, PromptExtractor, VoicePrompt, check_prompt_audio
@@ -400,10 +401,10 @@ class VoiceStore:
                     os.rename(tmp, final)
                 except OSError as e:
                     if trash is not None:
-                        os.rename(trash, final)
-                    if final.exists():
+                        os.rename(trash, final)  # put the old voice back
+                    elif final.exists():  # another process won the race
                         raise VoiceExistsError(f"a voice named {name!r} already exists") from None
-                    raise VoiceStoreCorruptError(f"cannot store voice {name!r}: {e}") from None
+                    raise VoiceStoreWriteError(f"cannot store voice {name!r} in {self.directory}: {e}") from None
                 _fsync_dir(self.directory)
                 self._cache.pop(name, None)
             if trash is not None:
