@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 
 from hypothesis import given, settings
@@ -297,3 +299,8 @@ def test_default_schedule_feeds_everything_once_in_order(
             break
         run = 0 if token == FILL else run + 1
         assert run <= 15
+
+
+def test_module_does_not_need_torch() -> None:
+    code = "import sys; sys.modules['torch'] = None; import voice_out.text.bistream"
+    subprocess.run([sys.executable, "-c", code], check=True)
