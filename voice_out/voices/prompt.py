@@ -98,8 +98,18 @@ def check_prompt_audio(
         )
 
 
-def compute_features(samples: np.ndarray | torch.Tensor, sample_rate: int, *, n_mels: int = 128) -> PromptFeatures:
-    """All frontend features of mono float32 audio at ``sample_rate`` (>= 16 kHz)."""
+def compute_features(
+    samples: np.ndarray | torch.Tensor,
+    sample_rate: int,
+    *,
+    n_mels: int = features.WHISPER_N_MELS,
+    n_fbank: int = features.FBANK_N_MELS,
+) -> PromptFeatures:
+    """All frontend features of mono float32 audio at ``sample_rate`` (>= 16 kHz).
+
+    ``n_mels`` / ``n_fbank``: bins of the Whisper log-mel and of the fbank (read them from the
+    ONNX networks' inputs).
+    """
     check_sample_rate(sample_rate)
     wave = torch.as_tensor(samples, dtype=torch.float32).reshape(-1)
     speech_16k = resample(wave, sample_rate, TOKENIZER_SAMPLE_RATE)
@@ -107,7 +117,7 @@ def compute_features(samples: np.ndarray | torch.Tensor, sample_rate: int, *, n_
     return PromptFeatures(
         speech_16k=speech_16k,
         whisper_log_mel=features.whisper_log_mel(speech_16k, n_mels),
-        fbank_cmn=features.mean_normalize(features.kaldi_fbank(speech_16k)),
+        fbank_cmn=features.mean_normalize(features.kaldi_fbank(speech_16k, n_fbank)),
         speech_24k=speech_24k,
         prompt_mel=features.prompt_mel(speech_24k),
     )
@@ -182,7 +192,7 @@ class PromptExtractor:
             raise AudioTooLongError(f"the prompt is {duration:.1f} s long; at most {MAX_PROMPT_S:g} s is accepted")
         with self._lock:
             tokenizer, embedder = self._networks()
-            feats = compute_features(wave, sample_rate, n_mels=tokenizer.n_mels)
+            feats = compute_features(wave, sample_rate, n_mels=tokenizer.n_mels, n_fbank=embedder.n_mels)
             tokens = tokenizer(feats.whisper_log_mel)
             embedding = embedder(feats.fbank_cmn)
         n_mel = int(feats.prompt_mel.shape[0])
