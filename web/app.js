@@ -72,6 +72,7 @@ const voiceOut = {
   listVoices,
   uploadVoice,
   deleteVoice,
+  record: recordFor,
   setThreshold(value) {
     audio.threshold = value;
   },
@@ -731,7 +732,10 @@ async function listVoices() {
   return list.map(voiceName);
 }
 
+/** POST /voices. `audioBlob` null: the last recording. Selects the new voice. */
 async function uploadVoice(name, audioBlob, transcript, filename = "prompt.wav") {
+  audioBlob = audioBlob || state.recordedWav;
+  if (!audioBlob) throw new Error("no audio: choose a file or record one");
   const form = new FormData();
   form.append("name", name);
   form.append("transcript", transcript);
@@ -750,11 +754,17 @@ async function deleteVoice(name) {
 }
 
 async function toggleRecording() {
+  if (state.recorder) stopRecording();
+  else await startRecording();
+}
+
+/**
+ * Record from the microphone until stopRecording(). Resolves, once recording has started, to
+ * {finished}: a promise of the WAV blob, settled when it stops. The WAV is also kept in
+ * state.recordedWav for "Register voice".
+ */
+async function startRecording() {
   const button = $("record");
-  if (state.recorder) {
-    state.recorder.stop();
-    return;
-  }
   await ensureAudio();
   const stream = await navigator.mediaDevices.getUserMedia({
     audio: { echoCancellation: false, noiseSuppression: false, autoGainControl: true },
@@ -765,27 +775,46 @@ async function toggleRecording() {
   const timer = setInterval(() => {
     $("record-status").textContent = `recording… ${((now() - started) / 1000).toFixed(1)} s`;
   }, 100);
-  recorder.ondataavailable = (e) => chunks.push(e.data);
-  recorder.onstop = async () => {
-    clearInterval(timer);
-    for (const track of stream.getTracks()) track.stop();
-    state.recorder = null;
-    button.textContent = "Record with microphone";
-    button.classList.remove("recording");
-    try {
-      state.recordedWav = await toWav(new Blob(chunks, { type: recorder.mimeType }));
-      const preview = $("recording-preview");
-      preview.src = URL.createObjectURL(state.recordedWav);
-      preview.hidden = false;
-      $("record-status").textContent = `recorded ${((now() - started) / 1000).toFixed(1)} s; type its transcript`;
-    } catch (err) {
-      $("record-status").textContent = `could not decode the recording: ${err}`;
-    }
-  };
+  const finished = new Promise((resolve, reject) => {
+    recorder.ondataavailable = (e) => chunks.push(e.data);
+    recorder.onstop = async () => {
+      clearInterval(timer);
+      for (const track of stream.getTracks()) track.stop();
+      state.recorder = null;
+      button.textContent = "Record with microphone";
+      button.classList.remove("recording");
+      try {
+        const wav = await toWav(new Blob(chunks, { type: recorder.mimeType }));
+        state.recordedWav = wav;
+        const preview = $("recording-preview");
+        preview.src = URL.createObjectURL(wav);
+        preview.hidden = false;
+        $("record-status").textContent = `recorded ${((now() - started) / 1000).toFixed(1)} s; type its transcript`;
+        resolve(wav);
+      } catch (err) {
+        $("record-status").textContent = `could not decode the recording: ${err}`;
+        reject(err);
+      }
+    };
+  });
   state.recorder = recorder;
   recorder.start();
   button.textContent = "Stop recording";
   button.classList.add("recording");
+  return { finished };
+}
+
+function stopRecording() {
+  if (state.recorder && state.recorder.state !== "inactive") state.recorder.stop();
+}
+
+/** Record `ms` of microphone audio; returns the WAV's size and duration (for tests). */
+async function recordFor(ms) {
+  const { finished } = await startRecording();
+  await sleep(ms);
+  stopRecording();
+  const wav = await finished;
+  return { bytes: wav.size, seconds: (wav.size - 44) / 2 / state.audioCtx.sampleRate };
 }
 
 /** Decode a recording (webm/ogg) and re-encode it as 16-bit mono WAV, which any server reads. */

@@ -1,0 +1,356 @@
+"""A real browser against the real server: headless Chromium opens the demo page, connects over
+WebRTC, streams text like an LLM, barges in, and the page's own WebAudio measurements (see
+``window.voiceOut`` in web/app.js) are asserted.
+
+Chromium is driven through its DevTools protocol over a WebSocket (aiohttp), so the test needs
+no browser-automation package. Everything stays on this machine: the server listens on
+127.0.0.1 and the page loads nothing from elsewhere.
+
+Set ``VOICE_OUT_BROWSER_ARTIFACTS=<dir>`` to keep the screenshot and the page's measurements.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import re
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.conftest import chromium_path
+from tests.fakes import FakeEngine, FakeScript, FakeVoiceStore
+from voice_out.config import Config
+from voice_out.server.app import create_app
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--remote-debugging-port=0",
+    "--autoplay-policy=no-user-gesture-required",
+    "--use-fake-ui-for-media-stream",
+    "--use-fake-device-for-media-stream",
+    # Offer real host addresses instead of mDNS names, and let WebRTC use loopback too.
+    "--disable-features=WebRtcHideLocalIpsWithMdns",
+    "--allow-loopback-in-peer-connection",
+    "--window-size=1280,1200",
+)
+DEVTOOLS_LINE = re.compile(rb"DevTools listening on (ws://\S+)")
+LAUNCH_TIMEOUT_S = 20.0
+TEST_TIMEOUT_S = 90.0
+
+# What the page streams: first a short utterance played to the end, then a long one cut short.
+SHORT_TEXT = "Hello there, this is a short test."
+LONG_TEXT = (
+    "This is a much longer paragraph that keeps arriving word by word, just like the reply of a "
+    "language model, so that there is plenty of speech left to interrupt when the listener "
+    "decides to barge in and talk over the agent."
+)
+TOKENS_PER_S = 30
+# The voice the page records from Chromium's fake microphone and registers.
+VOICE = "browser_mic"
+TRANSCRIPT = "A short recording made in the browser."
+RECORD_MS = 3000
+
+
+class DevToolsError(RuntimeError):
+    pass
+
+
+class DevTools:
+    """A minimal Chrome DevTools protocol client: one browser WebSocket, flattened sessions."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        self._ws = ws
+        self._next_id = 0
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.events: list[dict[str, Any]] = []
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        async for message in self._ws:
+            if message.type != aiohttp.WSMsgType.TEXT:
+                continue
+            data = json.loads(message.data)
+            future = self._pending.pop(data["id"], None) if "id" in data else None
+            if future is None:
+                self.events.append(data)
+            elif not future.done():
+                if "error" in data:
+                    future.set_exception(DevToolsError(f"{data['error']}"))
+                else:
+                    future.set_result(data.get("result", {}))
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(DevToolsError("the browser closed the DevTools connection"))
+
+    async def send(
+        self, method: str, params: dict[str, Any] | None = None, session: str | None = None
+    ) -> dict[str, Any]:
+        self._next_id += 1
+        message: dict[str, Any] = {"id": self._next_id, "method": method, "params": params or {}}
+        if session is not None:
+            message["sessionId"] = session
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[self._next_id] = future
+        await self._ws.send_str(json.dumps(message))
+        return await asyncio.wait_for(future, 30)
+
+    async def close(self) -> None:
+        await self._ws.close()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+
+
+class Page:
+    """One browser tab, attached through a flattened DevTools session."""
+
+    def __init__(self, devtools: DevTools, session: str) -> None:
+        self.devtools = devtools
+        self.session = session
+
+    async def send(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await self.devtools.send(method, params, self.session)
+
+    async def evaluate(self, expression: str) -> Any:
+        """Evaluate JavaScript as if from a user gesture; await promises; return the value."""
+        result = await self.send(
+            "Runtime.evaluate",
+            {"expression": expression, "awaitPromise": True, "returnByValue": True, "userGesture": True},
+        )
+        if "exceptionDetails" in result:
+            details = result["exceptionDetails"]
+            text = details.get("exception", {}).get("description") or details.get("text")
+            raise DevToolsError(f"{expression!r} threw: {text}")
+        return result["result"].get("value")
+
+    async def wait_for(self, expression: str, timeout_s: float, what: str) -> Any:
+        """Poll ``expression`` until it is truthy; return its value."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = await self.evaluate(expression)
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{self.console()}")
+            await asyncio.sleep(0.05)
+
+    def console(self) -> str:
+        """The page's console output and uncaught exceptions so far (for failure messages)."""
+        lines = []
+        for event in self.devtools.events:
+            if event.get("method") == "Runtime.consoleAPICalled":
+                args = event["params"]["args"]
+                lines.append("console: " + " ".join(str(a.get("value", a.get("description"))) for a in args))
+            elif event.get("method") == "Runtime.exceptionThrown":
+                details = event["params"]["exceptionDetails"]
+                lines.append("exception: " + str(details.get("exception", {}).get("description", details)))
+        return "\n".join(lines)
+
+    async def screenshot(self) -> bytes:
+        """The whole page as PNG."""
+        result = await self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})
+        return base64.b64decode(result["data"])
+
+
+@contextlib.asynccontextmanager
+async def chromium(profile_dir: Path) -> AsyncIterator[Page]:
+    """Launch headless Chromium; yield its first tab."""
+    binary = chromium_path()
+    assert binary is not None
+    process = await asyncio.create_subprocess_exec(
+        binary,
+        *CHROMIUM_FLAGS,
+        f"--user-data-dir={profile_dir}",
+        "about:blank",
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    stderr_tail: deque[bytes] = deque(maxlen=50)
+    url = None
+    try:
+        async with asyncio.timeout(LAUNCH_TIMEOUT_S):
+            while url is None:
+                line = await process.stderr.readline()
+                if not line:
+                    raise RuntimeError("Chromium exited:\n" + b"".join(stderr_tail).decode(errors="replace"))
+                stderr_tail.append(line)
+                found = DEVTOOLS_LINE.search(line)
+                url = found.group(1).decode() if found else None
+
+        async def drain(stream: asyncio.StreamReader) -> None:
+            while line := await stream.readline():
+                stderr_tail.append(line)
+
+        drainer = asyncio.get_running_loop().create_task(drain(process.stderr))
+        async with aiohttp.ClientSession() as http:
+            ws = await http.ws_connect(url, max_msg_size=0)
+            devtools = DevTools(ws)
+            try:
+                target = await devtools.send("Target.createTarget", {"url": "about:blank"})
+                attached = await devtools.send(
+                    "Target.attachToTarget", {"targetId": target["targetId"], "flatten": True}
+                )
+                page = Page(devtools, attached["sessionId"])
+                await page.send("Runtime.enable")
+                await page.send("Page.enable")
+                yield page
+            finally:
+                with contextlib.suppress(Exception):
+                    await devtools.send("Browser.close")
+                await devtools.close()
+        drainer.cancel()
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), 10)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def running_server() -> AsyncIterator[str]:
+    """The real voice_out server on a free loopback port; yields its base URL."""
+    engine = FakeEngine(script=FakeScript(first_chunk_delay_s=0.05, ms_per_char=60.0))
+    app = create_app(Config(), engine, FakeVoiceStore(engine))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def browser_session(profile: Path, screenshots: dict[str, bytes]) -> dict[str, Any]:
+    """Drive the page through one conversation; return what the page measured."""
+    async with running_server() as base_url, chromium(profile) as page:
+        await page.send("Page.navigate", {"url": base_url + "/"})
+        await page.wait_for("window.voiceOut && window.voiceOut.loaded", 15, "the demo page to load")
+        session_id = await page.evaluate("voiceOut.connect()")
+        assert session_id, "POST /offer answered without a session id"
+
+        # 0. A voice recorded with the (fake) microphone, registered through POST /voices.
+        recorded = await page.evaluate(f"voiceOut.record({RECORD_MS})")
+        assert recorded["seconds"] > 0.8 * RECORD_MS / 1000, recorded
+        await page.evaluate(f"voiceOut.uploadVoice({json.dumps(VOICE)}, null, {json.dumps(TRANSCRIPT)})")
+        voices = await page.evaluate("voiceOut.listVoices()")
+        assert VOICE in voices, voices
+        assert await page.evaluate("document.getElementById('voice').value") == VOICE
+
+        # 1. A short utterance streamed like an LLM and played to the end.
+        short_id = await page.evaluate(f"voiceOut.stream({json.dumps(SHORT_TEXT)}, {{tps: {TOKENS_PER_S}}})")
+        await page.wait_for(
+            f"['done', 'error'].includes(voiceOut.utterances[{json.dumps(short_id)}].status)",
+            30,
+            "audio.done of the short utterance",
+        )
+        await asyncio.sleep(SILENCE_SETTLE_S)
+
+        # 2. A long utterance, interrupted once the page has heard it for a while.
+        long_id = await page.evaluate(f"voiceOut.stream({json.dumps(LONG_TEXT)}, {{tps: {TOKENS_PER_S}}})")
+        await page.wait_for(
+            f"voiceOut.utterances[{json.dumps(long_id)}].firstAudibleAt !== null", 30, "audio of the long utterance"
+        )
+        await asyncio.sleep(0.3)
+        screenshots["demo-playing.png"] = await page.screenshot()
+        await page.evaluate("voiceOut.cancel(null, 'test'), true")
+        await page.wait_for("voiceOut.bargeIns[0].silenceAt !== null", 10, "silence after the barge-in")
+        await asyncio.sleep(QUIET_AFTER_CANCEL_S)
+        await page.wait_for(
+            f"voiceOut.utterances[{json.dumps(long_id)}].status === 'cancelled'", 5, "the cancelled event"
+        )
+
+        measured: dict[str, Any] = await page.evaluate("voiceOut.summary()")
+        measured["short_id"] = short_id
+        measured["long_id"] = long_id
+        screenshots["demo.png"] = await page.screenshot()
+        return measured
+
+
+SILENCE_SETTLE_S = 0.5
+QUIET_AFTER_CANCEL_S = 1.0
+# Bounds on a CPU-only machine with the tiny model (the page's measurements; design §5).
+MAX_PAGE_TTFA_MS = 5000.0
+MAX_BARGE_IN_MS = 600.0
+
+
+def test_demo_page_speaks_and_barges_in(tmp_path: Path) -> None:
+    keep = os.environ.get("VOICE_OUT_BROWSER_ARTIFACTS")
+    artifacts = Path(keep) if keep else tmp_path
+    artifacts.mkdir(parents=True, exist_ok=True)
+    screenshots: dict[str, bytes] = {}
+    try:
+        measured = asyncio.run(asyncio.wait_for(browser_session(tmp_path / "profile", screenshots), TEST_TIMEOUT_S))
+    finally:
+        for name, png in screenshots.items():
+            (artifacts / name).write_bytes(png)
+    (artifacts / "measured.json").write_text(json.dumps(measured, indent=2))
+    check_measurements(measured)
+
+
+def check_measurements(m: dict[str, Any]) -> None:
+    short = m["utterances"][m["short_id"]]
+    long = m["utterances"][m["long_id"]]
+    audio = m["audio"]
+    events = m["events"]
+    types = [e["type"] for e in events]
+
+    # Events, in order: ready, then the short utterance start to end, then the long one cut.
+    assert types[0] == "session.ready", types
+    assert "error" not in types, [e for e in events if e["type"] == "error"]
+    by_id = [(e["type"], e.get("id")) for e in events if e.get("id") is not None]
+    assert by_id == [
+        ("audio.started", m["short_id"]),
+        ("audio.done", m["short_id"]),
+        ("audio.started", m["long_id"]),
+        ("cancelled", m["long_id"]),
+    ], by_id
+
+    # The page heard both utterances, with energy, soon after their first delta.
+    assert audio["meter"] == "worklet"
+    assert audio["maxRms"] > 10 * audio["threshold"], audio["maxRms"]
+    for u in (short, long):
+        assert u["voice"] == VOICE, u
+        assert u["pageTtfaMs"] is not None, u
+        assert 0 < u["pageTtfaMs"] < MAX_PAGE_TTFA_MS, u
+        # The page cannot hear audio before the server put it on the track.
+        assert u["serverTtfaMs"] is not None and u["serverTtfaMs"] <= u["pageTtfaMs"] + 50, u
+    assert short["audioMs"] > 300, short
+    assert audio["audibleMs"] > 0.5 * short["audioMs"], (audio["audibleMs"], short["audioMs"])
+
+    # Barge-in: the page was hearing the long utterance, then heard silence within the bound,
+    # and nothing after it.
+    (barge_in,) = m["bargeIns"]
+    assert barge_in["ids"] == [m["long_id"]]
+    assert long["firstAudibleAt"] < barge_in["at"]
+    assert barge_in["ms"] is not None and barge_in["ms"] < MAX_BARGE_IN_MS, barge_in
+    later_onsets = [o for o in audio["onsets"] if o["t"] > barge_in["silenceAt"]]
+    assert later_onsets == [], later_onsets
+    assert m["now"] - barge_in["silenceAt"] >= QUIET_AFTER_CANCEL_S * 1000 - 100
+    assert LONG_TEXT.startswith(long["playedText"]), long["playedText"]
+    assert 0 < long["playedMs"], long
