@@ -570,3 +570,111 @@ def test_cli_errors_are_one_line(tmp_path: Path, prompt_wav: Path, capsys: pytes
     bad.write_bytes(b"")
     assert main([*base, "--model", "random:tiny", "add", "bob", str(bad), "x"]) == 2
     assert visible_entries(tmp_path / "v") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX runners read their interface from the model
+
+
+class _Arg:
+    def __init__(self, name: str, type_: str, shape: list[Any]) -> None:
+        self.name, self.type, self.shape = name, type_, shape
+
+
+class _FakeSession:
+    """Stands in for an onnxruntime session with other names and integer types."""
+
+    def __init__(self, inputs: list[_Arg], outputs: list[_Arg], result: np.ndarray) -> None:
+        self._inputs, self._outputs, self.result = inputs, outputs, result
+        self.fed: dict[str, np.ndarray] = {}
+
+    def get_inputs(self) -> list[_Arg]:
+        return self._inputs
+
+    def get_outputs(self) -> list[_Arg]:
+        return self._outputs
+
+    def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        assert names == [self._outputs[0].name]
+        self.fed = feeds
+        return [self.result]
+
+
+def test_speech_tokenizer_reads_names_and_types(monkeypatch: pytest.MonkeyPatch) -> None:
+    from voice_out.voices import onnx as onnx_mod
+
+    fake = _FakeSession(
+        [_Arg("mel_len", "tensor(int64)", [1]), _Arg("mel", "tensor(float)", [1, 64, "T"])],
+        [_Arg("codes", "tensor(int64)", [1, 1, "T2"])],
+        np.arange(7, dtype=np.int64).reshape(1, 1, 7),
+    )
+    monkeypatch.setattr(onnx_mod, "open_session", lambda *a, **k: fake)
+    tokenizer = onnx_mod.SpeechTokenizer("unused.onnx")
+    assert (tokenizer.feats_name, tokenizer.length_name, tokenizer.n_mels) == ("mel", "mel_len", 64)
+    tokens = tokenizer(torch.zeros(64, 25))
+    assert tokens.dtype == torch.int32 and tokens.tolist() == list(range(7))
+    assert fake.fed["mel"].shape == (1, 64, 25) and fake.fed["mel"].dtype == np.float32
+    assert fake.fed["mel_len"].dtype == np.int64 and fake.fed["mel_len"].tolist() == [25]
+    with pytest.raises(AudioError) as e:
+        tokenizer(torch.zeros(64, 3001))
+    assert e.value.code == "audio_too_long"
+
+
+def test_speaker_embedder_reads_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    from voice_out.voices import onnx as onnx_mod
+
+    fake = _FakeSession(
+        [_Arg("fbank", "tensor(float)", ["B", "T", 80])],
+        [_Arg("xvec", "tensor(float)", ["B", 256])],
+        np.ones((1, 256), np.float32),
+    )
+    monkeypatch.setattr(onnx_mod, "open_session", lambda *a, **k: fake)
+    embedder = onnx_mod.SpeakerEmbedder("unused.onnx")
+    assert (embedder.input_name, embedder.n_mels, embedder.dim) == ("fbank", 80, 256)
+    out = embedder(torch.zeros(10, 80))
+    assert out.shape == (256,) and out.dtype == torch.float32
+    assert fake.fed["fbank"].shape == (1, 10, 80)
+
+
+def test_cuda_provider_first_when_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    import onnxruntime as ort
+
+    from voice_out.voices import onnx as onnx_mod
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert onnx_mod.providers() == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert onnx_mod.providers() == ["CPUExecutionProvider"]
+
+
+def test_missing_prompt_network(tmp_path: Path) -> None:
+    from voice_out.voices.onnx import PromptModelError, SpeechTokenizer
+
+    with pytest.raises(PromptModelError) as e:
+        SpeechTokenizer(tmp_path / "speech_tokenizer_v2.onnx")
+    assert "missing" in str(e.value)
+
+
+def test_wav_24bit_scaling() -> None:
+    ints = np.array([0, 1, -1, 2**23 - 1, -(2**23), 12345, -54321] * 100, dtype=np.int32)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="wav") as out:
+        stream = out.add_stream("pcm_s24le", rate=SR)
+        stream.layout = "mono"
+        frame = av.AudioFrame.from_ndarray((ints << 8)[None], format="s32", layout="mono")
+        frame.sample_rate = SR
+        for packet in stream.encode(frame):
+            out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    decoded = decode_audio(buf.getvalue())
+    np.testing.assert_array_equal(decoded.samples, (ints.astype(np.float64) / 2**23).astype(np.float32))
+
+
+def test_long_upload_stops_decoding_early(store: VoiceStore) -> None:
+    data = encode(tone(45.0, 16000), 16000, "flac", "flac", sample_format="s16")
+    decoded = decode_audio(data, max_duration_s=30.0)
+    assert decoded.truncated and decoded.duration_s < 32.0
+    with pytest.raises(AudioError) as e:
+        store.add("long", data, "words")
+    assert e.value.code == "audio_too_long" and "longer than" in str(e.value)

@@ -61,6 +61,8 @@ class DecodedAudio:
     container: str
     codec: str
     channels: int
+    #: Decoding stopped early at ``max_duration_s`` + 1 s: the file is longer than ``samples``.
+    truncated: bool = False
 
     @property
     def duration_s(self) -> float:
@@ -137,6 +139,7 @@ def decode_audio(source: AudioSource, *, max_duration_s: float | None = None) ->
         sample_rate: int | None = None
         channels = 0
         n_decoded = 0
+        truncated = False
         try:
             for frame in container.decode(stream):
                 if sample_rate is None:
@@ -148,6 +151,7 @@ def decode_audio(source: AudioSource, *, max_duration_s: float | None = None) ->
                 parts.append(block)
                 n_decoded += block.shape[1]
                 if max_duration_s is not None and n_decoded > (max_duration_s + 1.0) * sample_rate:
+                    truncated = True
                     break
         except av.error.FFmpegError as e:
             raise CorruptAudioError(f"{what} cannot be decoded: {e}") from None
@@ -164,6 +168,7 @@ def decode_audio(source: AudioSource, *, max_duration_s: float | None = None) ->
         container=container_name,
         codec=codec,
         channels=channels,
+        truncated=truncated,
     )
 
 

@@ -299,6 +299,10 @@ class VoiceStore:
             )
         source_bytes = self._read_source(audio)
         decoded = decode_audio(source_bytes, max_duration_s=self.max_duration_s)
+        if decoded.truncated:
+            raise AudioTooLongError(
+                f"the prompt is longer than {decoded.duration_s:.0f} s; at most {self.max_duration_s:g} s is accepted"
+            )
         check_prompt_audio(
             decoded.samples,
             decoded.sample_rate,
