@@ -288,8 +288,32 @@ class WetextEngine:
     def _normalize_uncached(self, text: str, lang: Lang) -> str:
         if not text.strip():
             return text
-        engine = self._zh if lang == "zh" else self._en
-        return str(engine.normalize(text))
+        if lang == "zh":
+            return str(self._zh.normalize(text))
+        return fix_wetext_en(text, str(self._en.normalize(text)))
+
+
+_WETEXT_ESCAPE = re.compile(r'\\(["\\])')
+_NUMBER_WORDS = frozenset((*_UNITS[1:], *_TEENS, *_TENS[2:], "hundred", "zero", "oh"))
+
+
+def fix_wetext_en(source: str, spoken: str) -> str:
+    """Repair two defects of the English wetext 0.1 FSTs (upstream pins 0.0.4, which we cannot get).
+
+    * ``"`` and ``\\`` come out backslash-escaped (``\\"``); the escape is removed;
+    * a count of exactly one thousand loses its "one" ("$1,250" -> "thousand two hundred and
+      fifty dollars"); "one" is put back where "thousand" follows no number word, only when the
+      source had a digit.
+    """
+    spoken = _WETEXT_ESCAPE.sub(r"\1", spoken)
+    if "thousand" in spoken and any(c.isdigit() for c in source):
+        words = spoken.split(" ")
+        for i, word in enumerate(words):
+            prev = words[i - 1].split("-")[-1] if i else ""
+            if word.startswith("thousand") and word.rstrip(",.;:!?") == "thousand" and prev not in _NUMBER_WORDS:
+                words[i] = "one " + word
+        spoken = " ".join(words)
+    return spoken
 
 
 _WETEXT_FAILURE: str | None = None
