@@ -427,8 +427,9 @@ def llm_dims(model_dir: str | Path) -> LLMDims:
 def convert_llm_state(state: Mapping[str, torch.Tensor], *, source: str = "llm.pt") -> dict[str, torch.Tensor]:
     """Map ``llm.pt`` keys to :class:`SpeechLM` names, fusing q/k/v into ``wqkv`` and gate/up into ``w13``.
 
-    ``llm.model.lm_head.weight`` is dropped. Unknown keys, and fused groups with a part missing,
-    raise :class:`CheckpointError` naming the checkpoint keys.
+    ``llm.model.lm_head.weight`` is dropped. Unknown keys and the missing parts of a fused group
+    raise :class:`CheckpointError` naming the checkpoint keys; :func:`strict_load` then reports
+    whole parameters that are missing and shape mismatches.
     """
     out: dict[str, torch.Tensor] = {}
     groups: dict[tuple[str, str], dict[int, tuple[str, torch.Tensor]]] = {}
@@ -445,21 +446,24 @@ def convert_llm_state(state: Mapping[str, torch.Tensor], *, source: str = "llm.p
             continue
         name, part = _LLM_LAYER_MAP[m.group(2)]
         groups.setdefault((m.group(1), name), {})[part] = (key, value)
-    incomplete: list[str] = []
+    missing: list[str] = []
     for (layer, suffix), parts in groups.items():
-        name = f"layers.{layer}.{suffix}"
         n_parts = _LLM_PARTS[suffix]
         if sorted(parts) != list(range(n_parts)):
-            have = ", ".join(k for k, _ in parts.values())
-            incomplete.append(f"{name} (has only {have})")
+            missing += [
+                f"llm.model.model.layers.{layer}.{ckpt}"
+                for ckpt, (name, part) in _LLM_LAYER_MAP.items()
+                if name == suffix and part not in parts
+            ]
             continue
-        out[name] = parts[0][1] if n_parts == 1 else torch.cat([parts[i][1] for i in range(n_parts)], dim=0)
-    if unexpected or incomplete:
+        fused = [parts[i][1] for i in range(n_parts)]
+        out[f"layers.{layer}.{suffix}"] = fused[0] if n_parts == 1 else torch.cat(fused, dim=0)
+    if unexpected or missing:
         msg = [f"{source} does not match the CosyVoice2 LLM layout:"]
+        if missing:
+            msg.append(f"  missing keys ({len(missing)}): " + ", ".join(sorted(missing)))
         if unexpected:
             msg.append(f"  unexpected keys ({len(unexpected)}): " + ", ".join(sorted(unexpected)))
-        if incomplete:
-            msg.append("  incomplete fused groups: " + "; ".join(sorted(incomplete)))
         raise CheckpointError("\n".join(msg))
     return out
 
