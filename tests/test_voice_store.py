@@ -334,8 +334,9 @@ def test_crash_while_writing_leaves_nothing(
         real_write(path, data)
 
     monkeypatch.setattr(store_mod, "_write_file", dying_write)
-    with pytest.raises(OSError):
+    with pytest.raises(VoiceStoreWriteError) as e:
         store.add("alice", prompt_wav, "x")
+    assert e.value.code == "voice_store_write_failed" and "No space left" in str(e.value)
     assert visible_entries(store.directory) == []
     assert store.list() == []
     with pytest.raises(UnknownVoiceError):

@@ -242,7 +242,12 @@ class VoiceStore:
         self._lock = threading.RLock()
         # name -> ((inode, mtime_ns, size) of voice.json, Voice)
         self._cache: dict[str, tuple[tuple[int, int, int], Voice]] = {}
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise VoiceStoreWriteError(
+                f"cannot create the voice store directory {str(self.directory)!r}: {e}"
+            ) from None
         self._recover()
 
     # ----------------------------------------------------------------------------------------
@@ -383,16 +388,20 @@ class VoiceStore:
         """Write a complete voice into a temp dir, then rename it into place."""
         token = uuid.uuid4().hex[:12]
         tmp = self.directory / f".tmp-{name}-{token}"
-        tmp.mkdir()
         try:
-            tensor_bytes = _tensor_bytes(tensors)
-            _write_file(tmp / TENSORS_FILE, tensor_bytes)
-            _write_file(tmp / SOURCE_FILE, source_bytes)
-            manifest = {"format": FORMAT_VERSION, **info.to_json()}
-            manifest["duration_s"] = info.duration_s
-            manifest["tensors_sha256"] = hashlib.sha256(tensor_bytes).hexdigest()
-            _write_file(tmp / MANIFEST_FILE, json.dumps(manifest, ensure_ascii=False, indent=2).encode("utf-8"))
-            _fsync_dir(tmp)
+            try:
+                tmp.mkdir()
+                tensor_bytes = _tensor_bytes(tensors)
+                _write_file(tmp / TENSORS_FILE, tensor_bytes)
+                _write_file(tmp / SOURCE_FILE, source_bytes)
+                manifest = {"format": FORMAT_VERSION, **info.to_json()}
+                manifest["duration_s"] = info.duration_s
+                manifest["tensors_sha256"] = hashlib.sha256(tensor_bytes).hexdigest()
+                text = json.dumps(manifest, ensure_ascii=False, indent=2)
+                _write_file(tmp / MANIFEST_FILE, text.encode("utf-8"))
+                _fsync_dir(tmp)
+            except OSError as e:
+                raise VoiceStoreWriteError(f"cannot write voice {name!r} in {self.directory}: {e}") from None
             final = self.directory / name
             with self._lock:
                 trash: Path | None = None
