@@ -185,7 +185,9 @@ def _sinc_kernel(in_period: int, out_period: int) -> tuple[torch.Tensor, int]:
     half = math.ceil(LOWPASS_FILTER_WIDTH * in_period / cutoff)
     # Tap positions relative to the output instant, in input periods, computed in float64.
     taps = torch.arange(-half, half + in_period, dtype=torch.float64) / in_period  # [K]
-    phases = -torch.arange(out_period, dtype=torch.float64) / out_period  # [M]
+    # The reference forms the phase offsets in float32 before widening them to float64; doing
+    # the same keeps the kernels bit-identical for ratios whose phases are not exact in binary.
+    phases = (-torch.arange(out_period, dtype=torch.float32) / out_period).to(torch.float64)  # [M]
     x = (phases[:, None] + taps[None, :]) * cutoff  # zero crossings of the sinc at integers
     x = x.clamp(-LOWPASS_FILTER_WIDTH, LOWPASS_FILTER_WIDTH)
     window = torch.cos(x * (math.pi / (2 * LOWPASS_FILTER_WIDTH))) ** 2
