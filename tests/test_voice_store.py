@@ -473,6 +473,12 @@ BAD_AUDIO: dict[str, tuple[Callable[[], bytes], str]] = {
     "too long": (lambda: encode(tone(31.0), 16000, "flac", "flac", sample_format="s16"), "audio_too_long"),
     "silent": (lambda: encode(np.zeros(2 * SR, np.float32), SR, "wav", "pcm_f32le"), "audio_silent"),
     "near silent": (lambda: encode(tone(2.0, amplitude=1e-4), SR, "wav", "pcm_f32le"), "audio_silent"),
+    "nan samples": (
+        lambda: encode(
+            np.where(np.arange(2 * SR) == 100, np.nan, tone(2.0)).astype(np.float32), SR, "wav", "pcm_f32le"
+        ),
+        "audio_corrupt",
+    ),
     "8 kHz": (
         lambda: encode(tone(2.0, 8000), 8000, "wav", "pcm_s16le", sample_format="s16"),
         "audio_sample_rate_too_low",

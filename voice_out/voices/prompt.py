@@ -24,7 +24,7 @@ import torch
 
 from voice_out.voices import features
 from voice_out.voices.audio import MEL_SAMPLE_RATE, TOKENIZER_SAMPLE_RATE, check_sample_rate, resample
-from voice_out.voices.errors import AudioTooLongError, AudioTooShortError, SilentAudioError
+from voice_out.voices.errors import AudioTooLongError, AudioTooShortError, CorruptAudioError, SilentAudioError
 from voice_out.voices.onnx import (
     MAX_PROMPT_S,
     SPEAKER_EMBEDDER_FILE,
@@ -88,9 +88,9 @@ def check_prompt_audio(
         raise AudioTooLongError(f"the prompt is {duration:.1f} s long; at most {max_duration_s:g} s is accepted")
     if duration < min_duration_s:
         raise AudioTooShortError(f"the prompt is {duration:.2f} s long; at least {min_duration_s:g} s is needed")
+    if not bool(torch.isfinite(wave).all()):
+        raise CorruptAudioError("the prompt contains NaN or infinite samples")
     rms = float(wave.double().pow(2).mean().sqrt())
-    if not np.isfinite(rms):
-        raise SilentAudioError("the prompt contains NaN or infinite samples")
     if rms < silence_rms:
         raise SilentAudioError(
             f"the prompt is silent or nearly so (RMS {20 * np.log10(max(rms, 1e-12)):.0f} dBFS; "
