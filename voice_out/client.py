@@ -31,6 +31,7 @@ import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from aiortc.rtcdatachannel import RTCDataChannel
+from av import AudioFrame
 
 from voice_out.errors import VoiceOutError
 from voice_out.server import protocol as p
@@ -114,6 +115,8 @@ class VoiceOutClient:
                 frame = await track.recv()
             except MediaStreamError:
                 return
+            if not isinstance(frame, AudioFrame):
+                continue
             pcm = frame.to_ndarray()  # s16, [1, n * channels] interleaved (packed)
             channels = len(frame.layout.channels)
             mono = pcm.reshape(-1, channels).astype(np.float32).mean(axis=1) / 32768.0
