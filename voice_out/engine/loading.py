@@ -1,0 +1,174 @@
+"""Assembling an :class:`~voice_out.engine.engine.Engine` from a configuration.
+
+Resolves the model (directory, hub id, or ``random:*``), reads the dims and the tokenizer on
+the calling thread, and returns an engine whose runner factory builds the weights, the KV cache
+and token2wav on the GPU worker thread when the engine starts (CUDA belongs to that thread).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from voice_out.config import Config
+from voice_out.engine.engine import NOISE_VOICE, VoiceBook, random_dims_dir, warn_random
+from voice_out.engine.request import TextPiece, TextPipeline, VoicePrompt
+from voice_out.engine.runner import FlowVoice, Runner, noise_voice
+from voice_out.engine.scheduler import ForcedTokens
+from voice_out.engine.textfeed import TokenizerPipeline
+from voice_out.engine.worker import StepRunner
+from voice_out.hub import resolve_model
+
+if TYPE_CHECKING:
+    from voice_out.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class DeltaPipeline:
+    """:class:`TextPipeline` over ``voice_out.text.stream.DeltaTokenizer`` (normalization with
+    token-stable release and input offsets)."""
+
+    def __init__(self, delta_tokenizer: Any) -> None:
+        self._dt = delta_tokenizer
+
+    def push(self, delta: str) -> list[TextPiece]:
+        chunk = self._dt.push(delta)
+        return [TextPiece(tuple(chunk.ids), chunk.input_end)] if chunk.ids else []
+
+    def finish(self) -> list[TextPiece]:
+        chunk = self._dt.finish()
+        return [TextPiece(tuple(chunk.ids), chunk.input_end)] if chunk.ids else []
+
+
+def text_pipeline_factory(tokenizer: Any, mode: str) -> Callable[[], TextPipeline]:
+    """Deltas -> normalized, tokenized pieces. ``mode``: ``auto``/``wetext``/``rules`` (the
+    normalizer of :mod:`voice_out.text`), or ``none`` (word-boundary release, no normalization)."""
+    if mode == "none":
+        return lambda: TokenizerPipeline(tokenizer.encode)
+    from voice_out.text.normalize import create_text_normalizer
+    from voice_out.text.stream import DeltaNormalizer, DeltaTokenizer
+
+    normalizer = create_text_normalizer(mode, lambda s: len(tokenizer.encode(s)))  # type: ignore[arg-type]
+    return lambda: DeltaPipeline(DeltaTokenizer(DeltaNormalizer(normalizer), tokenizer))
+
+
+def build_engine(
+    cls: type[Engine],
+    cfg: Config,
+    *,
+    voices: Any | None,
+    forced: ForcedTokens | None,
+    kv_len: int,
+    warmup: bool,
+    flow_path: str,
+    fault_hook: Any | None,
+    max_chunks_per_step: int,
+    noise_prompt_tokens: int,
+    text_normalizer: str = "auto",
+) -> Engine:
+    from voice_out.model.checkpoint import flow_dims, llm_dims, load_yaml
+    from voice_out.text.tokenizer import load_tokenizer
+
+    mc = cfg.model
+    source = resolve_model(mc.model, mc.cache_dir, revision=mc.revision, offline=mc.offline)
+    weights_dir: Path | None = source.path
+    if source.random_preset is not None:
+        warn_random(source.spec)
+        dims_dir = random_dims_dir(source.random_preset)
+    else:
+        assert weights_dir is not None
+        dims_dir = weights_dir
+    device = resolve_device(mc.device)
+    dtype = _DTYPES[mc.dtype] if device.type == "cuda" else torch.float32
+    dims = llm_dims(dims_dir)
+    fdims = flow_dims(load_yaml(dims_dir))
+    tokenizer = load_tokenizer(weights_dir, dims.text_vocab_size)
+
+    builtin: dict[str, VoicePrompt] = {}
+    if source.is_random:
+        ids, fv = noise_voice(
+            noise_prompt_tokens, n_mels=fdims.n_mels, spk_dim=fdims.spk_embed_dim, seed=mc.random_seed
+        )
+        builtin[NOISE_VOICE] = VoicePrompt(
+            NOISE_VOICE,
+            # a transcript of P/3 ids, the 5 text : 15 speech ratio the interleave assumes
+            prompt_text_ids=tuple((7 * i + 3) % dims.text_vocab_size for i in range(len(ids) // 3)),
+            prompt_speech_ids=tuple(ids),
+            flow_prompt_tokens=len(ids),
+            flow=fv,
+        )
+    store = voices
+    if store is None and Path(cfg.server.voices_dir).expanduser().is_dir():
+        from voice_out.voices.store import VoiceStore
+
+        store = VoiceStore(cfg.server.voices_dir, None, check_fingerprint=False)
+    default = cfg.server.default_voice or (NOISE_VOICE if source.is_random else None)
+    book = VoiceBook(store, tokenizer.encode, builtin=builtin, default=default)
+
+    ec = cfg.engine
+
+    def runner_factory() -> StepRunner:
+        from voice_out.model.checkpoint import load_flow, load_hift, load_llm, random_flow, random_hift, random_llm
+        from voice_out.model.sampling import SamplingParams
+        from voice_out.model.token2wav import Token2Wav
+
+        seed = mc.random_seed
+        if weights_dir is not None:
+            llm = load_llm(weights_dir, device, dtype)
+            flow = load_flow(weights_dir, device, dtype)
+            hift = load_hift(weights_dir, device)
+        else:
+            llm = random_llm(dims_dir, device, dtype, seed)
+            flow = random_flow(dims_dir, device, dtype, seed)
+            hift = random_hift(dims_dir, device, seed)
+        log.info(
+            "engine: model %s on %s (%s), %d KV slots x %d positions",
+            source.spec,
+            device,
+            dtype,
+            ec.max_streams,
+            kv_len,
+        )
+        return Runner(
+            llm,
+            Token2Wav(flow, hift, device=device),
+            n_slots=ec.max_streams,
+            max_len=kv_len,
+            sampling=SamplingParams(top_p=ec.top_p, top_k=ec.top_k, win_size=ec.ras_win_size, tau_r=ec.ras_tau_r),
+            first_hop=ec.first_hop_tokens,
+            max_hop=ec.max_hop_tokens,
+            flow_path=flow_path,
+            fault_hook=fault_hook,
+        )
+
+    def warm(runner: StepRunner) -> None:
+        assert isinstance(runner, Runner)
+        runner.warmup(FlowVoice(*_warm_voice(fdims.n_mels, fdims.spk_embed_dim)))
+
+    return cls(
+        cfg,
+        runner_factory=runner_factory,
+        pipeline_factory=text_pipeline_factory(tokenizer, text_normalizer),
+        voices=book,
+        forced=forced,
+        warmup=warm if warmup else None,
+        max_chunks_per_step=max_chunks_per_step,
+    )
+
+
+def _warm_voice(n_mels: int, spk_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, fv = noise_voice(25, n_mels=n_mels, spk_dim=spk_dim, seed=1)
+    return fv.prompt_token, fv.prompt_feat, fv.embedding

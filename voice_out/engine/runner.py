@@ -1,0 +1,315 @@
+"""The GPU side of the engine: executes a :class:`~voice_out.engine.scheduler.StepPlan`.
+
+The runner owns the model, the static KV cache, one sampling generator and one token2wav
+stream per admitted request. It never decides policy: it resets the slots it is told to, feeds
+each LLM work item its inputs (a per-slot prefill for multi-row inputs: prompt, text groups;
+ONE batched decode step for all single-row inputs), samples every row at once with each
+request's own generator, applies forced tokens, and runs the token2wav chunks in the order
+given. Failures are reported per request in the :class:`StepResult`; an exception escaping
+:meth:`Runner.execute` means the whole step failed (the worker fails the step's requests).
+
+GPU worker thread only: every method, the constructor excepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from voice_out.engine.request import EOS_TOKEN, LlmInputKind
+from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
+from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT, KVCache, SpeechLM
+from voice_out.model.sampling import (
+    NO_TOKEN,
+    SamplingParams,
+    draw_uniforms,
+    mask_eos_,
+    ras_sample_batch,
+    stream_generator,
+)
+from voice_out.model.token2wav import FlowPath, Token2Wav, Token2WavStream
+
+_KIND = {LlmInputKind.SOS: KIND_LLM, LlmInputKind.TASK: KIND_LLM, LlmInputKind.TEXT: KIND_TEXT}
+_KIND[LlmInputKind.SPEECH] = KIND_SPEECH
+#: Attention window granularity of the batched decode (positions); bounds the K/V gathered.
+KV_WINDOW_STEP = 256
+
+
+@dataclass(frozen=True)
+class FlowVoice:
+    """A voice's token2wav conditioning on the CPU: ``prompt_token`` int32 [P], ``prompt_feat``
+    float32 [2P, 80], ``embedding`` float32 [D]."""
+
+    prompt_token: Tensor
+    prompt_feat: Tensor
+    embedding: Tensor
+
+
+class FaultHook(Protocol):
+    """Test hook: called as ``hook(request_id, phase)`` before each per-request operation
+    (phase ``"admit"``, ``"llm"`` or ``"vocode"``); raising fails that request only."""
+
+    def __call__(self, request_id: str, phase: str) -> None: ...
+
+
+@dataclass
+class _Live:
+    slot: int | None
+    generator: torch.Generator
+    t2w: Token2WavStream
+
+
+class Runner:
+    """Owns the model, the KV cache and per-request GPU state (see the module docstring)."""
+
+    def __init__(
+        self,
+        llm: SpeechLM,
+        t2w: Token2Wav,
+        *,
+        n_slots: int,
+        max_len: int,
+        sampling: SamplingParams | None = None,
+        first_hop: int = 25,
+        max_hop: int = 100,
+        flow_path: str = "rerun",
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        self.llm = llm
+        self.t2w = t2w
+        self.device = llm.llm_decoder.weight.device
+        self.sampling = sampling or SamplingParams()
+        self.first_hop = first_hop
+        self.max_hop = max_hop
+        self.flow_path: FlowPath = "cached" if flow_path == "cached" else "rerun"
+        self.fault_hook = fault_hook
+        self.cache = KVCache.allocate(llm.dims, n_slots, max_len, self.device, llm.llm_decoder.weight.dtype)
+        #: Host copy of the cache lengths: no sync is needed to place rows or bound attention.
+        self.slot_len = [0] * n_slots
+        self.live: dict[str, _Live] = {}
+        self._t2w_pool: list[Token2WavStream] = []
+        self._voice_cache: dict[int, tuple[FlowVoice, Tensor, Tensor, Tensor]] = {}
+
+    # ---- accounting --------------------------------------------------------------------------
+
+    @property
+    def n_live(self) -> int:
+        return len(self.live)
+
+    def used_slots(self) -> list[int]:
+        return sorted(s for s, n in enumerate(self.slot_len) if n > 0)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        result = StepResult()
+        for rel in plan.release:
+            self._release(rel)
+        for adm in plan.admit:
+            try:
+                self._hook(adm.request_id, "admit")
+                self._admit(adm)
+            except Exception as e:  # noqa: BLE001 - one request's setup fails alone
+                result.failed[adm.request_id] = _describe(e)
+        llm = [w for w in plan.llm if w.request_id in self.live and w.request_id not in result.failed]
+        if llm:
+            self._llm_step(llm, result)
+        for work in plan.vocode:
+            if work.request_id in result.failed:
+                continue
+            try:
+                self._hook(work.request_id, "vocode")
+                result.audio[work.request_id] = self._vocode(work)
+            except Exception as e:  # noqa: BLE001
+                result.failed[work.request_id] = _describe(e)
+        return result
+
+    def _hook(self, request_id: str, phase: str) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(request_id, phase)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def _release(self, rel: Release) -> None:
+        if rel.slot is not None:
+            self.cache.reset(rel.slot)  # in place: the tensors (and any graph over them) stay
+            self.slot_len[rel.slot] = 0
+        live = self.live.get(rel.request_id)
+        if live is None:
+            return
+        live.slot = None
+        if rel.drop:
+            del self.live[rel.request_id]
+            self._t2w_pool.append(live.t2w)
+
+    def release_all(self) -> None:
+        """Drop every request and reset every slot (after a failed step, or on shutdown)."""
+        for rid in list(self.live):
+            self._release(Release(rid, self.live[rid].slot, drop=True))
+        self.cache.reset()
+        self.slot_len = [0] * len(self.slot_len)
+
+    def _voice(self, voice: FlowVoice) -> tuple[Tensor, Tensor, Tensor]:
+        """Device copies of a voice's conditioning, batch-1 shaped, made once per voice."""
+        hit = self._voice_cache.get(id(voice))
+        if hit is None or hit[0] is not voice:
+            dev = self.t2w.device
+            hit = (
+                voice,
+                voice.prompt_token.reshape(1, -1).to(dev, torch.int32),
+                voice.prompt_feat.reshape(1, -1, voice.prompt_feat.shape[-1]).to(dev, torch.float32),
+                voice.embedding.reshape(1, -1).to(dev, torch.float32),
+            )
+            self._voice_cache[id(voice)] = hit
+        return hit[1], hit[2], hit[3]
+
+    def _admit(self, adm: Admit) -> None:
+        flow_voice = adm.voice.flow
+        if not isinstance(flow_voice, FlowVoice):
+            raise TypeError(f"voice {adm.voice.name!r} has no token2wav conditioning")
+        token, feat, emb = self._voice(flow_voice)
+        if self._t2w_pool:
+            stream = self._t2w_pool.pop()
+            stream.reset(token, feat, emb, first_hop=self.first_hop, flow_path=self.flow_path)
+        else:
+            stream = self.t2w.open_stream(token, feat, emb, first_hop=self.first_hop, flow_path=self.flow_path)
+        stream.schedule.max_hop = self.max_hop  # the scheduler's copy of the schedule uses it too
+        self.cache.reset(adm.slot)
+        self.slot_len[adm.slot] = 0
+        self.live[adm.request_id] = _Live(adm.slot, stream_generator(adm.seed, self.device), stream)
+
+    def warmup(self, voice: FlowVoice) -> None:
+        """Run every kind of work once (prefill, batched decode, sampling, a token2wav chunk),
+        then reset: first-use costs (kernels, allocator) are paid before the first stream."""
+        with torch.inference_mode():
+            dims = self.llm.dims
+            rows = [(KIND_LLM, 0)] + [(KIND_TEXT, i % dims.text_vocab_size) for i in range(7)]
+            h = self.llm.prefill(self.cache, 0, self.llm.embed_rows(rows), start_pos=0)
+            speech = torch.zeros(1, dtype=torch.long, device=self.device)
+            h2 = self.llm.decode_step(self.cache, None, self.llm.embed_speech(speech), kv_len=KV_WINDOW_STEP)
+            logp = self.llm.logprobs(torch.stack([h, h2[0]]))
+            history = torch.full((2, self.sampling.win_size), NO_TOKEN, dtype=torch.long, device=self.device)
+            gens = [stream_generator(0, self.device), stream_generator(1, self.device)]
+            ras_sample_batch(logp, history, draw_uniforms(gens, self.device), self.sampling).tolist()
+            token, feat, emb = self._voice(voice)
+            stream = self.t2w.open_stream(token, feat, emb, first_hop=self.first_hop, flow_path=self.flow_path)
+            for _ in self.t2w.stream_all(stream, list(range(1, 9))):
+                pass
+            self._t2w_pool.append(stream)
+            self.cache.reset()
+            self._voice_cache.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- LLM ---------------------------------------------------------------------------------
+
+    def _llm_step(self, work: Sequence[LlmWork], result: StepResult) -> None:
+        """Feed every item, then pick one token per item (batched sampling)."""
+        hidden: list[Tensor] = []
+        items: list[LlmWork] = []
+        singles = [w for w in work if len(w.step.inputs) == 1]
+        for w in work:
+            if len(w.step.inputs) == 1:
+                continue
+            try:
+                self._hook(w.request_id, "llm")
+                hidden.append(self._prefill(w))
+                items.append(w)
+            except Exception as e:  # noqa: BLE001
+                result.failed[w.request_id] = _describe(e)
+        ok_singles = []
+        for w in singles:
+            try:
+                self._hook(w.request_id, "llm")
+                self._check_room(w.slot, 1)
+                ok_singles.append(w)
+            except Exception as e:  # noqa: BLE001
+                result.failed[w.request_id] = _describe(e)
+        if ok_singles:
+            hidden.append(self._decode(ok_singles))
+            items.extend(ok_singles)
+        if not items:
+            return
+        h = torch.cat([x.reshape(-1, x.shape[-1]) for x in hidden])  # [N, H]
+        tokens = self._sample(items, self.llm.logprobs(h))
+        for w, tok in zip(items, tokens, strict=True):
+            result.tokens[w.request_id] = w.step.force if w.step.force is not None else tok
+
+    def _check_room(self, slot: int, n: int) -> None:
+        if self.slot_len[slot] + n > self.cache.max_len:
+            raise RuntimeError(
+                f"utterance too long: the KV cache holds {self.cache.max_len} positions per stream "
+                "(raise it with Engine.load(kv_len=...))"
+            )
+
+    def _rows(self, w: LlmWork) -> list[tuple[int, int]]:
+        return [(_KIND[kind], ident) for kind, ident in w.step.inputs]
+
+    def _prefill(self, w: LlmWork) -> Tensor:
+        n = len(w.step.inputs)
+        self._check_room(w.slot, n)
+        embeds = self.llm.embed_rows(self._rows(w))  # [L, H]
+        h = self.llm.prefill(self.cache, w.slot, embeds, start_pos=self.slot_len[w.slot])
+        self.slot_len[w.slot] += n
+        return h  # [H]
+
+    def _decode(self, work: Sequence[LlmWork]) -> Tensor:
+        rows = [self._rows(w)[0] for w in work]
+        embeds = self.llm.embed_rows(rows)  # [B, H]
+        slots = [w.slot for w in work]
+        longest = max(self.slot_len[s] for s in slots) + 1
+        window = min(self.cache.max_len, -(-longest // KV_WINDOW_STEP) * KV_WINDOW_STEP)
+        packed = slots == list(range(len(slots)))
+        slot_t = None if packed else torch.tensor(slots, dtype=torch.long, device=self.device)
+        h = self.llm.decode_step(self.cache, slot_t, embeds, kv_len=window)  # [B, H]
+        for s in slots:
+            self.slot_len[s] += 1
+        return h
+
+    def _sample(self, items: Sequence[LlmWork], logp: Tensor) -> list[int]:
+        """RAS over ``logp`` ``[N, V]`` with each request's generator and repetition window."""
+        win = self.sampling.win_size
+        hist_rows = []
+        for w in items:
+            recent = list(w.recent[-win:])
+            hist_rows.append([NO_TOKEN] * (win - len(recent)) + recent)
+        history = torch.tensor(hist_rows, dtype=torch.long, device=self.device)
+        masked = torch.tensor([not w.step.allow_eos for w in items], device=self.device)
+        mask_eos_(logp, masked, EOS_TOKEN)
+        uniforms = draw_uniforms([self.live[w.request_id].generator for w in items], self.device)
+        return [int(t) for t in ras_sample_batch(logp, history, uniforms, self.sampling).tolist()]
+
+    # ---- token2wav ---------------------------------------------------------------------------
+
+    def _vocode(self, work: VocodeWork) -> np.ndarray:
+        live = self.live.get(work.request_id)
+        if live is None:
+            raise RuntimeError("vocode for a request the runner does not hold")
+        tokens = list(work.tokens[: work.chunk.token_len])
+        pcm = live.t2w.run_chunk(work.chunk, tokens)
+        return np.ascontiguousarray(pcm.detach().float().cpu().numpy(), dtype=np.float32)
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def noise_voice(
+    n_prompt_tokens: int, *, n_mels: int = 80, spk_dim: int = 192, seed: int = 0
+) -> tuple[list[int], FlowVoice]:
+    """A synthetic voice for random-weight models: (prompt speech ids, conditioning).
+
+    Random prompt tokens, a smooth random prompt mel and a random x-vector. It sounds like
+    nothing (nor does a random model); it exists so that the pipeline runs end to end.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 6561, (n_prompt_tokens,), generator=gen)
+    mel = torch.randn(2 * n_prompt_tokens, n_mels, generator=gen).cumsum(0) * 0.05 - 6.0
+    emb = torch.randn(spk_dim, generator=gen)
+    return [int(i) for i in ids.tolist()], FlowVoice(ids.to(torch.int32), mel.float(), emb.float())
