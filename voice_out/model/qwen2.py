@@ -205,19 +205,23 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out.to(x.dtype)
 
 
+def group_mask(mask: Tensor, group: int) -> Tensor:
+    """bool ``[B, L, S]`` (True = may attend) -> ``[B, 1, group * L, S]`` for :func:`attend`."""
+    b, seq_q, seq_k = mask.shape
+    return mask[:, None, None].expand(b, 1, group, seq_q, seq_k).reshape(b, 1, group * seq_q, seq_k)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """GQA attention through SDPA without repeating K/V.
 
-    q ``[B, Hq, L, D]``, k/v ``[B, Hkv, S, D]``, mask bool ``[B, L, S]`` (True = may attend).
-    Returns ``[B, Hq, L, D]``. The ``G = Hq / Hkv`` query heads of a group become ``G * L``
-    query rows against that group's keys.
+    q ``[B, Hq, L, D]``, k/v ``[B, Hkv, S, D]``, mask from :func:`group_mask` ``[B, 1, G*L, S]``.
+    Returns ``[B, Hq, L, D]``. The ``G = Hq / Hkv`` query heads of a kv group become ``G * L``
+    query rows against that group's keys (query head h reads kv head h // G).
     """
     b, hq, seq_q, d = q.shape
-    hkv, seq_k = k.shape[1], k.shape[2]
-    g = hq // hkv
-    qg = q.reshape(b, hkv, g * seq_q, d)
-    m = mask[:, None, None].expand(b, 1, g, seq_q, seq_k).reshape(b, 1, g * seq_q, seq_k)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m)
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, (hq // hkv) * seq_q, d)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
     return out.reshape(b, hq, seq_q, d)
 
 
@@ -320,7 +324,8 @@ class SpeechLM(nn.Module):
         positions = torch.arange(start, end, device=dev)[None]  # [1, L]
         cos, sin = rope_cos_sin(positions, self.dims.head_dim, self.dims.rope_theta)
         key_pos = torch.arange(end, device=dev)
-        mask = (key_pos[None, :] <= positions[0, :, None])[None]  # [1, L, end] causal with offset
+        causal = (key_pos[None, :] <= positions[0, :, None])[None]  # [1, L, end] causal with offset
+        mask = group_mask(causal, self.dims.n_heads // self.dims.n_kv_heads)
         h = embeds[None].to(self.llm_decoder.weight.dtype)  # [1, L, H]
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, Block)
@@ -357,7 +362,8 @@ class SpeechLM(nn.Module):
             lengths = cache.lengths.index_select(0, slots)
         pos = lengths.long()  # [B]
         cos, sin = rope_cos_sin(pos[:, None], self.dims.head_dim, self.dims.rope_theta)  # [B, 1, D]
-        mask = (torch.arange(window, device=dev)[None, :] <= pos[:, None])[:, None]  # [B, 1, W]
+        valid = (torch.arange(window, device=dev)[None, :] <= pos[:, None])[:, None]  # [B, 1, W]
+        mask = group_mask(valid, self.dims.n_heads // self.dims.n_kv_heads)
         h = embeds[:, None].to(self.llm_decoder.weight.dtype)  # [B, 1, H]
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, Block)

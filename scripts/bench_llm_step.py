@@ -1,0 +1,159 @@
+"""Time one batched LLM decode step and a prompt prefill with random full-size weights.
+
+Builds the CosyVoice2-0.5B speech LM (dims from configs/models/cosyvoice2-0.5b) with random
+weights directly on the device, eager PyTorch (no CUDA graphs, no compile), and reports:
+
+* ms per ``decode_step`` at each batch size (every stream already holding ``--prompt-len``
+  positions), for slots given as an index tensor (gathered K/V) and for packed slots 0..B-1;
+* ms per ``prefill`` of a ``--prompt-len`` row prompt into one slot.
+
+Median and p95 over ``--iters`` timed runs after ``--warmup`` runs; CUDA events on a GPU,
+``perf_counter`` on the CPU. With ``OUT`` set the results also go to ``$OUT/llm_step.json``.
+
+    python scripts/bench_llm_step.py                        # GPU, bf16, batches 1 8 32
+    python scripts/bench_llm_step.py --device cpu --tiny    # smoke test on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from voice_out.model.checkpoint import random_llm  # noqa: E402
+from voice_out.model.qwen2 import KVCache, SpeechLM  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--tiny", action="store_true", help="tiny dims (configs/models/tiny) instead of 0.5B")
+    p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=200, help="positions per stream before timing (and prefill)")
+    p.add_argument("--max-len", type=int, default=1024, help="KV-cache positions per slot (attention window)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> list[float]:
+    """Milliseconds of ``fn`` for each of ``iters`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    out: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def summary(ms: list[float]) -> dict[str, float]:
+    ordered = sorted(ms)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return {"median_ms": statistics.median(ordered), "p95_ms": p95, "n": len(ordered)}
+
+
+def bench_decode(
+    lm: SpeechLM, batch: int, packed: bool, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> dict[str, float]:
+    cache = KVCache.allocate(lm.dims, batch, args.max_len, device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
+    for s in range(batch):
+        lm.prefill(cache, s, prompt, start_pos=0)
+    slots = None if packed else torch.arange(batch, device=device).flip(0)
+    tokens = torch.randint(0, lm.dims.speech_token_size, (batch,), generator=gen, device=device)
+    embeds = lm.embed_speech(tokens)
+    base = cache.lengths.clone()
+
+    def step() -> None:
+        # Rewind so every timed step attends over prompt_len + 1 positions and never overflows.
+        cache.lengths.copy_(base)
+        lm.decode_step(cache, slots, embeds)
+
+    return summary(timed(step, device, args.warmup, args.iters))
+
+
+def bench_prefill(lm: SpeechLM, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    cache = KVCache.allocate(lm.dims, 1, args.max_len, device=device, dtype=dtype)
+    rows = [(0, 0)] + [(1, i % lm.dims.text_vocab_size) for i in range(args.prompt_len - 2)] + [(0, 1)]
+    embeds = lm.embed_rows(rows)
+    return summary(timed(lambda: lm.prefill(cache, 0, embeds, start_pos=0), device, args.warmup, args.iters))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    dims_dir = REPO_ROOT / "configs" / "models" / ("tiny" if args.tiny else "cosyvoice2-0.5b")
+    t0 = time.perf_counter()
+    lm = random_llm(dims_dir, device, dtype, seed=args.seed)
+    build_s = time.perf_counter() - t0
+    n_params = sum(p.numel() for p in lm.parameters())
+    result: dict[str, Any] = {
+        "model": dims_dir.name,
+        "params": n_params,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "mode": "eager",
+        "prompt_len": args.prompt_len,
+        "cache_max_len": args.max_len,
+        "build_s": round(build_s, 2),
+        "decode": {},
+    }
+    print(f"{dims_dir.name}: {n_params / 1e6:.1f} M parameters, {args.dtype}, {result['device']}, eager")
+    with torch.inference_mode():
+        for batch in (int(b) for b in args.batches.split(",")):
+            for packed in (False, True):
+                r = bench_decode(lm, batch, packed, args, device, dtype)
+                key = f"b{batch}_{'packed' if packed else 'gather'}"
+                result["decode"][key] = r
+                print(
+                    f"decode step  batch {batch:3d} ({'packed slots' if packed else 'slot index'}):"
+                    f"  median {r['median_ms']:7.3f} ms  p95 {r['p95_ms']:7.3f} ms"
+                )
+        result["prefill"] = bench_prefill(lm, args, device, dtype)
+        print(
+            f"prefill {args.prompt_len} rows:  median {result['prefill']['median_ms']:7.3f} ms"
+            f"  p95 {result['prefill']['p95_ms']:7.3f} ms"
+        )
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        path = Path(out_dir) / "llm_step.json"
+        path.write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
