@@ -660,6 +660,9 @@ def test_missing_prompt_network(tmp_path: Path) -> None:
     with pytest.raises(PromptModelError) as e:
         SpeechTokenizer(tmp_path / "speech_tokenizer_v2.onnx")
     assert "missing" in str(e.value)
+    with pytest.raises(PromptModelError) as e:
+        VoiceStore(tmp_path / "v", tmp_path)
+    assert e.value.code == "prompt_model_invalid" and "speech_tokenizer_v2.onnx" in str(e.value)
 
 
 def test_wav_24bit_scaling() -> None:

@@ -29,6 +29,7 @@ from voice_out.voices.onnx import (
     MAX_PROMPT_S,
     SPEAKER_EMBEDDER_FILE,
     SPEECH_TOKENIZER_FILE,
+    PromptModelError,
     SpeakerEmbedder,
     SpeechTokenizer,
 )
@@ -152,6 +153,8 @@ def model_fingerprint(model_dir: str | Path) -> str:
     d = Path(model_dir)
     h = hashlib.sha256()
     for name in (SPEECH_TOKENIZER_FILE, SPEAKER_EMBEDDER_FILE):
+        if not (d / name).is_file():
+            raise PromptModelError(f"prompt network {str(d / name)!r} is missing from the model directory")
         h.update(name.encode())
         h.update(_file_digest(d / name).encode())
     return h.hexdigest()[:16]
@@ -176,6 +179,11 @@ class PromptExtractor:
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model_dir)
         return self._fingerprint
+
+    def load(self) -> None:
+        """Open both ONNX sessions now (a server does this at start-up, off the event loop)."""
+        with self._lock:
+            self._networks()
 
     def _networks(self) -> tuple[SpeechTokenizer, SpeakerEmbedder]:
         if self._tokenizer is None or self._embedder is None:

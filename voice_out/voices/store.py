@@ -249,6 +249,10 @@ class VoiceStore:
                 f"cannot create the voice store directory {str(self.directory)!r}: {e}"
             ) from None
         self._recover()
+        if self.extractor is not None and check_fingerprint:
+            # Hash the prompt networks now (about 1 s for the real model, once per process), so
+            # that get() never pays for it on a latency-sensitive thread.
+            _ = self.extractor.fingerprint
 
     # ----------------------------------------------------------------------------------------
     # housekeeping
