@@ -70,6 +70,15 @@ _MONTHS = frozenset(
 )
 _SENTENCE_END = frozenset(".?!;:。？！；：、…")
 
+#: Hold-back caps. They cut where the content says (never where a delta happened to end), so
+#: they keep the split invariance; only text beyond a cap tokenizes differently from one pass.
+#: A unit (word, Chinese clause) is cut after this many chars ...
+MAX_UNIT_CHARS = 48
+#: ... a segment glues at most this many units ...
+MAX_SEGMENT_UNITS = 6
+#: ... and normalized text without a pre-token boundary is released after this many chars.
+MAX_RUN_CHARS = 64
+
 
 @dataclass(frozen=True)
 class _Item:
@@ -347,7 +356,7 @@ class _SegmentStage:
             if self.open is None:
                 self.open = _Segment()
             self.open.units.append(unit)
-            if not needs_right_context(unit.text):
+            if not needs_right_context(unit.text) or len(self.open.units) >= MAX_SEGMENT_UNITS:
                 out.extend(self._flush())
         del self.items[:pos]
         if final:
@@ -365,6 +374,8 @@ class _SegmentStage:
             ch = item.text
             if ch in CJK_BREAK_PUNCT or (ch in _ASCII_BREAK_PUNCT and i > start and is_cjk(items[i - 1].text)):
                 return i + 1
+            if i + 1 - start >= MAX_UNIT_CHARS:
+                return i + 1  # bound the hold-back: an over-long run is cut where it reaches the cap
         return len(items) if final else None
 
     def _separator(self, next_char: str) -> list[_Item]:
@@ -490,6 +501,8 @@ class DeltaNormalizer:
         self._plain_start = 0
         self._segments = _SegmentStage(normalizer, default_lang)
         self._out: list[_Item] = []
+        self._boundary = 0  # index in _out of the last release boundary found
+        self._scanned = 1  # boundaries before _out[:_scanned] have been examined
         self._released_end = 0
         self._pushed = 0
         self._finished = False
@@ -540,6 +553,8 @@ class DeltaNormalizer:
         else:
             cut = self._safe_cut()
         released, self._out = self._out[:cut], self._out[cut:]
+        self._boundary -= cut
+        self._scanned = max(1, self._scanned - cut)
         if released:
             self._released_end = max(self._released_end, released[-1].input_end)
         if final:
@@ -573,12 +588,19 @@ class DeltaNormalizer:
         return out
 
     def _safe_cut(self) -> int:
+        """The last release boundary in ``_out``, scanning each new char once.
+
+        A boundary at p (before ``_out[p]``) is either a pre-token boundary or forced after
+        :data:`MAX_RUN_CHARS` chars without one; both depend only on the text.
+        """
         out = self._out
-        for p in range(len(out) - 1, 0, -1):
+        for p in range(self._scanned, len(out)):
             left, right = out[p - 1], out[p]
-            if left.is_tag or right.is_tag or is_token_boundary(left.text[-1], right.text[0]):
-                return p
-        return 0
+            natural = left.is_tag or right.is_tag or is_token_boundary(left.text[-1], right.text[0])
+            if natural or p - self._boundary >= MAX_RUN_CHARS:
+                self._boundary = p
+        self._scanned = max(self._scanned, len(out))
+        return self._boundary
 
     def _apply_final_rules(self) -> None:
         # Upstream's Chinese rule: a trailing run of "，,、" ends the text as "。". Only the
