@@ -35,13 +35,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from voice_out.model.chunk_schedule import CHUNK_SIZE_TOKENS, ChunkPlan, ChunkSchedule
+from voice_out.model.chunk_schedule import CHUNK_SIZE_TOKENS, MAX_HOP_TOKENS, ChunkPlan, ChunkSchedule
 from voice_out.model.hift import HiFT
 
 MEL_FRAMES_PER_TOKEN = 2  # token_mel_ratio: 25 Hz tokens, 50 Hz mel
@@ -67,6 +67,24 @@ class FlowInference(Protocol):
         streaming: bool,
         finalize: bool,
     ) -> Tensor: ...
+
+
+class StreamingFlow(FlowInference, Protocol):
+    """The flow's cached incremental API (see the top of ``voice_out.model.flow``).
+
+    ``prepare_prompt`` once per voice (shareable, read-only), one stream cache per request
+    (``new_stream_cache`` / ``reset_stream_cache`` in place), then ``stream_chunk`` per chunk with
+    the tokens not yet given as new (+ 3 look-ahead tokens unless ``finalize``): mel of the new
+    tokens only, equal to the re-run path's slice.
+    """
+
+    def prepare_prompt(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> Any: ...
+
+    def new_stream_cache(self, prompt: Any, capacity: int | None = None) -> Any: ...
+
+    def reset_stream_cache(self, cache: Any, prompt: Any) -> None: ...
+
+    def stream_chunk(self, cache: Any, tokens: Tensor, finalize: bool) -> Tensor: ...
 
 
 def hamming(n: int, device: torch.device | str | None = None) -> Tensor:
@@ -107,7 +125,8 @@ class Token2WavStream:
     """All per-request token2wav state. Owned and called by one thread (the GPU worker).
 
     ``prompt_token`` [1, P] int, ``prompt_feat`` [1, 2P, 80] float32, ``embedding`` [1, spk_dim]:
-    the voice. ``flow_cache`` is the flow's per-request incremental state (cached path only).
+    the voice. ``flow_prompt`` (the voice's precomputed flow state, shareable between requests)
+    and ``flow_cache`` (this request's incremental flow state) are used by the cached path only.
     """
 
     model: Token2Wav
@@ -118,6 +137,7 @@ class Token2WavStream:
     hift_cache: HiFTCache
     flow_path: FlowPath = "rerun"
     noise: torch.Generator | None = None
+    flow_prompt: Any = None
     flow_cache: Any = None
     samples_emitted: int = 0
     chunk_log: list[ChunkPlan] = field(default_factory=list)
@@ -141,17 +161,24 @@ class Token2WavStream:
         embedding: Tensor,
         *,
         first_hop: int = CHUNK_SIZE_TOKENS,
+        max_hop: int = MAX_HOP_TOKENS,
         flow_path: FlowPath | None = None,
         noise: torch.Generator | None = None,
+        flow_prompt: Any = None,
     ) -> None:
-        """Reuse this state object for a new request (caches are kept allocated)."""
+        """Reuse this state object for a new request (caches are kept allocated).
+
+        ``flow_prompt``: the voice's ``Token2Wav.prepare_voice`` result (cached path), made on
+        demand when None.
+        """
         self.prompt_token, self.prompt_feat, self.embedding = prompt_token, prompt_feat, embedding
+        self.schedule.max_hop = max_hop
         self.schedule.reset(int(prompt_token.shape[-1]), first_hop)
         self.hift_cache.reset()
         if flow_path is not None:
             self.flow_path = flow_path
         self.noise = noise
-        self.flow_cache = None
+        self.flow_prompt = flow_prompt
         self.samples_emitted = 0
         self.chunk_log.clear()
         self.model.prepare_flow(self)
@@ -182,31 +209,56 @@ class Token2Wav:
         embedding: Tensor,
         *,
         first_hop: int = CHUNK_SIZE_TOKENS,
+        max_hop: int = MAX_HOP_TOKENS,
         flow_path: FlowPath = "rerun",
         noise: torch.Generator | None = None,
+        flow_prompt: Any = None,
     ) -> Token2WavStream:
-        """A new per-request state. ``first_hop`` (a multiple of 25) trades first-chunk latency."""
+        """A new per-request state.
+
+        ``first_hop`` / ``max_hop`` (multiples of 25) must match the engine's own schedule for
+        the request; ``noise`` None = deterministic vocoder source; ``flow_prompt`` as in
+        :meth:`Token2WavStream.reset`.
+        """
         stream = Token2WavStream(
             model=self,
             prompt_token=prompt_token,
             prompt_feat=prompt_feat,
             embedding=embedding,
-            schedule=ChunkSchedule(prompt_tokens=int(prompt_token.shape[-1]), first_hop=first_hop),
+            schedule=ChunkSchedule(prompt_tokens=int(prompt_token.shape[-1]), first_hop=first_hop, max_hop=max_hop),
             hift_cache=HiFTCache.allocate(
                 self.hift.dims.in_channels, self.cache_frames, self.samples_per_frame, self.device
             ),
             flow_path=flow_path,
             noise=noise,
+            flow_prompt=flow_prompt,
         )
         self.prepare_flow(stream)
         return stream
 
+    def _streaming_flow(self) -> StreamingFlow:
+        if not all(hasattr(self.flow, m) for m in ("prepare_prompt", "new_stream_cache", "stream_chunk")):
+            raise TypeError(f"{type(self.flow).__name__} has no cached streaming API: use flow_path='rerun'")
+        return cast(StreamingFlow, self.flow)
+
+    @torch.no_grad()
+    def prepare_voice(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> Any:
+        """The flow state of a voice's prompt for the cached path; share it between requests."""
+        return self._streaming_flow().prepare_prompt(prompt_token, prompt_feat, embedding)
+
+    @torch.no_grad()
     def prepare_flow(self, stream: Token2WavStream) -> None:
-        """Set up the flow side of a (re)started stream (the cached path's prompt state)."""
+        """Set up the flow side of a (re)started stream: the cached path's per-request cache,
+        reset in place when the stream already has one."""
         if stream.flow_path == "rerun":
-            stream.flow_cache = None
             return
-        raise NotImplementedError("the cached flow path needs the flow's incremental API")
+        flow = self._streaming_flow()
+        if stream.flow_prompt is None:
+            stream.flow_prompt = flow.prepare_prompt(stream.prompt_token, stream.prompt_feat, stream.embedding)
+        if stream.flow_cache is None:
+            stream.flow_cache = flow.new_stream_cache(stream.flow_prompt)
+        else:
+            flow.reset_stream_cache(stream.flow_cache, stream.flow_prompt)
 
     # -- one chunk -----------------------------------------------------------------------------
 
@@ -222,7 +274,8 @@ class Token2Wav:
                 finalize=plan.finalize,
             )
             return mel[:, :, MEL_FRAMES_PER_TOKEN * plan.token_offset :].float()
-        raise NotImplementedError("the cached flow path needs the flow's incremental API")
+        new = token[:, plan.token_offset : plan.token_len]  # new tokens (+ look-ahead unless final)
+        return self._streaming_flow().stream_chunk(stream.flow_cache, new, plan.finalize).float()
 
     def _as_tokens(self, tokens: Tensor | Sequence[int]) -> Tensor:
         t = tokens if isinstance(tokens, Tensor) else torch.tensor(list(tokens), dtype=torch.int32)
@@ -291,10 +344,19 @@ class Token2Wav:
         ``speed`` != 1 resamples the mel in time (linear) to int(T / speed) frames: faster
         speech at the same pitch.
         """
-        if speed <= 0:
-            raise ValueError(f"speed must be > 0, got {speed}")
         token = self._as_tokens(tokens)
         mel = self.flow.inference(token, prompt_token, prompt_feat, embedding, streaming=False, finalize=True)
+        return self.vocode(mel, speed=speed, noise=noise)
+
+    @torch.no_grad()
+    def vocode(self, mel: Tensor, *, speed: float = 1.0, noise: torch.Generator | None = None) -> Tensor:
+        """One HiFT pass over a whole mel [1, 80, T] (no caches): float32 (n,).
+
+        ``speed`` != 1 first resamples the mel to int(T / speed) frames (linear,
+        align_corners=False), as upstream's non-streaming ``speed``.
+        """
+        if speed <= 0:
+            raise ValueError(f"speed must be > 0, got {speed}")
         mel = mel.float()
         if speed != 1.0:
             mel = F.interpolate(mel, size=int(mel.shape[2] / speed), mode="linear")
