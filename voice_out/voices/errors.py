@@ -79,6 +79,12 @@ class PromptModelUnavailableError(VoiceError):
     code = "prompt_model_unavailable"
 
 
+class PromptModelError(VoiceError):
+    """A prompt network file is missing or does not have the expected interface."""
+
+    code = "prompt_model_invalid"
+
+
 class VoiceStoreCorruptError(VoiceError):
     """A stored voice cannot be read back (edited or damaged files)."""
 

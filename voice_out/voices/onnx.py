@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from voice_out.voices.errors import AudioTooLongError, VoiceError
+from voice_out.voices.errors import AudioTooLongError, PromptModelError
 
 SPEECH_TOKENIZER_FILE = "speech_tokenizer_v2.onnx"
 SPEAKER_EMBEDDER_FILE = "campplus.onnx"
@@ -36,12 +36,6 @@ _NUMPY_OF = {
     "tensor(int32)": np.int32,
     "tensor(int64)": np.int64,
 }
-
-
-class PromptModelError(VoiceError):
-    """A prompt network file is missing or does not have the expected interface."""
-
-    code = "prompt_model_invalid"
 
 
 def providers() -> list[str]:

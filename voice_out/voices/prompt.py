@@ -24,12 +24,17 @@ import torch
 
 from voice_out.voices import features
 from voice_out.voices.audio import MEL_SAMPLE_RATE, TOKENIZER_SAMPLE_RATE, check_sample_rate, resample
-from voice_out.voices.errors import AudioTooLongError, AudioTooShortError, CorruptAudioError, SilentAudioError
+from voice_out.voices.errors import (
+    AudioTooLongError,
+    AudioTooShortError,
+    CorruptAudioError,
+    PromptModelError,
+    SilentAudioError,
+)
 from voice_out.voices.onnx import (
     MAX_PROMPT_S,
     SPEAKER_EMBEDDER_FILE,
     SPEECH_TOKENIZER_FILE,
-    PromptModelError,
     SpeakerEmbedder,
     SpeechTokenizer,
 )
