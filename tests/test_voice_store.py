@@ -252,6 +252,28 @@ def test_cut_off_keeps_the_reference_prompt(tmp_path: Path, extractor: PromptExt
     assert float((voice.prompt_mel - g1["prompt_speech_feat"][0]).abs().max()) <= 1e-4
 
 
+def test_model_inputs_match_the_reference_zero_shot_input(
+    tmp_path: Path, extractor: PromptExtractor, cases_dir: Path
+) -> None:
+    g4 = torch.load(cases_dir / "g4_zero_shot_model_input.pt", weights_only=True)
+    voice = VoiceStore(tmp_path / "v", extractor, cut_to_token_block=False).add(
+        "ref", cases_dir / "zero_shot_prompt.wav", str(g4["prompt_text_raw"])
+    )
+    inputs = voice.model_inputs()
+    for key, ours in inputs.items():
+        ref = g4[key]
+        assert ours.dtype == ref.dtype and ours.shape == ref.shape, key
+        if ref.dtype == torch.int32:
+            assert torch.equal(ours, ref), key
+        else:
+            assert float((ours - ref).abs().max()) <= 1e-4, key
+    # With the cut the flow inputs shrink to whole 25-token chunks; the LLM prompt is unchanged.
+    cut = VoiceStore(tmp_path / "w", extractor).add("cut", cases_dir / "zero_shot_prompt.wav", "x").model_inputs()
+    p = int(cut["flow_prompt_speech_token_len"][0])
+    assert p % TOKEN_BLOCK == 0 and cut["prompt_speech_feat"].shape == (1, 2 * p, 80)
+    assert torch.equal(cut["llm_prompt_speech_token"], g4["llm_prompt_speech_token"])
+
+
 def test_replace_and_duplicate(store: VoiceStore, prompt_wav: Path) -> None:
     store.add("alice", prompt_wav, "first")
     with pytest.raises(VoiceExistsError) as e:

@@ -162,6 +162,32 @@ class Voice:
         """The transcript the LLM should see: normalised when a normaliser was given."""
         return self.info.normalized_transcript or self.info.transcript
 
+    def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """Batch-1 prompt tensors under the reference zero-shot input names (spec 6.8).
+
+        ``llm_prompt_speech_token`` int32 [1, K], ``flow_prompt_speech_token`` int32 [1, P],
+        ``prompt_speech_feat`` float32 [1, 2P, 80], ``llm_embedding`` = ``flow_embedding``
+        float32 [1, D], and the ``*_len`` int32 [1] companions. New tensors on ``device``.
+        """
+
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.unsqueeze(0).to(device=device, copy=True)
+
+        def length(n: int) -> torch.Tensor:
+            return torch.tensor([n], dtype=torch.int32, device=device)
+
+        emb = put(self.embedding)
+        return {
+            "llm_prompt_speech_token": put(self.llm_prompt_tokens),
+            "llm_prompt_speech_token_len": length(self.llm_prompt_tokens.shape[0]),
+            "flow_prompt_speech_token": put(self.flow_prompt_tokens),
+            "flow_prompt_speech_token_len": length(self.flow_prompt_tokens.shape[0]),
+            "prompt_speech_feat": put(self.prompt_mel),
+            "prompt_speech_feat_len": length(self.prompt_mel.shape[0]),
+            "llm_embedding": emb,
+            "flow_embedding": emb.clone(),
+        }
+
 
 def cut_prompt(prompt: VoicePrompt, cut_to_token_block: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(llm tokens [K], flow tokens [P], prompt mel [2P, 80]) from an aligned prompt.
