@@ -82,8 +82,7 @@ def run(lm: SpeechLM, specs: list[Spec], max_batch: int) -> list[tuple[list[int]
         mask_eos_(logp, eos_masked, lm.dims.eos_token)
         idx = torch.tensor(ready)
         tokens = ras_sample_batch(logp, history[idx], draw_uniforms([gens[i] for i in ready], "cpu"), params)
-        for j, i in enumerate(ready):
-            s = steps[j]
+        for j, s in enumerate(steps):
             assert s is not None
             if s.mode is bs.StepMode.FORCE_FILL:
                 tokens[j] = cfg.fill_token
