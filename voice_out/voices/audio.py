@@ -19,6 +19,7 @@ import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,11 +78,11 @@ def _looks_like_known_container(head: bytes) -> bool:
     return len(head) >= 2 and head[0] == 0xFF and (head[1] & 0xE0) == 0xE0  # MPEG audio frame sync
 
 
-def _frame_to_float(frame: object) -> np.ndarray:
-    """One decoded PyAV frame -> float32 (channels, n)."""
-    fmt = frame.format  # type: ignore[attr-defined]
-    channels = int(frame.layout.nb_channels)  # type: ignore[attr-defined]
-    raw = frame.to_ndarray()  # type: ignore[attr-defined]
+def _frame_to_float(frame: Any) -> np.ndarray:
+    """One decoded PyAV ``AudioFrame`` -> float32 (channels, n)."""
+    fmt = frame.format
+    channels = int(frame.layout.nb_channels)
+    raw = frame.to_ndarray()
     if not fmt.is_planar:
         raw = raw.reshape(-1, channels).T  # interleaved [n*c] -> [c, n]
     base = fmt.name.rstrip("p")
