@@ -1,0 +1,435 @@
+"""The real engine on CPU: random:tiny weights (LLM, flow, HiFT), the worker thread, the stream
+handle. Forced tokens make every stream deterministic, so concurrency can be checked exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import random
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from voice_out.config import Config, EngineConfig, ServerConfig
+from voice_out.engine.api import (
+    SAMPLE_RATE,
+    EngineLike,
+    OverloadedError,
+    PcmChunk,
+    Stream,
+    StreamClosedError,
+    StreamFailedError,
+    StreamState,
+    TextTooLongError,
+    UnknownVoiceError,
+)
+from voice_out.engine.engine import Engine, EngineStats, EngineStream
+from voice_out.engine.request import SAMPLES_PER_TOKEN
+from voice_out.engine.scheduler import ForcedTokens
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*RANDOM WEIGHTS")
+
+PHASES = ("admit", "llm", "vocode")
+
+
+class Hook:
+    """Fault hook and probe: records every per-request runner call; runs ``action`` on a match."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.action: dict[tuple[str, str, int], object] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, request_id: str, phase: str) -> None:
+        with self._lock:
+            self.calls.append((request_id, phase))
+            n = sum(1 for c in self.calls if c == (request_id, phase))
+            act = self.action.get((request_id, phase, n))
+        if isinstance(act, BaseException):
+            raise act
+        if callable(act):
+            act()
+
+    def calls_for(self, rid: str) -> list[str]:
+        with self._lock:
+            return [p for r, p in self.calls if r == rid]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    # 2 shared cores: intra-op threads only fight each other here
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+def make_engine(tmp: Path, *, hook: Hook | None = None, **engine: object) -> Engine:
+    kw: dict[str, object] = {"max_streams": 8, "max_ahead_s": 1.0, "max_text_chars": 200}
+    kw.update(engine)
+    cfg = Config(server=ServerConfig(voices_dir=str(tmp / "no-voices")), engine=EngineConfig(**kw))  # type: ignore[arg-type]
+    return Engine.load(
+        cfg,
+        model="random:tiny",
+        device="cpu",
+        forced=ForcedTokens(3),
+        warmup=False,
+        text_normalizer="none",
+        noise_prompt_tokens=0,
+        kv_len=512,
+        fault_hook=hook,
+    )
+
+
+@pytest.fixture(scope="module")
+def hook() -> Hook:
+    return Hook()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory, hook: Hook) -> Iterator[Engine]:
+    eng = make_engine(tmp_path_factory.mktemp("engine"), hook=hook)
+    eng.start(timeout=120)
+    yield eng
+    eng.close()
+
+
+def assert_clean(engine: Engine) -> EngineStats:
+    assert engine.wait_idle(60)
+    gc.collect()
+    st = engine.stats()
+    assert (st.used_slots, st.live_requests, st.runner_requests, st.waiting) == (0, 0, 0, 0), st
+    assert (st.open_streams, st.queued_chunks, st.worker_threads) == (0, 0, 1), st
+    return st
+
+
+def solo(engine: Engine, seed: int, deltas: Sequence[str]) -> list[PcmChunk]:
+    stream = engine.open_stream(seed=seed)
+    for d in deltas:
+        stream.push_text(d)
+    stream.end_text()
+    return list(stream)
+
+
+def signature(chunks: Sequence[PcmChunk]) -> list[tuple[int, int, bool, int]]:
+    return [(c.start_sample, c.text_end, c.final, len(c.pcm)) for c in chunks]
+
+
+def split(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), k=min(3, len(text) - 1)))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def test_engine_implements_the_api(engine: Engine) -> None:
+    like: EngineLike = engine  # statically checked against the contract
+    assert like.ready and like.voice_names() == ["noise"]
+    assert engine.ready and engine.sample_rate == SAMPLE_RATE
+    assert engine.voice_names() == ["noise"]
+    stream = engine.open_stream()
+    assert isinstance(stream, Stream)
+    assert stream.voice == "noise" and stream.state is StreamState.WAITING
+    stream.cancel()
+    with pytest.raises(UnknownVoiceError):
+        engine.open_stream("nobody")
+    assert_clean(engine)
+
+
+def test_one_stream_speaks_all_its_tokens(engine: Engine) -> None:
+    text = "hi there, bob"  # 13 byte ids -> 39 speech tokens (forced 3 per text token)
+    chunks = solo(engine, 5, [text[:4], text[4:9], text[9:]])
+    assert [c.final for c in chunks] == [False, True]
+    assert sum(len(c.pcm) for c in chunks) == 39 * SAMPLES_PER_TOKEN
+    assert [c.start_sample for c in chunks] == [0, len(chunks[0].pcm)]
+    assert all(c.pcm.dtype == np.float32 and np.isfinite(c.pcm).all() for c in chunks)
+    assert chunks[-1].text_end == len(text)
+    assert 0 < chunks[0].text_end <= len(text)
+    assert_clean(engine)
+
+
+def test_sixteen_concurrent_streams_produce_exactly_what_they_produce_alone(engine: Engine) -> None:
+    rng = random.Random(7)
+    words = ["ok", "yes", "no way", "hello", "a b", "right then", "sure", "fine, go"]
+    texts = [" ".join(rng.sample(words, k=rng.randint(1, 3))) for _ in range(16)]
+    plans = [split(t, rng) if len(t) > 1 else [t] for t in texts]
+    alone = [solo(engine, 100 + i, plans[i]) for i in range(16)]
+    assert_clean(engine)
+    threads_before = threading.active_count()
+
+    async def together() -> list[list[PcmChunk]]:
+        streams = [engine.open_stream(seed=100 + i) for i in range(16)]
+
+        async def consume(s: EngineStream) -> list[PcmChunk]:
+            return [c async for c in s]
+
+        tasks = [asyncio.create_task(consume(s)) for s in streams]
+        # staggered: each round gives some streams their next delta, then lets the worker run
+        pending = [list(p) for p in plans]
+        order = list(range(16))
+        while any(pending):
+            rng.shuffle(order)
+            for i in order[: rng.randint(1, 16)]:
+                if pending[i]:
+                    streams[i].push_text(pending[i].pop(0))
+                    if not pending[i]:
+                        streams[i].end_text()
+            if rng.random() < 0.5:
+                await engine.await_idle()
+            else:
+                await asyncio.sleep(0)
+        out = await asyncio.gather(*tasks)
+        assert len(asyncio.all_tasks()) == 1  # only this coroutine's own task is left
+        return list(out)
+
+    concurrent = asyncio.run(together())
+    for i in range(16):
+        assert signature(concurrent[i]) == signature(alone[i]), texts[i]
+        np.testing.assert_array_equal(
+            np.concatenate([c.pcm for c in concurrent[i]]), np.concatenate([c.pcm for c in alone[i]])
+        )
+    assert threading.active_count() == threads_before
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize(
+    "stage",
+    ["before_text", "mid_prefill", "mid_decode", "mid_chunk", "after_first_chunk", "after_end_text", "after_finish"],
+)
+def test_cancel_at_every_stage_stops_gpu_work_and_frees_everything(engine: Engine, hook: Hook, stage: str) -> None:
+    base_threads = threading.active_count()
+    text = "one two three four five six"  # 27 ids: 81 tokens, several chunks
+    stream = engine.open_stream(seed=1)
+    rid = stream.id
+    cancelled_at: list[int] = []
+
+    def cancel_now() -> None:  # called from the worker thread, inside the step: the worst case
+        cancelled_at.append(len(hook.calls_for(rid)))
+        stream.cancel()
+
+    if stage == "mid_prefill":
+        hook.action[(rid, "llm", 1)] = cancel_now
+    elif stage == "mid_decode":
+        hook.action[(rid, "llm", 20)] = cancel_now
+    elif stage == "mid_chunk":
+        hook.action[(rid, "vocode", 1)] = cancel_now
+
+    got: list[PcmChunk] = []
+    if stage == "before_text":
+        cancelled_at.append(0)
+        stream.cancel()
+        with pytest.raises(StreamClosedError):
+            stream.push_text("late")
+    else:
+        stream.push_text(text)
+        if stage != "after_first_chunk":
+            stream.end_text()
+        for chunk in stream:
+            got.append(chunk)
+            if stage in ("after_first_chunk", "after_end_text"):
+                cancelled_at.append(len(hook.calls_for(rid)))
+                stream.cancel()
+        if stage == "after_finish":
+            cancelled_at.append(len(hook.calls_for(rid)))
+            stream.cancel()
+    stream.cancel()  # idempotent
+    assert_clean(engine)
+    if stage == "after_finish":
+        assert stream.state is StreamState.FINISHED
+        assert sum(len(c.pcm) for c in got) == 81 * SAMPLES_PER_TOKEN
+    else:
+        assert stream.state is StreamState.ABORTED
+        assert len(got) <= 1
+        # GPU work ends with the step in flight: nothing of an earlier-or-same phase comes after
+        later = hook.calls_for(rid)[cancelled_at[0] :]
+        assert len(later) <= 1 and all(PHASES.index(p) > PHASES.index("llm") for p in later), later
+    if stage == "before_text":
+        assert list(stream) == []
+    assert threading.active_count() == base_threads
+
+
+def test_async_cancel_from_the_consumer_ends_the_iteration(engine: Engine) -> None:
+    async def main() -> tuple[list[PcmChunk], StreamState]:
+        stream = engine.open_stream(seed=3)
+        stream.push_text("a long enough text to make several chunks")
+        stream.end_text()
+        got = []
+        async for chunk in stream:
+            got.append(chunk)
+            stream.cancel()
+        return got, stream.state
+
+    got, state = asyncio.run(main())
+    assert len(got) == 1 and state is StreamState.ABORTED
+    assert_clean(engine)
+
+
+def test_a_failure_in_one_stream_leaves_the_others_intact(engine: Engine, hook: Hook) -> None:
+    texts = ["alpha beta gamma", "delta", "epsilon zeta", "eta theta iota"]
+    alone = [solo(engine, 50 + i, [t]) for i, t in enumerate(texts)]
+    streams = [engine.open_stream(seed=50 + i) for i in range(4)]
+    hook.action[(streams[2].id, "vocode", 1)] = RuntimeError("injected token2wav failure")
+    for s, t in zip(streams, texts, strict=True):
+        s.push_text(t)
+        s.end_text()
+    results: list[list[PcmChunk]] = []
+    for i, s in enumerate(streams):
+        if i == 2:
+            with pytest.raises(StreamFailedError, match="injected"):
+                list(s)
+            assert s.state is StreamState.FAILED
+            results.append([])
+        else:
+            results.append(list(s))
+    for i in (0, 1, 3):
+        assert signature(results[i]) == signature(alone[i])
+    assert_clean(engine)
+
+
+def test_a_failing_step_fails_its_streams_and_the_worker_goes_on(engine: Engine) -> None:
+    worker = engine._worker
+    assert worker is not None and worker.runner is not None
+    runner = worker.runner
+    original = runner.execute  # type: ignore[attr-defined]
+    calls = {"n": 0}
+
+    def flaky(plan):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost (injected)")
+        return original(plan)
+
+    runner.execute = flaky  # type: ignore[attr-defined]
+    try:
+        victim = engine.open_stream(seed=9)
+        victim.push_text("doomed words here")
+        victim.end_text()
+        with pytest.raises(StreamFailedError, match="device lost"):
+            list(victim)
+    finally:
+        runner.execute = original  # type: ignore[attr-defined]
+    assert engine.stats().failed_steps >= 1
+    assert sum(len(c.pcm) for c in solo(engine, 10, ["still alive"])) == 33 * SAMPLES_PER_TOKEN
+    assert_clean(engine)
+
+
+def test_back_pressure_bounds_audio_ahead_of_a_slow_consumer(engine: Engine) -> None:
+    limit = int(engine.config.engine.max_ahead_s * SAMPLE_RATE)
+    stream = engine.open_stream(seed=4, auto_ack=False)
+    stream.push_text("x" * 60)  # 180 tokens = 7.2 s of audio
+    stream.end_text()
+    it = iter(stream)
+    received = acked = rounds = 0
+    while True:
+        assert engine.wait_idle(60)  # the engine stops on its own: nobody acknowledged the audio
+        got = [c for _ in range(len(stream.outbox)) if (c := next(it, None)) is not None]
+        received += sum(len(c.pcm) for c in got)
+        if got and got[-1].final:
+            break
+        # held back: past the limit, but by at most one chunk (<= 100 tokens)
+        assert limit < received - acked <= limit + 100 * SAMPLES_PER_TOKEN
+        assert stream.state is StreamState.RUNNING
+        rounds += 1
+        stream.ack(received)  # the listener caught up
+        acked = received
+    assert rounds >= 2
+    assert received == 180 * SAMPLES_PER_TOKEN
+    assert_clean(engine)
+
+
+def test_text_errors(engine: Engine) -> None:
+    stream = engine.open_stream(seed=1)
+    with pytest.raises(TextTooLongError):
+        stream.push_text("y" * 201)
+    stream.push_text("fine")
+    stream.end_text()
+    stream.end_text()  # idempotent
+    with pytest.raises(StreamClosedError):
+        stream.push_text("more")
+    assert stream.text == "fine"
+    assert len(list(stream)) == 1
+    empty = engine.open_stream()
+    empty.end_text()
+    assert list(empty) == [] and empty.state is StreamState.FINISHED
+    assert_clean(engine)
+
+
+def test_too_many_open_streams_is_overload(engine: Engine) -> None:
+    streams = [engine.open_stream() for _ in range(engine.max_open_streams)]
+    with pytest.raises(OverloadedError):
+        engine.open_stream()
+    for s in streams:
+        s.cancel()
+    engine.open_stream().cancel()
+    assert_clean(engine)
+
+
+def test_a_hundred_short_streams_with_random_cancels_leak_nothing(engine: Engine) -> None:
+    leak_round(engine, 100, seed=0)
+
+
+@pytest.mark.slow
+def test_a_thousand_short_streams_with_random_cancels_leak_nothing(engine: Engine) -> None:
+    leak_round(engine, 1000, seed=1)
+
+
+def leak_round(engine: Engine, n: int, seed: int) -> None:
+    rng = random.Random(seed)
+    threads = threading.active_count()
+
+    async def main() -> dict[str, int]:
+        counts = {"finished": 0, "aborted": 0}
+
+        gate = asyncio.Semaphore(engine.max_open_streams - 4)
+
+        async def one(i: int) -> None:
+            async with gate:
+                s = engine.open_stream(seed=i)
+                s.push_text(rng.choice(["a", "b.", "cd"]))
+                roll = rng.random()
+                if roll < 0.25:
+                    s.cancel()
+                else:
+                    s.end_text()
+                    async for _ in s:
+                        if roll < 0.5:
+                            s.cancel()
+                counts[s.state.value] = counts.get(s.state.value, 0) + 1
+
+        tasks = []
+        for i in range(n):
+            tasks.append(asyncio.create_task(one(i)))
+            if rng.random() < 0.3:
+                await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        await engine.await_idle()
+        assert len(asyncio.all_tasks()) == 1
+        return counts
+
+    counts = asyncio.run(main())
+    assert counts["finished"] + counts["aborted"] == n and counts["aborted"] > n // 5
+    assert threading.active_count() == threads
+    assert_clean(engine)
+
+
+def test_engine_lifecycle_async_and_close_aborts_open_streams(tmp_path: Path) -> None:
+    eng = make_engine(tmp_path)
+    base = threading.active_count()
+
+    async def main() -> EngineStream:
+        async with eng:
+            assert eng.ready and threading.active_count() == base + 1
+            s = eng.open_stream()
+            s.push_text("never ended")
+            await eng.await_idle()
+            return s
+
+    s = asyncio.run(main())
+    assert not eng.ready and s.state is StreamState.ABORTED
+    assert threading.active_count() == base
+    assert eng.stats().worker_threads == 0
