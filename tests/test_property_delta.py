@@ -159,3 +159,25 @@ def test_token_boundary_rule_against_the_tokenizer(tokenizer: QwenTokenizer) -> 
                 checked += 1
                 assert tokenizer.encode(text[:p]) + tokenizer.encode(text[p:]) == whole, (text, p)
     assert checked > 2000
+
+
+# ------------------------------------------------------------------------------------------
+# random texts built from the pieces that make the stages branch
+
+_FUZZ_PIECES = [
+    *"ab Zé'.,!?-$%\n\t5 0 1 *_#`[]()<>|~:;/\"",
+    *["中", "文", "，", "。", "e\u0301", "😀", "\u200d", "\ufe0f", "  ", "**", "- ", "1. ", "## ", "```"],
+    *["[breath]", "<strong>", "</strong>", "<|endoftext|>", "[laugh", "](http://x)", "kg", "March ", "$1,2", "3.5"],
+]
+
+
+def test_random_texts_split_anywhere(normalizer: TextNormalizer, tokenizer: QwenTokenizer) -> None:
+    rng = random.Random(20261121)
+    for _ in range(150):
+        text = "".join(rng.choice(_FUZZ_PIECES) for _ in range(rng.randint(1, 14)))
+        whole = normalize_whole(normalizer, text)
+        whole_ids = tokenizer.encode(whole)
+        for parts in [[text[:i], text[i:]] for i in range(1, len(text))] + [list(text)]:
+            released, _, _ = _stream(normalizer, parts)
+            assert "".join(released) == whole, (text, parts)
+            assert [i for r in released for i in tokenizer.encode(r)] == whole_ids, (text, parts)

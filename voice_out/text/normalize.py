@@ -288,9 +288,13 @@ class WetextEngine:
     def _normalize_uncached(self, text: str, lang: Lang) -> str:
         if not text.strip():
             return text
-        if lang == "zh":
-            return str(self._zh.normalize(text))
-        return fix_wetext_en(text, str(self._en.normalize(text)))
+        try:
+            if lang == "zh":
+                return str(self._zh.normalize(text))
+            return fix_wetext_en(text, str(self._en.normalize(text)))
+        except Exception as exc:  # the FST runtime asserts on some symbol strings ("$%")
+            log.debug("wetext failed on %r (%s: %s); leaving it to the rules", text, type(exc).__name__, exc)
+            return text
 
 
 _WETEXT_ESCAPE = re.compile(r'\\(["\\])')
