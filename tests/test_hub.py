@@ -61,6 +61,7 @@ def test_unknown_repo_is_clear(tmp_path: Path, hub_env: None) -> None:
     with fake_hub(src, REPO_ID) as (endpoint, _), pytest.raises(ModelNotFoundError) as e:
         download("acme/does-not-exist", str(tmp_path / "c"), endpoint=endpoint)
     assert "acme/does-not-exist" in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 def test_incomplete_repo_is_reported(tmp_path: Path, hub_env: None) -> None:
@@ -76,6 +77,7 @@ def test_unreachable_hub_names_the_fix(tmp_path: Path, hub_env: None) -> None:
         download(REPO_ID, str(tmp_path / "c"), endpoint="http://127.0.0.1:9")
     msg = str(e.value)
     assert "voice-out download" in msg and "--model" in msg
+    assert "\n" not in msg
 
 
 def test_offline_missing_model_names_the_fix(tmp_path: Path) -> None:

@@ -66,6 +66,12 @@ def missing_files(model_dir: Path) -> list[str]:
     return [f for f in REQUIRED_FILES if not (model_dir / f).is_file()]
 
 
+def _first_line(e: BaseException) -> str:
+    """The first non-empty line of an exception's message (hub errors span several lines)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
 def _hub_cache(cache_dir: str) -> str:
     return str(Path(cache_dir) / "hub")
 
