@@ -97,11 +97,12 @@ def download(repo_id: str, cache_dir: str, revision: str | None = None, endpoint
         )
     except HfHubHTTPError as e:
         raise ModelNotFoundError(
-            f"could not download {repo_id!r}: {e}. Check the id, or pass --model with a local CosyVoice2 directory."
+            f"could not download {repo_id!r}: {_first_line(e)}. "
+            "Check the id, or pass --model with a local CosyVoice2 directory."
         ) from None
     except OSError as e:
         raise ModelNotFoundError(
-            f"could not download {repo_id!r} ({type(e).__name__}: {e}). Are you offline? Download it on a "
+            f"could not download {repo_id!r} ({type(e).__name__}: {_first_line(e)}). Are you offline? Download it on a "
             f"connected machine with `voice-out download {repo_id} --cache-dir DIR` and copy DIR, or pass "
             "--model with a local CosyVoice2 directory."
         ) from None
