@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -267,8 +268,7 @@ class WetextEngine:
     """The ``wetext`` FSTs (zh with erhua kept, en), loaded from the installed package.
 
     Results are memoized per (text, lang): the streaming normalizer calls it once per segment and
-    segments repeat a lot. The FST objects are only read after loading, so one instance may
-    serve every thread.
+    segments repeat a lot. One instance serves every thread (FST calls are serialized by a lock).
     """
 
     def __init__(self) -> None:
@@ -277,6 +277,7 @@ class WetextEngine:
         self._zh = Normalizer(lang="zh", operator="tn", remove_erhua=False)
         self._en = Normalizer(lang="en", operator="tn")
         self._cached = lru_cache(maxsize=65536)(self._normalize_uncached)
+        self._lock = threading.Lock()  # kaldifst does not promise thread safety; calls are short
         # Fail now rather than on the first request if the FSTs cannot be read.
         self._zh.normalize("1")
         self._en.normalize("1")
@@ -289,9 +290,9 @@ class WetextEngine:
         if not text.strip():
             return text
         try:
-            if lang == "zh":
-                return str(self._zh.normalize(text))
-            return fix_wetext_en(text, str(self._en.normalize(text)))
+            with self._lock:
+                spoken = str((self._zh if lang == "zh" else self._en).normalize(text))
+            return spoken if lang == "zh" else fix_wetext_en(text, spoken)
         except Exception as exc:  # the FST runtime asserts on some symbol strings ("$%")
             log.debug("wetext failed on %r (%s: %s); leaving it to the rules", text, type(exc).__name__, exc)
             return text

@@ -68,7 +68,6 @@ _MONTHS = frozenset(
     "january february march april may june july august september october november december "
     "jan feb mar apr jun jul aug sep sept oct nov dec".split()
 )
-_SENTENCE_END = frozenset(".?!;:。？！；：、…")
 
 #: Hold-back caps. They cut where the content says (never where a delta happened to end), so
 #: they keep the split invariance; only text beyond a cap tokenizes differently from one pass.
@@ -202,7 +201,7 @@ class _MarkupStage:
         if c == "\n":
             self.line_start = True
             self.link_depth = 0
-            if self.last_clean and self.last_clean not in _SENTENCE_END and _is_wordish(self.last_clean):
+            if self.last_clean.isalnum():  # a line that ends without punctuation ends a sentence
                 return 1, ["。" if _is_cjk_like(self.last_clean) else ".", " "]
             return 1, [" "]
         if c == "`":
@@ -260,10 +259,6 @@ def _tag_at(text: str) -> str | None:
         if text.startswith(tag):
             return tag
     return None
-
-
-def _is_wordish(char: str) -> bool:
-    return char.isalnum()
 
 
 def _is_cjk_like(char: str) -> bool:
