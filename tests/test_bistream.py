@@ -304,3 +304,32 @@ def test_default_schedule_feeds_everything_once_in_order(
 def test_module_does_not_need_torch() -> None:
     code = "import sys; sys.modules['torch'] = None; import voice_out.text.bistream"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_whole_text_request_masks_eos_before_min_len_and_stops() -> None:
+    rows = (bs.SOS, *text_rows([1, 2]), TASK)
+    state = bs.new_whole_text_state(rows, min_len=3, max_len=40)
+    first = state.step
+    assert first is not None and first.feed == rows and first.mode is bs.StepMode.SAMPLE
+    modes = []
+    for tok in (10, 11, 12, 13):
+        step = state.step
+        assert step is not None
+        modes.append(step.mode)
+        actions = bs.process(state, bs.StepDone(tok))
+        assert actions[0] == bs.Emit(tok)
+        assert isinstance(actions[1], bs.Step) and actions[1].feed == ((bs.KIND_SPEECH, tok),)
+    assert modes == [bs.StepMode.SAMPLE] * 3 + [bs.StepMode.SAMPLE_FINAL]
+    assert bs.process(state, bs.StepDone(EOS)) == [bs.Finished(bs.FinishReason.EOS)]
+    assert state.cache_len == len(rows) + 4 and state.emitted == 4
+    with_reserved = bs.new_whole_text_state(rows, min_len=0, max_len=40)
+    assert bs.process(with_reserved, bs.StepDone(6562)) == [bs.Finished(bs.FinishReason.STOP_TOKEN)]
+
+
+def test_whole_text_request_stops_at_max_len() -> None:
+    state = bs.new_whole_text_state((bs.SOS, TASK), min_len=0, max_len=2)
+    assert bs.process(state, bs.StepDone(5))[0] == bs.Emit(5)
+    assert bs.process(state, bs.StepDone(6)) == [bs.Emit(6), bs.Finished(bs.FinishReason.MAX_LEN)]
+    assert state.step is None and state.phase is bs.Phase.FINISHED
+    empty = bs.new_whole_text_state((bs.SOS, TASK), min_len=0, max_len=0)
+    assert empty.step is None and empty.finish_reason is bs.FinishReason.MAX_LEN

@@ -81,15 +81,31 @@ def test_teacher_forced(lm: SpeechLM, cases_dir: Path, name: str) -> None:
     cache.reset(1)
     slot = torch.tensor([1])
     forced = _ids(case["forced_tokens"])
+    # The whole-text request schedule drives the steps (feeds, EOS masking, stop).
+    state = bs.new_whole_text_state(tuple(rows), min_len, max_len, lm.dims.speech_token_size)
+    emitted: list[int] = []
+    finished: list[bs.Finished] = []
     err_hidden = err_logp = 0.0
     for i in range(n_steps):
-        assert int(cache.lengths[1]) == int(case["cache_len_before_step"][i]), f"step {i}"
+        step = state.step
+        assert step is not None, f"{name}: schedule stopped before step {i}"
+        assert (step.mode is bs.StepMode.SAMPLE) == bool(case["eos_masked_at_step"][i])
+        assert int(cache.lengths[1]) == int(case["cache_len_before_step"][i]) == state.cache_len, f"step {i}"
         if i == 0:
+            assert list(step.feed) == rows
             hidden = lm.prefill(cache, 1, embeds)
         else:
-            hidden = lm.decode_step(cache, slot, lm.embed_speech(torch.tensor([forced[i - 1]])))[0]
+            assert step.feed == ((llm_inputs.KIND_SPEECH, forced[i - 1]),)
+            hidden = lm.decode_step(cache, slot, lm.embed_rows(step.feed))[0]
         err_hidden = max(err_hidden, _maxdiff(hidden, case["hidden"][i]))
         err_logp = max(err_logp, _maxdiff(lm.logprobs(hidden), case["logp"][i]))
+        token = forced[i] if i < len(forced) else lm.dims.eos_token
+        for action in bs.process(state, bs.StepDone(token)):
+            if isinstance(action, bs.Emit):
+                emitted.append(action.token)
+            elif isinstance(action, bs.Finished):
+                finished.append(action)
+    assert emitted == forced and finished == [bs.Finished(bs.FinishReason.EOS)]
     print(f"\n{name}: max |hidden diff| {err_hidden:.2e}, max |logp diff| {err_logp:.2e} over {n_steps} steps")
     assert err_hidden < TOL and err_logp < TOL, f"{name}: hidden {err_hidden:.2e}, logp {err_logp:.2e}"
 

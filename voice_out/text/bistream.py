@@ -53,6 +53,11 @@ Upstream behaviours and what this module does by default (each has a flag; see
   id is a chunk of its own, which reproduces that and never stalls on buffered text. True makes
   a ``TextReceived`` one chunk (what the parity traces b1..b3 record).
 
+:class:`WholeTextState` (``new_whole_text_state``) is the non-streaming request, text known up
+front, with the same events and actions: one step on ``[SOS, text, TASK_ID, prompt speech]``,
+then one speech row per step, EOS masked before ``min_len``, stop on 6561/6562/6563 or at
+``max_len``.
+
 Upstream raises on a stop id other than the expected one (6562 in the inner loop, 6562/6563 in
 the final phase); here they end the stream with ``Finished(STOP_TOKEN)``.
 """
@@ -217,8 +222,75 @@ def new_state(
     )
 
 
-def process(state: BistreamState, event: Event) -> list[Action]:
+@dataclass
+class WholeTextState:
+    """A request whose whole text is known up front: upstream's non-streaming path (spec 2.4, 2.5).
+
+    Same events and actions as bistream, so one scheduler drives both. The first step (all
+    ``rows``, e.g. from ``llm_inputs.zero_shot_rows``) is outstanding from the start. Step i
+    masks EOS while ``i < min_len``; any stop id ends the stream; ``max_len`` tokens at most.
+    """
+
+    rows: tuple[Row, ...]
+    min_len: int
+    max_len: int
+    speech_token_size: int = 6561
+    produced: int = 0
+    emitted: int = 0
+    steps: int = 0
+    cache_len: int = 0
+    phase: Phase = Phase.WAITING
+    step: Step | None = None
+    finish_reason: FinishReason | None = None
+
+
+def new_whole_text_state(
+    rows: tuple[Row, ...], min_len: int, max_len: int, speech_token_size: int = 6561
+) -> WholeTextState:
+    """A whole-text request with its first step already outstanding (finished if ``max_len`` is 0)."""
+    state = WholeTextState(tuple(rows), min_len, max_len, speech_token_size)
+    if max_len <= 0:
+        state.phase, state.finish_reason = Phase.FINISHED, FinishReason.MAX_LEN
+    else:
+        _issue_whole(state, state.rows)
+    return state
+
+
+def _issue_whole(state: WholeTextState, feed: tuple[Row, ...]) -> Step:
+    mode = StepMode.SAMPLE if state.produced < state.min_len else StepMode.SAMPLE_FINAL
+    state.step = Step(feed, mode)
+    state.phase = Phase.STEPPING if mode is StepMode.SAMPLE else Phase.FINAL
+    return state.step
+
+
+def _process_whole(state: WholeTextState, event: Event) -> list[Action]:
+    if isinstance(event, TextReceived):
+        raise ValueError("a whole-text request takes no more text")
+    if isinstance(event, TextEnded):
+        return []
+    step = state.step
+    if step is None:
+        raise ValueError(f"StepDone({event.token}) without an outstanding step (phase {state.phase.value})")
+    token = int(event.token)
+    state.step = None
+    state.steps += 1
+    state.cache_len += len(step.feed)
+    state.produced += 1
+    if not 0 <= token < state.speech_token_size:
+        reason = FinishReason.EOS if token == state.speech_token_size else FinishReason.STOP_TOKEN
+        state.phase, state.finish_reason = Phase.FINISHED, reason
+        return [Finished(reason)]
+    state.emitted += 1
+    if state.produced >= state.max_len:
+        state.phase, state.finish_reason = Phase.FINISHED, FinishReason.MAX_LEN
+        return [Emit(token), Finished(FinishReason.MAX_LEN)]
+    return [Emit(token), _issue_whole(state, ((KIND_SPEECH, token),))]
+
+
+def process(state: BistreamState | WholeTextState, event: Event) -> list[Action]:
     """Apply ``event``; return what the driver must do now (possibly nothing)."""
+    if isinstance(state, WholeTextState):
+        return _process_whole(state, event)
     if isinstance(event, TextReceived):
         if state.text_ended or state.phase in (Phase.FINAL, Phase.FINISHED):
             raise ValueError("text received after the end of text")
