@@ -50,6 +50,8 @@ class FakeStream:
         self._changed = asyncio.Event()
         self.n_chunks = 0
         self.iterating = False
+        self.auto_ack = True
+        self.acks: list[int] = []
 
     @property
     def id(self) -> str:
@@ -84,6 +86,10 @@ class FakeStream:
             self._state = StreamState.ABORTED
             self.engine.active.discard(self)
         self._changed.set()
+
+    def ack(self, samples_played: int) -> None:
+        """The listener has heard ``samples_played`` samples (the real engine paces on it)."""
+        self.acks.append(samples_played)
 
     def _end(self, state: StreamState) -> None:
         if not self._state.terminal:
@@ -183,7 +189,9 @@ class FakeEngine:
             s.cancel()
         self.stopped += 1
 
-    def open_stream(self, voice: str | None = None, *, stream_id: str | None = None) -> FakeStream:
+    def open_stream(
+        self, voice: str | None = None, *, stream_id: str | None = None, auto_ack: bool = True
+    ) -> FakeStream:
         name = voice or self.default_voice
         if name is None:
             raise NoVoiceError("no voice named and no default voice configured")
@@ -192,6 +200,7 @@ class FakeEngine:
         if len(self.active) >= self.capacity:
             raise OverloadedError(f"all {self.capacity} stream slots are busy")
         s = FakeStream(self, name, stream_id or f"s{len(self.opened)}")
+        s.auto_ack = auto_ack
         self.active.add(s)
         self.opened.append(s)
         return s

@@ -144,7 +144,12 @@ async def test_speaks_with_energy_and_events_in_order(server: Server) -> None:
     assert dominant_hz(pcm, 48000) == pytest.approx(440, abs=5)
     assert events_of(client)[0] == ("session.ready", None)
     assert events_of(client)[1:] == [("audio.started", "u1"), ("audio.done", "u1")]
-    assert server.engine.opened[0].voice == "bob"
+    stream = server.engine.opened[0]
+    assert stream.voice == "bob"
+    # The engine was told what was played (not what was buffered), monotonically, to the end.
+    assert not stream.auto_ack
+    assert stream.acks == sorted(stream.acks) and len(stream.acks) >= 3
+    assert done.audio_ms * 24 - 2400 <= stream.acks[-1] <= done.audio_ms * 24
     await client.close()
 
 

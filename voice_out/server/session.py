@@ -15,21 +15,24 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from voice_out.engine.api import EngineError, EngineLike, PcmChunk, Stream
 from voice_out.server import protocol as p
 from voice_out.server.metrics import Metrics
-from voice_out.server.track import Done, Silenced, Started, TrackEvent, Underrun, UtteranceTrack, heard_text
+from voice_out.server.track import Done, Played, Silenced, Started, TrackEvent, Underrun, UtteranceTrack, heard_text
 
 log = logging.getLogger(__name__)
 
 #: How much synthesized audio a pump lets pile up per utterance before it stops pulling from
 #: the engine (the engine's own ``max_ahead_s`` then holds the GPU back).
 MAX_BUFFERED_S = 2.0
+#: Tell the engine what was played at most this often (samples), when it takes acks.
+ACK_EVERY_SAMPLES = 2400
 #: Ids of ended utterances remembered to tell "closed" from "unknown" (bounded).
 REMEMBERED_IDS = 1024
 
@@ -64,6 +67,7 @@ class Utterance:
     task: asyncio.Task[None] | None = None
     engine_wait_s: float = 0.0
     n_samples: int = 0
+    n_acked: int = 0
 
 
 def _error_code(exc: EngineError) -> p.ErrorCode:
@@ -101,6 +105,9 @@ class Session:
         self._sinks: list[Sink] = []
         self.closed = False
         self._closing: asyncio.Task[None] | None = None
+        # An engine whose open_stream takes ``auto_ack`` lets the transport say what was
+        # *played* (stream.ack), so its back-pressure follows the listener, not the buffer.
+        self._acks = "auto_ack" in inspect.signature(engine.open_stream).parameters
 
     # -- wiring --------------------------------------------------------------------------------
 
@@ -201,7 +208,12 @@ class Session:
         if not self.engine.ready:
             raise p.ProtocolError(p.ErrorCode.NOT_READY, "the engine is not accepting streams now", msg.id)
         try:
-            stream = self.engine.open_stream(msg.voice, stream_id=f"{self.id}/{msg.id}")
+            sid = f"{self.id}/{msg.id}"
+            if self._acks:
+                open_stream: Any = self.engine.open_stream
+                stream = open_stream(msg.voice, stream_id=sid, auto_ack=False)
+            else:
+                stream = self.engine.open_stream(msg.voice, stream_id=sid)
         except EngineError as e:
             raise p.ProtocolError(_error_code(e), str(e), msg.id) from None
         self._seq += 1
@@ -323,6 +335,13 @@ class Session:
                 ttfa_s = max(0.0, ev.t - u.t_first_delta)
                 self.metrics.ttfa.observe(ttfa_s)
                 self._broadcast(p.AudioStarted(ev.id, 1000.0 * ttfa_s))
+        elif isinstance(ev, Played):
+            u = self.live.get(ev.id)
+            if u is not None and self._acks and ev.n_samples - u.n_acked >= ACK_EVERY_SAMPLES:
+                u.n_acked = ev.n_samples
+                ack: Any = getattr(u.stream, "ack", None)
+                if ack is not None:
+                    ack(ev.n_samples)
         elif isinstance(ev, Done):
             u = self.live.get(ev.id)
             if u is not None:

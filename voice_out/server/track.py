@@ -81,6 +81,14 @@ class Done:
 
 
 @dataclass(frozen=True)
+class Played:
+    """``id`` has now sent ``n_samples`` in all (once per frame in which it sent any)."""
+
+    id: str
+    n_samples: int
+
+
+@dataclass(frozen=True)
 class Underrun:
     """``id`` was playing and its buffer ran dry before its audio was complete."""
 
@@ -94,7 +102,7 @@ class Silenced:
     latency_s: float
 
 
-TrackEvent = Started | Done | Underrun | Silenced
+TrackEvent = Started | Played | Done | Underrun | Silenced
 
 
 @dataclass(frozen=True)
@@ -308,6 +316,7 @@ class UtteranceTrack(MediaStreamTrack):
                 if not p.started:
                     p.started = True
                     events.append(Started(p.id, now))
+                events.append(Played(p.id, p.n_sent))
             if p.pending_samples == 0:
                 if not p.complete:
                     if p.started and not p.starved:
