@@ -394,7 +394,7 @@ class _SegmentStage:
         raw_items: list[_Item] = []
         for k, unit in enumerate(segment.units):
             if k and unit.space_before:
-                raw_items.append(_Item(" ", unit.items[0].input_end))
+                raw_items.append(_Item(" ", raw_items[-1].input_end))
             raw_items.extend(unit.items)
         raw = "".join(i.text for i in raw_items)
         lang = self._language(raw)
