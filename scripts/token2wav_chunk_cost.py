@@ -1,0 +1,191 @@
+"""Time every token2wav chunk of one long utterance: cost against chunk index.
+
+Builds the flow and HiFT with seeded random weights (dims from ``configs/models/tiny`` by
+default, or ``configs/models/cosyvoice2-0.5b`` with ``--full``), streams ``--tokens`` speech
+tokens through ``Token2WavStream`` as if the LLM had produced them all, and reports per chunk:
+tokens given to the flow, new tokens, samples, flow ms, vocoder ms (HiFT + cross-fade), total
+ms and the chunk's real-time factor (time / audio duration). ``--flow-path both`` runs the
+re-run path (upstream: cost grows with the utterance) and the cached path (cost per new token)
+one after the other. A warm-up stream runs first (``--warmup-tokens``), so kernels are built.
+
+    python scripts/token2wav_chunk_cost.py                                  # tiny, CPU
+    python scripts/token2wav_chunk_cost.py --full --device cuda --tokens 1500
+
+With ``OUT`` set the results also go to ``$OUT/token2wav_chunks.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from voice_out.model.checkpoint import random_flow, random_hift  # noqa: E402
+from voice_out.model.hift import HiFT  # noqa: E402
+from voice_out.model.token2wav import Token2Wav  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SAMPLE_RATE = 24000
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help="full-size CosyVoice2-0.5B dims instead of tiny")
+    p.add_argument("--config", type=Path, default=None, help="a cosyvoice2.yaml (overrides --full)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--flow-dtype", default="float32", choices=sorted(DTYPES), help="HiFT always runs in float32")
+    p.add_argument("--flow-path", default="both", choices=["rerun", "cached", "both"])
+    p.add_argument("--tokens", type=int, default=500, help="speech tokens of the utterance (25 per second)")
+    p.add_argument("--prompt-tokens", type=int, default=87, help="flow prompt tokens (the voice)")
+    p.add_argument("--warmup-tokens", type=int, default=160)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+class TimedFlow:
+    """Forwards to the flow and adds the (synchronized) time of each call to ``elapsed_ms``."""
+
+    def __init__(self, flow: Any, device: torch.device) -> None:
+        self.flow = flow
+        self.device = device
+        self.elapsed_ms = 0.0
+
+    def _timed(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        sync(self.device)
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sync(self.device)
+        self.elapsed_ms += (time.perf_counter() - t0) * 1e3
+        return out
+
+    def inference(self, *args: Any, **kwargs: Any) -> Tensor:
+        out: Tensor = self._timed(self.flow.inference, *args, **kwargs)
+        return out
+
+    def stream_chunk(self, *args: Any, **kwargs: Any) -> Tensor:
+        out: Tensor = self._timed(self.flow.stream_chunk, *args, **kwargs)
+        return out
+
+    def prepare_prompt(self, *args: Any, **kwargs: Any) -> Any:
+        return self.flow.prepare_prompt(*args, **kwargs)
+
+    def new_stream_cache(self, *args: Any, **kwargs: Any) -> Any:
+        return self.flow.new_stream_cache(*args, **kwargs)
+
+    def reset_stream_cache(self, *args: Any, **kwargs: Any) -> None:
+        self.flow.reset_stream_cache(*args, **kwargs)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_utterance(
+    t2w: Token2Wav, timed: TimedFlow, voice: tuple[Tensor, Tensor, Tensor], tokens: Tensor, path: str
+) -> list[dict[str, Any]]:
+    device = t2w.device
+    with torch.no_grad():
+        prompt = t2w.prepare_voice(*voice) if path == "cached" else None
+    stream = t2w.open_stream(*voice, flow_path=path, flow_prompt=prompt)  # type: ignore[arg-type]
+    rows: list[dict[str, Any]] = []
+    n = int(tokens.shape[1])
+    while (plan := stream.ready_chunk(n, llm_finished=True)) is not None:
+        timed.elapsed_ms = 0.0
+        sync(device)
+        t0 = time.perf_counter()
+        pcm = stream.run_chunk(plan, tokens)
+        sync(device)
+        total_ms = (time.perf_counter() - t0) * 1e3
+        audio_s = pcm.shape[0] / SAMPLE_RATE
+        rows.append(
+            {
+                "chunk": plan.index,
+                "token_offset": plan.token_offset,
+                "flow_tokens": plan.token_len,
+                "new_tokens": plan.hop_tokens,
+                "final": plan.finalize,
+                "samples": int(pcm.shape[0]),
+                "flow_ms": round(timed.elapsed_ms, 3),
+                "vocoder_ms": round(total_ms - timed.elapsed_ms, 3),
+                "total_ms": round(total_ms, 3),
+                "rtf": round(total_ms / 1e3 / audio_s, 4) if audio_s > 0 else None,
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    config = args.config or REPO_ROOT / "configs" / "models" / ("cosyvoice2-0.5b" if args.full else "tiny")
+    config_file = config / "cosyvoice2.yaml" if config.is_dir() else config
+    torch.manual_seed(args.seed)
+    flow = random_flow(config_file, device=device, dtype=DTYPES[args.flow_dtype], seed=args.seed)
+    hift: HiFT = random_hift(config_file, device=device, seed=args.seed)
+    timed = TimedFlow(flow, device)
+    t2w = Token2Wav(timed, hift, device=device)  # type: ignore[arg-type]
+
+    gen = torch.Generator().manual_seed(args.seed)
+    n_mels = hift.dims.in_channels
+    voice = (
+        torch.randint(0, 6561, (1, args.prompt_tokens), generator=gen).to(device),
+        (torch.randn(1, 2 * args.prompt_tokens, n_mels, generator=gen) - 5.0).to(device),
+        torch.randn(1, 192, generator=gen).to(device),
+    )
+    tokens = torch.randint(0, 6561, (1, args.tokens), generator=gen).to(device)
+    paths = ["rerun", "cached"] if args.flow_path == "both" else [args.flow_path]
+
+    result: dict[str, Any] = {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "config": str(config_file.relative_to(REPO_ROOT) if config_file.is_relative_to(REPO_ROOT) else config_file),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "flow_dtype": args.flow_dtype,
+        "tokens": args.tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "runs": {},
+    }
+    for path in paths:
+        if args.warmup_tokens > 0:
+            run_utterance(t2w, timed, voice, tokens[:, : args.warmup_tokens], path)
+        rows = run_utterance(t2w, timed, voice, tokens, path)
+        result["runs"][path] = rows
+        print(f"\nflow path: {path}  ({args.tokens} tokens = {args.tokens / 25:.1f} s, prompt {args.prompt_tokens})")
+        print(
+            f"{'chunk':>5} {'flow_tok':>8} {'new':>5} {'final':>5} {'flow_ms':>9} {'voc_ms':>8} {'total':>9} {'rtf':>7}"
+        )
+        for r in rows:
+            rtf = f"{r['rtf']:.3f}" if r["rtf"] is not None else "-"
+            print(
+                f"{r['chunk']:>5} {r['flow_tokens']:>8} {r['new_tokens']:>5} {r['final']!s:>5} "
+                f"{r['flow_ms']:>9.1f} {r['vocoder_ms']:>8.1f} {r['total_ms']:>9.1f} {rtf:>7}"
+            )
+        total = sum(r["total_ms"] for r in rows)
+        print(
+            f"total {total:.1f} ms for {args.tokens / 25:.1f} s of audio (RTF {total / 1e3 / (args.tokens / 25):.3f})"
+        )
+
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        path_out = Path(out_dir) / "token2wav_chunks.json"
+        path_out.parent.mkdir(parents=True, exist_ok=True)
+        path_out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(f"\nwrote {path_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
