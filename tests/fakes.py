@@ -10,6 +10,7 @@ expected ``played_text`` of a cut is easy to compute. A stream whose text contai
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -222,7 +223,7 @@ class FakeVoiceStore:
     def add(self, name: str, audio: bytes, transcript: str) -> None:
         from voice_out.voices.errors import EmptyAudioError, InvalidVoiceNameError, VoiceExistsError
 
-        if not name.isidentifier():
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
             raise InvalidVoiceNameError(f"invalid voice name {name!r}")
         if name in self.engine.voices:
             raise VoiceExistsError(f"voice {name!r} exists")

@@ -641,3 +641,86 @@ async def test_control_websocket_drives_the_browser_session(server: Server) -> N
         closed = await asyncio.wait_for(ws.receive(), 5)
         assert closed.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
     await until(lambda: len(server.sessions) == 0 and server.sessions.n_tasks == 0)
+
+
+# -- serve -----------------------------------------------------------------------------------------
+
+SERVE_SCRIPT = """
+import sys
+from tests.fakes import FakeEngine, FakeVoiceStore
+import voice_out.server.app as app
+from voice_out.config import Config, ServerConfig
+
+engine = FakeEngine()
+app.load_runtime = lambda cfg: (engine, FakeVoiceStore(engine))
+rc = app.serve(Config(server=ServerConfig(port=int(sys.argv[1]))))
+print(f"exit rc={rc} started={engine.started} stopped={engine.stopped} active={len(engine.active)}", flush=True)
+sys.exit(rc)
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+async def test_serve_shuts_down_gracefully_on_signals(signame: str) -> None:
+    import signal
+    import sys
+
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        SERVE_SCRIPT,
+        str(port),
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    async with http.get(url + "/healthz") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    pass
+                assert time.monotonic() < deadline, "the server did not come up"
+                await asyncio.sleep(0.1)
+        client = await connect(url)
+        client.send_text("u", "Talking while the server is stopped. ")
+        await client.wait_for("audio.started", "u")
+        proc.send_signal(getattr(signal, signame))
+        out, err = await asyncio.wait_for(proc.communicate(), 20)
+        await until(lambda: client.pc.connectionState == "closed" or client.channel.readyState == "closed", 10)
+        await client.close()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = out.decode()
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert f"voice_out serving on http://127.0.0.1:{port}/" in text
+    assert "exit rc=0 started=1 stopped=1 active=0" in text
+    assert "Traceback" not in err.decode()
+
+
+def test_serve_without_engine_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from voice_out.cli import main
+
+    monkeypatch.setitem(sys.modules, "voice_out.engine.engine", None)  # as if not built
+    assert main(["serve", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("voice-out: error: cannot serve: the streaming engine")

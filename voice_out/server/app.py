@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import importlib
 import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -357,7 +356,12 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     engine = app[ENGINE_KEY]
     async with AsyncExitStack() as stack:
         if hasattr(engine, "__aenter__") and hasattr(engine, "__aexit__"):
-            await stack.enter_async_context(engine)  # type: ignore[arg-type]
+            try:
+                await stack.enter_async_context(engine)  # type: ignore[arg-type]
+            except VoiceOutError:
+                raise
+            except Exception as e:
+                raise EngineStartError(f"the engine failed to start: {e}") from e
         yield
         # on_shutdown has closed every session before cleanup_ctx leaves the engine.
 
@@ -374,14 +378,26 @@ class EngineUnavailableError(VoiceOutError):
     """The streaming engine is not part of this build."""
 
 
+class EngineStartError(VoiceOutError):
+    """The engine could not start (model, device or memory); the message says why."""
+
+
+class ListenError(VoiceOutError):
+    """The server could not listen on its address."""
+
+
 def serve(cfg: Config) -> int:
-    """Load the engine and voice store, serve until SIGINT/SIGTERM, shut down cleanly."""
+    """Load the engine and voice store, serve until SIGINT/SIGTERM, shut down cleanly.
+
+    On a signal: new offers are refused, every session is closed (streams cancelled, tasks
+    awaited, peer connections closed), then the engine is stopped; returns 0.
+    """
     engine, store = load_runtime(cfg)
     loop = _new_loop()
     server = cfg.server
 
     def announce(_: str) -> None:
-        print(f"voice_out serving on http://{server.host}:{server.port}/", flush=True)
+        print(f"voice_out serving on http://{server.host}:{server.port}/ (Ctrl-C to stop)", flush=True)
 
     try:
         web.run_app(
@@ -393,6 +409,8 @@ def serve(cfg: Config) -> int:
             shutdown_timeout=10.0,
             handle_signals=True,
         )
+    except OSError as e:
+        raise ListenError(f"cannot listen on {server.host}:{server.port}: {e.strerror or e}") from None
     finally:
         if not loop.is_closed():
             loop.close()
@@ -409,17 +427,25 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 def load_runtime(cfg: Config) -> tuple[EngineLike, VoiceStoreLike | None]:
-    """The engine and voice store of ``cfg``; one-line :class:`VoiceOutError` if impossible."""
+    """The engine and voice store of ``cfg`` (blocking: resolves the model, reads dims).
+
+    Raises a one-line :class:`VoiceOutError` when something the user can fix is missing.
+    """
     try:
-        engine_module = importlib.import_module("voice_out.engine.engine")
+        from voice_out.engine.engine import Engine
     except ModuleNotFoundError as e:
         if e.name == "voice_out.engine.engine":
             raise EngineUnavailableError(
-                "cannot serve: the streaming engine (voice_out.engine.engine) is not part of this build yet"
+                "cannot serve: the streaming engine (voice_out.engine.engine) is not part of this build"
             ) from None
         raise
-    engine_cls = getattr(engine_module, "Engine", None)
-    if engine_cls is None:
-        raise EngineUnavailableError("cannot serve: voice_out.engine.engine has no Engine class")
-    engine: EngineLike = engine_cls.load(cfg)
-    return engine, None
+    from voice_out.hub import resolve_model
+    from voice_out.voices.store import VoiceStore
+
+    mc = cfg.model
+    source = resolve_model(mc.model, mc.cache_dir, revision=mc.revision, offline=mc.offline)
+    # A real model directory brings the prompt networks, so voices can be added over HTTP;
+    # random weights have none and the store is read-only (POST /voices answers 501).
+    store = VoiceStore(cfg.server.voices_dir, source.path)
+    engine = Engine.load(cfg, voices=store)
+    return engine, store
