@@ -31,6 +31,7 @@ from voice_out.server.app import METRICS_KEY, SESSIONS_KEY, create_app
 from voice_out.server.signaling import SessionManager
 
 TOKEN = "s3cret-token"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 MS_PER_CHAR = FakeScript().ms_per_char
 
 
@@ -679,7 +680,7 @@ async def test_serve_shuts_down_gracefully_on_signals(signame: str) -> None:
         "-c",
         SERVE_SCRIPT,
         str(port),
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=REPO_ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
