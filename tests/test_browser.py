@@ -150,7 +150,10 @@ class Page:
             if value:
                 return value
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{self.console()}")
+                page_state = await self.evaluate("window.voiceOut ? JSON.stringify(voiceOut.summary()) : null")
+                raise AssertionError(
+                    f"timed out after {timeout_s} s waiting for {what}\npage: {page_state}\n{self.console()}"
+                )
             await asyncio.sleep(0.05)
 
     def console(self) -> str:
@@ -269,7 +272,7 @@ async def browser_session(profile: Path, screenshots: dict[str, bytes]) -> dict[
             30,
             "audio.done of the short utterance",
         )
-        await asyncio.sleep(SILENCE_SETTLE_S)
+        await page.wait_for("!voiceOut.audio.audible", 5, "silence after the short utterance")
 
         # 2. A long utterance, interrupted once the page has heard it for a while.
         long_id = await page.evaluate(f"voiceOut.stream({json.dumps(LONG_TEXT)}, {{tps: {TOKENS_PER_S}}})")
@@ -285,14 +288,24 @@ async def browser_session(profile: Path, screenshots: dict[str, bytes]) -> dict[
             f"voiceOut.utterances[{json.dumps(long_id)}].status === 'cancelled'", 5, "the cancelled event"
         )
 
+        # 3. Barge-in by voice: the page's energy VAD on the microphone. Chromium's fake
+        #    microphone beeps (~50 ms every 0.5 s), so the test asks for 40 ms of "speech".
+        await page.evaluate("voiceOut.micVad.speechMs = 40, voiceOut.micBargeIn(true)")
+        mic_id = await page.evaluate(f"voiceOut.stream({json.dumps(LONG_TEXT)}, {{tps: {TOKENS_PER_S}}})")
+        await page.wait_for(
+            "voiceOut.bargeIns.length === 2 && voiceOut.bargeIns[1].silenceAt !== null", 10, "a microphone barge-in"
+        )
+        await page.evaluate("voiceOut.micBargeIn(false)")
+        await page.wait_for(f"voiceOut.utterances[{json.dumps(mic_id)}].status === 'cancelled'", 5, "cancelled")
+
         measured: dict[str, Any] = await page.evaluate("voiceOut.summary()")
         measured["short_id"] = short_id
         measured["long_id"] = long_id
+        measured["mic_id"] = mic_id
         screenshots["demo.png"] = await page.screenshot()
         return measured
 
 
-SILENCE_SETTLE_S = 0.5
 QUIET_AFTER_CANCEL_S = 1.0
 # Bounds on a CPU-only machine with the tiny model (the page's measurements; design §5).
 MAX_PAGE_TTFA_MS = 5000.0
@@ -324,16 +337,20 @@ def check_measurements(m: dict[str, Any]) -> None:
     assert types[0] == "session.ready", types
     assert "error" not in types, [e for e in events if e["type"] == "error"]
     by_id = [(e["type"], e.get("id")) for e in events if e.get("id") is not None]
-    assert by_id == [
+    expected = [
         ("audio.started", m["short_id"]),
         ("audio.done", m["short_id"]),
         ("audio.started", m["long_id"]),
         ("cancelled", m["long_id"]),
-    ], by_id
+    ]
+    # The microphone may interrupt the third utterance before or after its audio started.
+    mic_tail = [("cancelled", m["mic_id"])]
+    assert by_id in (expected + mic_tail, expected + [("audio.started", m["mic_id"])] + mic_tail), by_id
 
     # The page heard both utterances, with energy, soon after their first delta.
     assert audio["meter"] == "worklet"
     assert audio["maxRms"] > 10 * audio["threshold"], audio["maxRms"]
+    assert m["utterances"][m["mic_id"]]["voice"] == VOICE
     for u in (short, long):
         assert u["voice"] == VOICE, u
         assert u["pageTtfaMs"] is not None, u
@@ -345,12 +362,19 @@ def check_measurements(m: dict[str, Any]) -> None:
 
     # Barge-in: the page was hearing the long utterance, then heard silence within the bound,
     # and nothing after it.
-    (barge_in,) = m["bargeIns"]
-    assert barge_in["ids"] == [m["long_id"]]
+    barge_in, by_voice = m["bargeIns"]
+    assert barge_in["ids"] == [m["long_id"]] and barge_in["reason"] == "test", barge_in
     assert long["firstAudibleAt"] < barge_in["at"]
     assert barge_in["ms"] is not None and barge_in["ms"] < MAX_BARGE_IN_MS, barge_in
-    later_onsets = [o for o in audio["onsets"] if o["t"] > barge_in["silenceAt"]]
+    next_start = m["utterances"][m["mic_id"]]["firstDeltaAt"]
+    assert next_start - barge_in["silenceAt"] >= QUIET_AFTER_CANCEL_S * 1000 - 100
+    later_onsets = [o for o in audio["onsets"] if barge_in["silenceAt"] < o["t"] < next_start]
     assert later_onsets == [], later_onsets
-    assert m["now"] - barge_in["silenceAt"] >= QUIET_AFTER_CANCEL_S * 1000 - 100
     assert LONG_TEXT.startswith(long["playedText"]), long["playedText"]
     assert 0 < long["playedMs"], long
+
+    # Barge-in by voice: the microphone VAD cancelled the third utterance, and it went quiet.
+    assert by_voice["reason"] == "microphone" and by_voice["ids"] == [m["mic_id"]], by_voice
+    assert "micBargeIn" in m["marks"]
+    assert by_voice["ms"] is not None and by_voice["ms"] < MAX_BARGE_IN_MS, by_voice
+    assert [o for o in audio["onsets"] if o["t"] > by_voice["silenceAt"]] == []

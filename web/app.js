@@ -73,6 +73,8 @@ const voiceOut = {
   uploadVoice,
   deleteVoice,
   record: recordFor,
+  micBargeIn: setMicBargeIn, // (on: boolean) -> Promise
+  micVad: { speechMs: MIC_SPEECH_MS }, // the threshold is the page's slider
   setThreshold(value) {
     audio.threshold = value;
   },
@@ -674,6 +676,7 @@ function speaking() {
 // Microphone barge-in: a simple energy VAD on the microphone.
 
 async function setMicBargeIn(on) {
+  $("mic-barge-in").checked = on;
   if (!on) {
     if (state.mic) {
       clearInterval(state.mic.timer);
@@ -683,8 +686,10 @@ async function setMicBargeIn(on) {
     $("mic-level").value = 0;
     return;
   }
+  if (state.mic) return;
   const ctx = await ensureAudio();
   const stream = await navigator.mediaDevices.getUserMedia({
+    // Echo cancellation keeps the agent's own voice from interrupting itself.
     audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: false },
   });
   const analyser = ctx.createAnalyser();
@@ -699,7 +704,7 @@ async function setMicBargeIn(on) {
     const rms = Math.sqrt(sum / buf.length);
     $("mic-level").value = rms;
     mic.speechMs = rms >= Number($("mic-threshold").value) ? mic.speechMs + MIC_POLL_MS : 0;
-    if (mic.speechMs >= MIC_SPEECH_MS && channelOpen() && speaking()) {
+    if (mic.speechMs >= voiceOut.micVad.speechMs && channelOpen() && speaking()) {
       mic.speechMs = 0;
       mark("micBargeIn");
       record("page", "mic", { rms: Number(rms.toFixed(4)), note: "speech detected: barge in" });
