@@ -73,6 +73,15 @@ def test_dims_validation() -> None:
         LLMDims.from_configs(llm, {**qwen, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match="rope_theta"):
         LLMDims.from_configs(llm, {k: v for k, v in qwen.items() if k != "rope_theta"})
+    with pytest.raises(ValueError, match="even"):
+        LLMDims.from_configs(llm, {**qwen, "head_dim": 7})
+    # An explicit head_dim need not be hidden / heads (the projections follow it).
+    narrow = LLMDims.from_configs(llm, {**qwen, "head_dim": 8})
+    lm = SpeechLM(narrow)
+    assert lm.get_submodule("layers.0.attn.wqkv").weight.shape == ((4 + 2 * 2) * 8, 64)
+    cache = KVCache.allocate(narrow, 1, 8)
+    assert lm.prefill(cache, 0, torch.randn(3, 64)).shape == (64,)
+    assert lm.decode_step(cache, None, torch.randn(1, 64)).shape == (1, 64)
 
 
 @pytest.mark.parametrize("layout", ["slots", "permuted", "packed", "window"])

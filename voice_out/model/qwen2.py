@@ -98,8 +98,8 @@ class LLMDims:
                 raise ValueError(f"cosyvoice2.yaml llm.{key} = {size} but {qj} hidden_size = {hidden}")
         if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
             raise ValueError(f"{qj}: num_attention_heads {heads} must be a positive multiple of {kv_heads}")
-        if head_dim * heads != hidden or head_dim % 2:
-            raise ValueError(f"{qj}: head_dim {head_dim} x {heads} heads must equal hidden_size {hidden}")
+        if head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"{qj}: head_dim {head_dim} must be a positive even number (RoPE rotates halves)")
         act = qwen.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{qj}: hidden_act {act!r} is not supported (only silu)")
