@@ -1,0 +1,272 @@
+"""The flow's cached streaming path against its re-run reference path.
+
+A small random flow (encoder width 512 as upstream requires, everything else tiny) with a
+5-token chunk, so that short sequences cross many chunk boundaries. What is proven:
+
+* every non-final chunk of ``stream_chunk`` equals upstream's re-run
+  ``inference(tokens[:offset + hop + 3], streaming=True, finalize=False)[..., 2 offset:]``, and
+  the final chunk equals the full-attention re-run;
+* the non-final chunks equal the matching slice of ONE streaming pass over all tokens (and with
+  ``full_attention_final=False`` the whole stream does);
+* the work per chunk is its new tokens only (no earlier frame goes through the network again);
+* prompt state is shared read-only, caches reset in place and grow when needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import Tensor
+
+from voice_out.model.checkpoint import init_random_flow_
+from voice_out.model.flow import Flow, FlowDims, FlowPrompt
+
+TOL = 1e-5  # fp32: the paths differ only by matmul blocking
+
+
+def tiny_dims(enc_chunk: int = 5, est_chunk: int = 10, noise_frames: int = 15000) -> FlowDims:
+    return FlowDims(
+        vocab_size=300,
+        input_size=512,
+        n_mels=80,
+        spk_embed_dim=24,
+        token_mel_ratio=2,
+        pre_lookahead=3,
+        enc_input_size=512,
+        enc_dim=512,
+        enc_heads=8,
+        enc_ffn=32,
+        enc_blocks=1,
+        enc_chunk=enc_chunk,
+        cfg_rate=0.7,
+        est_in=320,
+        est_out=80,
+        est_channels=32,
+        est_heads=2,
+        est_head_dim=16,
+        est_blocks=1,
+        est_mid_blocks=1,
+        est_chunk=est_chunk,
+        noise_frames=noise_frames,
+    )
+
+
+def make_flow(dims: FlowDims, seed: int = 0) -> Flow:
+    return init_random_flow_(Flow(dims), seed).eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Small ops on a shared 2-core machine run far faster on one thread (no spin-waiting)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def flow() -> Flow:
+    return make_flow(tiny_dims())
+
+
+def inputs(flow: Flow, n_prompt: int, n_tokens: int, seed: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    d = flow.dims
+    gen = torch.Generator().manual_seed(seed)
+    token = torch.randint(0, d.vocab_size, (1, n_tokens), generator=gen)
+    prompt_token = torch.randint(0, d.vocab_size, (1, n_prompt), generator=gen)
+    prompt_feat = torch.randn(1, d.token_mel_ratio * n_prompt, d.n_mels, generator=gen) - 5.0
+    embedding = torch.randn(1, d.spk_embed_dim, generator=gen)
+    return token, prompt_token, prompt_feat, embedding
+
+
+def schedule(flow: Flow, n_prompt: int, n_tokens: int) -> list[tuple[int, int, bool]]:
+    """Upstream's chunk plan: (offset, hop, finalize); hop chunk + pad, then x2 up to 4 chunks."""
+    d = flow.dims
+    hop = d.enc_chunk
+    pad = -n_prompt % hop
+    while not d.chunk_aligned(n_prompt + hop + pad):
+        pad += d.enc_chunk
+    plan, offset, first = [], 0, True
+    while True:
+        now = hop + pad if first else hop
+        if n_tokens - offset < now + d.pre_lookahead:
+            plan.append((offset, n_tokens - offset, True))
+            return plan
+        plan.append((offset, now, False))
+        offset += now
+        first = False
+        hop = min(4 * d.enc_chunk, 2 * hop)
+
+
+def run_stream(
+    flow: Flow,
+    prompt: FlowPrompt,
+    token: Tensor,
+    plan: list[tuple[int, int, bool]],
+    capacity: int | None = None,
+    full_attention_final: bool = True,
+) -> list[Tensor]:
+    la = flow.dims.pre_lookahead
+    cache = flow.new_stream_cache(prompt, capacity=capacity)
+    out = []
+    for offset, hop, final in plan:
+        stop = offset + hop + (0 if final else la)
+        out.append(flow.stream_chunk(cache, token[:, offset:stop], final, full_attention_final=full_attention_final))
+    return out
+
+
+@pytest.mark.parametrize("n_prompt", [2, 13, 20, 24])
+def test_cached_equals_rerun_for_every_chunk(flow: Flow, n_prompt: int) -> None:
+    """n_prompt 2: no prompt prefix; 13 / 24: a prefix and a prompt tail; 20: chunk-aligned."""
+    token, prompt_token, prompt_feat, embedding = inputs(flow, n_prompt, 64)
+    plan = schedule(flow, n_prompt, 64)
+    assert sum(not f for _, _, f in plan) >= 4
+    ratio, la = flow.dims.token_mel_ratio, flow.dims.pre_lookahead
+    with torch.no_grad():
+        prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
+        chunks = run_stream(flow, prompt, token, plan)
+        for (offset, hop, final), mel in zip(plan, chunks, strict=True):
+            assert mel.shape == (1, flow.dims.n_mels, ratio * hop)
+            n = offset + hop + (0 if final else la)
+            ref = flow.inference(
+                token[:, :n], prompt_token, prompt_feat, embedding, streaming=not final, finalize=final
+            )
+            err = float((ref[:, :, ratio * offset :] - mel).abs().max())
+            print(f"P={n_prompt} chunk at {offset} (+{hop}, final={final}): cached vs re-run {err:.2g}")
+            assert err <= TOL
+
+
+def test_streaming_chunks_equal_one_streaming_pass(flow: Flow) -> None:
+    n_prompt, n_tokens = 13, 71
+    token, prompt_token, prompt_feat, embedding = inputs(flow, n_prompt, n_tokens, seed=2)
+    plan = schedule(flow, n_prompt, n_tokens)
+    ratio = flow.dims.token_mel_ratio
+    last_offset = plan[-1][0]
+    with torch.no_grad():
+        single = flow.inference(token, prompt_token, prompt_feat, embedding, streaming=True, finalize=True)
+        full = flow.inference(token, prompt_token, prompt_feat, embedding, streaming=False, finalize=True)
+        prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
+        exact = torch.cat(run_stream(flow, prompt, token, plan), dim=2)
+        causal = torch.cat(run_stream(flow, prompt, token, plan, full_attention_final=False), dim=2)
+    head = ratio * last_offset
+    assert float((exact[:, :, :head] - single[:, :, :head]).abs().max()) <= TOL
+    assert float((causal - single).abs().max()) <= TOL  # chunk-causal final: the whole stream
+    assert float((exact[:, :, head:] - full[:, :, head:]).abs().max()) <= TOL  # upstream's final pass
+    # the full-attention final really differs from the streaming pass (so the test can tell them apart)
+    assert float((exact[:, :, head:] - single[:, :, head:]).abs().max()) > 1e-3
+
+
+def test_work_per_chunk_is_only_the_new_tokens(flow: Flow) -> None:
+    """Every layer sees only the new tokens/frames of a chunk, however long the stream is."""
+    n_prompt, n_tokens = 24, 160
+    token, prompt_token, prompt_feat, embedding = inputs(flow, n_prompt, n_tokens, seed=3)
+    plan = schedule(flow, n_prompt, n_tokens)
+    seen: list[tuple[str, int]] = []
+    hooks = [
+        flow.encoder.register_forward_hook(lambda m, a, o: seen.append(("encoder", a[0].shape[1]))),
+        flow.estimator.register_forward_hook(lambda m, a, o: seen.append(("estimator", a[0].shape[2]))),
+    ]
+    try:
+        with torch.no_grad():
+            prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
+            prefix = prompt.n_prefix
+            seen.clear()
+            run_stream(flow, prompt, token, plan, full_attention_final=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    ratio, steps = flow.dims.token_mel_ratio, flow.dims.n_timesteps
+    expected: list[tuple[str, int]] = []
+    for k, (_, hop, _) in enumerate(plan):
+        n = hop + (n_prompt - prefix if k == 0 else 0)  # the first chunk also finishes the prompt tail
+        expected += [("encoder", n)] + [("estimator", ratio * n)] * steps
+    assert seen == expected
+    assert max(hop for _, hop, _ in plan) == 4 * flow.dims.enc_chunk  # long stream, bounded chunks
+
+
+def test_prompt_state_is_shared_and_caches_reset_in_place(flow: Flow) -> None:
+    token, prompt_token, prompt_feat, embedding = inputs(flow, 24, 40, seed=4)
+    other_token, *other_prompt = inputs(flow, 13, 40, seed=5)
+    plan = schedule(flow, 24, 40)
+    with torch.no_grad():
+        prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
+        other = flow.prepare_prompt(*other_prompt)
+        snapshot = [t.clone() for t in (prompt.prefix.est_k, prompt.prefix.enc_v, *prompt.prefix.est_ctx)]
+        first = run_stream(flow, prompt, token, plan)
+        cache = flow.new_stream_cache(other)
+        cache_id = id(cache.est_k)
+        run_stream(flow, other, other_token, schedule(flow, 13, 40))
+        for req in range(2):  # the same cache object serves request after request
+            flow.reset_stream_cache(cache, prompt)
+            la = flow.dims.pre_lookahead
+            again = [flow.stream_chunk(cache, token[:, o : o + h + (0 if f else la)], f) for o, h, f in plan]
+            assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True)), req
+        assert id(cache.est_k) == cache_id  # reset does not reallocate
+    after = [prompt.prefix.est_k, prompt.prefix.enc_v, *prompt.prefix.est_ctx]
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, after, strict=True)), "prompt state was modified"
+
+
+def test_cache_grows_when_capacity_is_exceeded(flow: Flow) -> None:
+    token, prompt_token, prompt_feat, embedding = inputs(flow, 13, 50, seed=6)
+    plan = schedule(flow, 13, 50)
+    with torch.no_grad():
+        prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
+        roomy = run_stream(flow, prompt, token, plan, capacity=200)
+        tight = run_stream(flow, prompt, token, plan, capacity=14)
+    for a, b in zip(roomy, tight, strict=True):
+        assert float((a - b).abs().max()) <= TOL
+
+
+def test_misuse_is_refused(flow: Flow) -> None:
+    token, prompt_token, prompt_feat, embedding = inputs(flow, 13, 30, seed=7)
+    with torch.no_grad():
+        prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
+        cache = flow.new_stream_cache(prompt)
+        with pytest.raises(ValueError, match="chunk boundary"):
+            flow.stream_chunk(cache, token[:, :9], finalize=False)  # 13 + 6 is not a multiple of 5
+        with pytest.raises(ValueError, match="look-ahead"):
+            flow.stream_chunk(cache, token[:, :3], finalize=False)
+        flow.stream_chunk(cache, token[:, :10], finalize=False)  # 13 + 7 = 20
+        flow.stream_chunk(cache, token[:, 7:], finalize=True)
+        with pytest.raises(ValueError, match="finalized"):
+            flow.stream_chunk(cache, token[:, :5], finalize=True)
+        with pytest.raises(ValueError, match="prompt_feat"):
+            flow.prepare_prompt(prompt_token, prompt_feat[:, :-1], embedding)
+
+
+def test_length_limit_is_the_noise_buffer() -> None:
+    short = make_flow(tiny_dims(noise_frames=60))
+    token, prompt_token, prompt_feat, embedding = inputs(short, 5, 40, seed=8)
+    with torch.no_grad():
+        prompt = short.prepare_prompt(prompt_token, prompt_feat, embedding)
+        cache = short.new_stream_cache(prompt)
+        short.stream_chunk(cache, token[:, :18], finalize=False)  # 5 + 15 = 20 tokens = 40 frames
+        with pytest.raises(ValueError, match="exceed"):
+            short.stream_chunk(cache, token[:, 15:33], finalize=False)  # 35 tokens = 70 frames > 60
+        with pytest.raises(ValueError, match="noise buffer"):
+            short.inference(token, prompt_token, prompt_feat, embedding, streaming=True, finalize=True)
+
+
+def test_other_chunk_geometry_and_bfloat16() -> None:
+    """Estimator chunk = 2 x the upsampled encoder chunk; and the cached path in bfloat16."""
+    flow = make_flow(tiny_dims(enc_chunk=5, est_chunk=20), seed=9)
+    token, prompt_token, prompt_feat, embedding = inputs(flow, 7, 50, seed=10)
+    plan = schedule(flow, 7, 50)
+    ratio = flow.dims.token_mel_ratio
+    with torch.no_grad():
+        single = flow.inference(token, prompt_token, prompt_feat, embedding, streaming=True, finalize=True)
+        prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
+        causal = torch.cat(run_stream(flow, prompt, token, plan, full_attention_final=False), dim=2)
+        assert float((causal - single).abs().max()) <= TOL
+        flow = flow.to(torch.bfloat16)
+        prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
+        assert prompt.prefix.est_k.dtype == torch.bfloat16
+        low = run_stream(flow, prompt, token, plan)
+    head = ratio * plan[-1][0]
+    low_head = torch.cat(low, dim=2)[:, :, :head]
+    assert low_head.dtype == torch.float32
+    err = float((low_head - single[:, :, :head]).abs().max())
+    print(f"bfloat16 cached stream vs float32 single pass: max abs {err:.3g} (mel std {float(single.std()):.3g})")
+    assert err < 0.25 * float(single.std())
