@@ -4,7 +4,9 @@ Builds the CosyVoice2-0.5B speech LM (dims from configs/models/cosyvoice2-0.5b) 
 weights directly on the device, eager PyTorch (no CUDA graphs, no compile), and reports:
 
 * ms per ``decode_step`` at each batch size (every stream already holding ``--prompt-len``
-  positions), for slots given as an index tensor (gathered K/V) and for packed slots 0..B-1;
+  positions), for slots given as an index tensor (``gather``: K/V gathered) and for packed
+  slots 0..B-1 (``packed``), and for packed slots plus the head and batched RAS sampling
+  (``packed+head+ras``: the whole LLM part of one engine step, uniforms pre-drawn);
 * ms per ``prefill`` of a ``--prompt-len`` row prompt into one slot.
 
 Median and p95 over ``--iters`` timed runs after ``--warmup`` runs; CUDA events on a GPU,
@@ -34,6 +36,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from voice_out.model.checkpoint import random_llm  # noqa: E402
 from voice_out.model.qwen2 import KVCache, SpeechLM  # noqa: E402
+from voice_out.model.sampling import SamplingParams, new_history, ras_sample_batch  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -81,7 +84,13 @@ def summary(ms: list[float]) -> dict[str, float]:
 
 
 def bench_decode(
-    lm: SpeechLM, batch: int, packed: bool, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+    lm: SpeechLM,
+    batch: int,
+    packed: bool,
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    with_sampling: bool = False,
 ) -> dict[str, float]:
     cache = KVCache.allocate(lm.dims, batch, args.max_len, device=device, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -92,11 +101,16 @@ def bench_decode(
     tokens = torch.randint(0, lm.dims.speech_token_size, (batch,), generator=gen, device=device)
     embeds = lm.embed_speech(tokens)
     base = cache.lengths.clone()
+    params = SamplingParams()
+    history = new_history(batch, params, device)
+    uniforms = torch.rand(batch, 2, generator=gen, device=device)
 
     def step() -> None:
         # Rewind so every timed step attends over prompt_len + 1 positions and never overflows.
         cache.lengths.copy_(base)
-        lm.decode_step(cache, slots, embeds)
+        hidden = lm.decode_step(cache, slots, embeds)
+        if with_sampling:
+            ras_sample_batch(lm.logprobs(hidden), history, uniforms, params)
 
     return summary(timed(step, device, args.warmup, args.iters))
 
@@ -134,12 +148,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{dims_dir.name}: {n_params / 1e6:.1f} M parameters, {args.dtype}, {result['device']}, eager")
     with torch.inference_mode():
         for batch in (int(b) for b in args.batches.split(",")):
-            for packed in (False, True):
-                r = bench_decode(lm, batch, packed, args, device, dtype)
-                key = f"b{batch}_{'packed' if packed else 'gather'}"
-                result["decode"][key] = r
+            for name, packed, sampling in (
+                ("gather", False, False),
+                ("packed", True, False),
+                ("packed+head+ras", True, True),
+            ):
+                r = bench_decode(lm, batch, packed, args, device, dtype, with_sampling=sampling)
+                result["decode"][f"b{batch}_{name}"] = r
                 print(
-                    f"decode step  batch {batch:3d} ({'packed slots' if packed else 'slot index'}):"
+                    f"decode step  batch {batch:3d} {name:16s}"
                     f"  median {r['median_ms']:7.3f} ms  p95 {r['p95_ms']:7.3f} ms"
                 )
         result["prefill"] = bench_prefill(lm, args, device, dtype)
