@@ -388,3 +388,22 @@ def test_case_f2_first_hop_100_reproduces_upstreams_second_request(flow: Any, hi
     chunks = run_stream(Token2Wav(flow, hift), f2, first_hop=int(f2["hop_len_after_first_call"]), flow_path="cached")
     assert [c.shape[0] for c in chunks] == f2["second_call_chunk_samples"].tolist()
     assert_wave_close("f2 second_call_stream_concat", f2["second_call_stream_concat"][0], torch.cat(chunks))
+
+
+def test_cached_stream_reset_after_cancel(flow: Any, hift: HiFT, case_f: dict[str, Any]) -> None:
+    """Barge-in: a request cut after its first chunk, then the state object reset in place for
+    the next request, gives exactly what a fresh stream gives."""
+    t2w = Token2Wav(flow, hift)
+    voice = (case_f["prompt_token"], case_f["prompt_feat"], case_f["embedding"])
+    tokens = case_f["token"][:, :60]
+    fresh = list(t2w.stream_all(t2w.open_stream(*voice, flow_path="cached"), tokens))
+    stream = t2w.open_stream(*voice, flow_path="cached")
+    plan = stream.ready_chunk(60, llm_finished=False)
+    assert plan is not None and not plan.finalize
+    stream.run_chunk(plan, tokens)  # ... and the request is cancelled here
+    flow_cache = stream.flow_cache
+    stream.reset(*voice)
+    assert stream.flow_cache is flow_cache  # reused in place
+    again = list(t2w.stream_all(stream, tokens))
+    assert [c.shape for c in again] == [c.shape for c in fresh]
+    assert all(torch.equal(a, b) for a, b in zip(fresh, again, strict=True))

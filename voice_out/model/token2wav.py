@@ -171,7 +171,9 @@ class Token2WavStream:
         ``flow_prompt``: the voice's ``Token2Wav.prepare_voice`` result (cached path), made on
         demand when None.
         """
-        self.prompt_token, self.prompt_feat, self.embedding = prompt_token, prompt_feat, embedding
+        dev = self.model.device
+        self.prompt_token, self.prompt_feat = prompt_token.to(dev), prompt_feat.to(dev)
+        self.embedding = embedding.to(dev)
         self.schedule.max_hop = max_hop
         self.schedule.reset(int(prompt_token.shape[-1]), first_hop)
         self.hift_cache.reset()
@@ -222,9 +224,9 @@ class Token2Wav:
         """
         stream = Token2WavStream(
             model=self,
-            prompt_token=prompt_token,
-            prompt_feat=prompt_feat,
-            embedding=embedding,
+            prompt_token=prompt_token.to(self.device),
+            prompt_feat=prompt_feat.to(self.device),
+            embedding=embedding.to(self.device),
             schedule=ChunkSchedule(prompt_tokens=int(prompt_token.shape[-1]), first_hop=first_hop, max_hop=max_hop),
             hift_cache=HiFTCache.allocate(
                 self.hift.dims.in_channels, self.cache_frames, self.samples_per_frame, self.device
@@ -255,10 +257,13 @@ class Token2Wav:
         flow = self._streaming_flow()
         if stream.flow_prompt is None:
             stream.flow_prompt = flow.prepare_prompt(stream.prompt_token, stream.prompt_feat, stream.embedding)
-        if stream.flow_cache is None:
-            stream.flow_cache = flow.new_stream_cache(stream.flow_prompt)
-        else:
-            flow.reset_stream_cache(stream.flow_cache, stream.flow_prompt)
+        if stream.flow_cache is not None:
+            try:
+                flow.reset_stream_cache(stream.flow_cache, stream.flow_prompt)
+                return
+            except ValueError:  # the new voice's prompt does not fit: allocate a bigger cache
+                stream.flow_cache = None
+        stream.flow_cache = flow.new_stream_cache(stream.flow_prompt)
 
     # -- one chunk -----------------------------------------------------------------------------
 
