@@ -278,3 +278,30 @@ def test_cuda_graph_replay_of_decode_step_equals_eager() -> None:
         graph.replay()
         torch.testing.assert_close(static_out, ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(graphed.lengths, eager.lengths)
+
+
+@pytest.mark.requires_cuda
+def test_cuda_decode_step_and_sampling_never_sync_with_the_host() -> None:
+    from voice_out.model.sampling import SamplingParams, mask_eos_, new_history, ras_sample_batch
+
+    lm = random_llm(TINY, "cuda", torch.bfloat16, seed=1)
+    cache = KVCache.allocate(lm.dims, 4, 64, device="cuda", dtype=torch.bfloat16)
+    for s in range(4):
+        lm.prefill(cache, s, torch.randn(5 + 3 * s, lm.dims.hidden_size, device="cuda"), start_pos=0)
+    slots = torch.tensor([2, 0, 3, 1], device="cuda")
+    embeds = lm.embed_speech(torch.tensor([1, 2, 3, 4], device="cuda"))
+    params = SamplingParams()
+    history = new_history(4, params, "cuda")
+    uniforms = torch.rand(4, 2, device="cuda")
+    eos_masked = torch.tensor([True, False, True, False], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync inside raises
+    try:
+        lm.decode_step(cache, slots, embeds, kv_len=32)
+        hidden = lm.decode_step(cache, None, embeds)
+        logp = mask_eos_(lm.logprobs(hidden), eos_masked, lm.dims.eos_token)
+        tokens = ras_sample_batch(logp, history, uniforms, params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.shape == (4,)
+    assert cache.lengths.tolist() == [7, 10, 13, 16]
