@@ -433,3 +433,22 @@ def test_engine_lifecycle_async_and_close_aborts_open_streams(tmp_path: Path) ->
     assert not eng.ready and s.state is StreamState.ABORTED
     assert threading.active_count() == base
     assert eng.stats().worker_threads == 0
+
+
+def test_say_writes_a_24khz_wav(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import wave
+
+    from voice_out.cli import main
+
+    out = tmp_path / "hi.wav"
+    common = ["--model", "random:tiny", "--device", "cpu", "--voices-dir", str(tmp_path / "v")]
+    common += ["--set", "engine.max_streams=2"]
+    assert main(["say", "Hi you.", *common, "-o", str(out)]) == 0
+    with wave.open(str(out), "rb") as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, SAMPLE_RATE)
+        assert w.getnframes() == 3 * len("Hi you.") * SAMPLES_PER_TOKEN  # forced: 3 tokens per byte id
+    assert "wrote" in capsys.readouterr().err
+    assert main(["say", "x", *common, "--voice", "bob", "-o", str(tmp_path / "no.wav")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("voice-out: error: unknown voice 'bob'") and "voice-out voices add" in err
+    assert not (tmp_path / "no.wav").exists()

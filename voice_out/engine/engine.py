@@ -364,7 +364,8 @@ class VoiceBook:
         if chosen in self.builtin and (self.store is None or chosen not in self.store):
             return self.builtin[chosen]
         if self.store is None:
-            raise UnknownVoiceError(f"unknown voice {chosen!r} (known: {', '.join(self.names()) or 'none'})")
+            known = ", ".join(self.names()) or "none"
+            raise UnknownVoiceError(f"unknown voice {chosen!r} (known: {known}); {ADD_VOICE_HINT}")
         voice = self.store.get(chosen)  # raises UnknownVoiceError with the store's own hint
         with self._lock:
             hit = self._cache.get(chosen)
@@ -700,7 +701,7 @@ def warn_random(spec: str) -> None:
         "Use it for pipeline checks and benchmarks only; pass a CosyVoice2 model directory to hear speech."
     )
     log.warning("!" * 20 + " " + msg + " " + "!" * 20)
-    warnings.warn(msg, stacklevel=3)
+    warnings.warn(msg, stacklevel=4)  # the caller of Engine.load
 
 
 __all__ = [
