@@ -84,6 +84,8 @@ class VoicePrompt:
     prompt_speech_ids: tuple[int, ...] = ()
     #: Flow prompt tokens P (may be fewer than the LLM's: the store cuts it to whole chunks).
     flow_prompt_tokens: int = 0
+    #: The runner's conditioning for token2wav (tensors); opaque here, never touched.
+    flow: object = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
