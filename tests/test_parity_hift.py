@@ -192,3 +192,52 @@ def test_random_hift_from_yaml(parity_dir: Path) -> None:
     assert bool(torch.isfinite(speech).all())
     assert float(speech.abs().max()) < float(torch.tensor(model.dims.audio_limit))  # bounded, not clipping
     assert bool((f0 > model.dims.nsf_voiced_threshold).float().mean() > 0.5)
+
+
+def test_other_dims_load_from_the_official_layout(parity_dir: Path, tmp_path: Path) -> None:
+    """A model directory with different HiFT dims (4 stages, other kernels and channels) loads
+    through the same code: every dim comes from the yaml, every weight-normed conv is stored as
+    (g, v) with g != ||v||, as in an official hift.pt."""
+    text = (parity_dir / "cosyvoice2.yaml").read_text(encoding="utf-8")
+    kw = section(load_yaml(parity_dir), "hift")
+    swaps = {
+        f"base_channels: {kw['base_channels']}": "base_channels: 48",
+        "upsample_rates: [8, 5, 3]": "upsample_rates: [4, 5, 3, 2]",
+        "upsample_kernel_sizes: [16, 11, 7]": "upsample_kernel_sizes: [8, 11, 7, 4]",
+        "source_resblock_kernel_sizes: [7, 7, 11]": "source_resblock_kernel_sizes: [7, 7, 11, 3]",
+        "source_resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]": (
+            "source_resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5], [1, 2]]"
+        ),
+        "resblock_kernel_sizes: [3, 7, 11]": "resblock_kernel_sizes: [3, 5]",
+        "resblock_dilation_sizes: [[1, 3, 5], [1, 3, 5], [1, 3, 5]]": "resblock_dilation_sizes: [[1, 3], [1, 2]]",
+    }
+    for old, new in swaps.items():
+        if old not in text:
+            pytest.skip(f"parity yaml differs from tiny-a's hift section ({old!r} not found)")
+        text = text.replace(old, new)
+    model_dir = tmp_path / "other"
+    model_dir.mkdir()
+    (model_dir / "cosyvoice2.yaml").write_text(text, encoding="utf-8")
+    ref = random_hift(model_dir, seed=5)
+    assert ref.dims.upsample_rates == (4, 5, 3, 2) and len(ref.resblocks) == 8
+    gen = torch.Generator().manual_seed(6)
+    state: dict[str, torch.Tensor] = {}
+    for name, t in ref.state_dict().items():
+        module = ref.get_submodule(name.rsplit(".", 1)[0])
+        normed = isinstance(module, torch.nn.Conv1d | torch.nn.ConvTranspose1d) and not name.startswith("source_downs")
+        if normed and name.endswith(".weight"):
+            prefix = name[: -len(".weight")]
+            scale = torch.rand((t.shape[0],) + (1,) * (t.dim() - 1), generator=gen) + 0.5
+            g = t.pow(2).sum(dim=tuple(range(1, t.dim())), keepdim=True).sqrt()
+            state[f"{prefix}.parametrizations.weight.original0"] = g
+            state[f"{prefix}.parametrizations.weight.original1"] = t * scale
+        else:
+            state[name] = t
+    torch.save(state, model_dir / "hift.pt")
+    loaded = load_hift(model_dir)
+    mel = torch.randn(1, ref.dims.in_channels, 9, generator=gen) - 5.0
+    with torch.no_grad():
+        a, _ = ref(mel)
+        b, _ = loaded(mel)
+    assert a.shape == (1, 9 * 480)
+    assert float((a - b).abs().max()) < 1e-5
