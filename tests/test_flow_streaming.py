@@ -164,15 +164,20 @@ def test_work_per_chunk_is_only_the_new_tokens(flow: Flow) -> None:
     token, prompt_token, prompt_feat, embedding = inputs(flow, n_prompt, n_tokens, seed=3)
     plan = schedule(flow, n_prompt, n_tokens)
     seen: list[tuple[str, int]] = []
+    pos_rows: list[int] = []
+    first_pos = flow.encoder.blocks[0].self_attn.linear_pos  # type: ignore[union-attr]
+    assert isinstance(first_pos, torch.nn.Linear)
     hooks = [
         flow.encoder.register_forward_hook(lambda m, a, o: seen.append(("encoder", a[0].shape[1]))),
         flow.estimator.register_forward_hook(lambda m, a, o: seen.append(("estimator", a[0].shape[2]))),
+        first_pos.register_forward_hook(lambda m, a, o: pos_rows.append(a[0].shape[0])),
     ]
     try:
         with torch.no_grad():
             prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
             prefix = prompt.n_prefix
             seen.clear()
+            pos_rows.clear()
             run_stream(flow, prompt, token, plan, full_attention_final=False)
     finally:
         for h in hooks:
@@ -183,6 +188,8 @@ def test_work_per_chunk_is_only_the_new_tokens(flow: Flow) -> None:
         n = hop + (n_prompt - prefix if k == 0 else 0)  # the first chunk also finishes the prompt tail
         expected += [("encoder", n)] + [("estimator", ratio * n)] * steps
     assert seen == expected
+    # relative-position keys: a chunk projects only its new distances, never the old ones
+    assert pos_rows[1:] == [hop for _, hop, _ in plan[1:]]
     assert max(hop for _, hop, _ in plan) == 4 * flow.dims.enc_chunk  # long stream, bounded chunks
 
 

@@ -184,20 +184,28 @@ class FlowDims:
 # Encoder
 
 
-def rel_pos_rows(r_max: int, count: int, dim: int, device: torch.device) -> Tensor:
-    """ESPnet relative positional rows ``[count, dim]`` (float32) for r = r_max, r_max-1, ...
+def rel_pos_rows(r_min: int, count: int, dim: int, device: torch.device) -> Tensor:
+    """ESPnet relative positional rows ``[count, dim]`` (float32) for r = r_min, r_min + 1, ...
 
-    Row k encodes distance r = r_max - k with interleaved sin/cos: ``[2m] = sin(r w_m)``,
+    Row k encodes distance r = r_min + k with interleaved sin/cos: ``[2m] = sin(r w_m)``,
     ``[2m+1] = cos(r w_m)``, ``w_m = 10000^(-2m/dim)``; the products are formed in float32 the
-    way upstream's table is, so any slice of it is reproduced bit for bit.
+    way upstream's table is, so any row of it is reproduced bit for bit.
     """
-    r = (r_max - torch.arange(count, device=device)).float().unsqueeze(1)
+    r = (r_min + torch.arange(count, device=device)).float().unsqueeze(1)
     div = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32, device=device) * -(math.log(10000.0) / dim))
     arg = r * div
     pe = torch.empty(count, dim, device=device)
     pe[:, 0::2] = torch.sin(arg)
     pe[:, 1::2] = torch.cos(arg)
     return pe
+
+
+def rel_index(start: int, t: int, tk: int, r_min: int, rows: int, device: torch.device) -> Tensor:
+    """Row of the positional table for query i = start + i' and key j: ``i - j - r_min``
+    ``[t, tk]`` (long), clamped into the table (clamped entries are masked-out pairs)."""
+    i = torch.arange(start, start + t, device=device).unsqueeze(1)
+    j = torch.arange(tk, device=device).unsqueeze(0)
+    return (i - j - r_min).clamp_(0, rows - 1)
 
 
 class RelPosAttention(nn.Module):
@@ -218,12 +226,23 @@ class RelPosAttention(nn.Module):
         self.pos_bias_u = nn.Parameter(torch.zeros(heads, self.head_dim))
         self.pos_bias_v = nn.Parameter(torch.zeros(heads, self.head_dim))
 
+    def project_pos(self, pe: Tensor) -> Tensor:
+        """PE rows ``[R, C]`` -> per-head positional keys ``[1, H, R, D]``."""
+        return self.linear_pos(pe).view(1, -1, self.heads, self.head_dim).transpose(1, 2)
+
     def forward(
-        self, x: Tensor, pos: Tensor, mask: Tensor | None, kv: tuple[Tensor, Tensor] | None, start: int
+        self,
+        x: Tensor,
+        pos: Tensor,
+        pos_index: Tensor,
+        mask: Tensor | None,
+        kv: tuple[Tensor, Tensor] | None,
+        start: int,
     ) -> Tensor:
-        """x ``[1, T, C]`` at absolute positions ``start ..``; pos ``[T + Tk - 1, C]`` = PE rows
-        for r = start + T - 1 down to start - (Tk - 1), Tk = start + T; kv = cached
-        (k, v) ``[1, H, capacity, D]`` (written at ``start ..``) or None (start must be 0)."""
+        """x ``[1, T, C]`` at absolute positions ``start ..``; pos ``[1, H, R, D]`` positional
+        keys (``project_pos``) and pos_index ``[T, Tk]`` the row of each (query, key) pair
+        (``rel_index``); kv = cached (k, v) ``[1, H, capacity, D]`` written at ``start ..`` (keys
+        then cover 0 .. start + T) or None (start must be 0)."""
         b, t, _ = x.shape
         hd = self.head_dim
         q = self.linear_q(x).view(b, t, self.heads, hd)
@@ -236,12 +255,9 @@ class RelPosAttention(nn.Module):
             k = k_buf[:, :, : start + t]
             v = v_buf[:, :, : start + t]
         tk = k.shape[2]
-        p = self.linear_pos(pos).view(1, -1, self.heads, hd).transpose(1, 2)  # [1, H, R, D]
         ac = (q + self.pos_bias_u).transpose(1, 2) @ k.transpose(-2, -1)  # [B, H, T, Tk]
-        bd = (q + self.pos_bias_v).transpose(1, 2) @ p.transpose(-2, -1)  # [B, H, T, R]
-        # Query i', key j -> row (T - 1 - i') + j of the descending table (relative shift).
-        idx = (t - 1 - torch.arange(t, device=x.device)).unsqueeze(1) + torch.arange(tk, device=x.device)
-        bd = torch.gather(bd, 3, idx.expand(b, self.heads, t, tk))
+        bd = (q + self.pos_bias_v).transpose(1, 2) @ pos.transpose(-2, -1)  # [B, H, T, R]
+        bd = torch.gather(bd, 3, pos_index.expand(b, self.heads, t, tk))  # relative shift
         scores = (ac + bd) / math.sqrt(hd)
         if mask is None:
             attn = torch.softmax(scores, dim=-1)
@@ -264,9 +280,15 @@ class ConformerBlock(nn.Module):
         self.w_2 = nn.Linear(ffn, dim)
 
     def forward(
-        self, x: Tensor, pos: Tensor, mask: Tensor | None, kv: tuple[Tensor, Tensor] | None, start: int
+        self,
+        x: Tensor,
+        pos: Tensor,
+        pos_index: Tensor,
+        mask: Tensor | None,
+        kv: tuple[Tensor, Tensor] | None,
+        start: int,
     ) -> Tensor:
-        x = x + self.self_attn(self.norm_mha(x), pos, mask, kv, start)
+        x = x + self.self_attn(self.norm_mha(x), pos, pos_index, mask, kv, start)
         return x + self.w_2(F.silu(self.w_1(self.norm_ff(x))))
 
 
@@ -296,15 +318,44 @@ class Encoder(nn.Module):
         x: Tensor,
         start: int,
         chunk: int | None,
-        kv: tuple[Tensor, Tensor] | None,
-    ) -> Tensor:
+        state: tuple[Tensor, Tensor, Tensor] | None,
+        pos_valid: int,
+    ) -> tuple[Tensor, int]:
+        """Run one conformer stack over ``x`` ``[1, T, C]`` at positions ``start ..``.
+
+        ``state`` = cached (k, v, pos) of the stack: k/v ``[L, 1, H, cap, D]`` and projected
+        positional keys ``[L, 1, H, cap + chunk - 1, D]`` for r = -(chunk - 1) .. ; the first
+        ``pos_valid`` rows are already filled. Returns the output and the new number of valid
+        rows.
+        """
         t = x.shape[1]
         tk = start + t
+        dim = self.dims.enc_dim
+        layers = [b for b in blocks if isinstance(b, ConformerBlock)]
         mask = chunk_mask(start, t, tk, chunk, x.device) if chunk is not None else None
-        pos = rel_pos_rows(start + t - 1, t + tk - 1, self.dims.enc_dim, x.device).to(x.dtype)
-        for i, blk in enumerate(blocks):
-            x = blk(x, pos, mask, (kv[0][i], kv[1][i]) if kv is not None else None, start)
-        return x
+        if state is None:
+            # Reference path: a fresh table for r = -(tk - 1) .. t - 1 (start is 0 here).
+            r_min, rows = -(tk - 1), t + tk - 1
+            pe = rel_pos_rows(r_min, rows, dim, x.device).to(x.dtype)
+            index = rel_index(start, t, tk, r_min, rows, x.device)
+            for blk in layers:
+                x = blk(x, blk.self_attn.project_pos(pe), index, mask, None, start)
+            return x, 0
+        if chunk is None:
+            raise ValueError("the cached encoder path is chunk-causal only")
+        # Cached path: chunk-causal keys satisfy j <= i + chunk - 1, so rows from
+        # r = -(chunk - 1) up to the newest query cover every allowed pair; only rows not yet
+        # projected are computed.
+        k_all, v_all, pos_all = state
+        r_min = -(chunk - 1)
+        rows = tk - 1 - r_min + 1
+        new_pe = rel_pos_rows(r_min + pos_valid, rows - pos_valid, dim, x.device).to(x.dtype)
+        index = rel_index(start, t, tk, r_min, rows, x.device)
+        for i, blk in enumerate(layers):
+            if rows > pos_valid:
+                pos_all[i, :, :, pos_valid:rows] = blk.self_attn.project_pos(new_pe)
+            x = blk(x, pos_all[i, :, :, :rows], index, mask, (k_all[i], v_all[i]), start)
+        return x, max(rows, pos_valid)
 
     def forward(
         self,
@@ -332,14 +383,21 @@ class Encoder(nn.Module):
         y = causal_conv(self.lookahead_conv2, y, cache.la_ctx if cache is not None else None)
         x = x + y.transpose(1, 2)
         chunk = d.enc_chunk if streaming else None
-        x = self._stage(self.blocks, x, start, chunk, (cache.enc_k, cache.enc_v) if cache is not None else None)
+        state = (cache.enc_k, cache.enc_v, cache.enc_pos) if cache is not None else None
+        x, valid = self._stage(self.blocks, x, start, chunk, state, cache.enc_pos_valid if cache else 0)
+        if cache is not None:
+            cache.enc_pos_valid = valid
         # x ratio: nearest-neighbour repeat, then a causal conv (k = 2 ratio + 1).
         up = x.transpose(1, 2).repeat_interleave(d.token_mel_ratio, dim=2)
         up = causal_conv(self.up_conv, up, cache.up_ctx if cache is not None else None)
         x = self.up_embed_norm(self.up_embed(up.transpose(1, 2))) * scale
         up_chunk = d.up_chunk if streaming else None
-        kv_up = (cache.up_k, cache.up_v) if cache is not None else None
-        x = self._stage(self.up_blocks, x, start * d.token_mel_ratio, up_chunk, kv_up)
+        state = (cache.up_k, cache.up_v, cache.up_pos) if cache is not None else None
+        x, valid = self._stage(
+            self.up_blocks, x, start * d.token_mel_ratio, up_chunk, state, cache.up_pos_valid if cache else 0
+        )
+        if cache is not None:
+            cache.up_pos_valid = valid
         return self.after_norm(x)
 
 
@@ -359,6 +417,10 @@ class FlowStreamCache:
     * ``la_ctx`` ``[1, 512, 2]``: last two pre-lookahead conv1 outputs (conv2's left context).
     * ``up_ctx`` ``[1, 512, 2 ratio]``: last upsampled frames (the upsampling conv's left context).
     * ``up_k`` / ``up_v`` ``[4, 1, H, Fc, D]``: keys/values of the upsampled conformer stage.
+    * ``enc_pos`` ``[enc_blocks, 1, H, Tc + 24, D]`` / ``up_pos`` ``[4, 1, H, Fc + 49, D]``: each
+      layer's projected relative-position keys for r = -(chunk - 1) .. (a function of r only;
+      kept per stream so a chunk projects only its new distances); the first
+      ``enc_pos_valid`` / ``up_pos_valid`` rows are filled.
     * ``est_k`` / ``est_v`` ``[S, n_tb, 2, He, Fc, De]``: estimator keys/values per Euler step,
       transformer block and CFG row.
     * ``est_ctx``: per estimator causal conv, ``[S, 2, C_in, 2]`` (its last two input frames).
@@ -379,6 +441,10 @@ class FlowStreamCache:
     est_k: Tensor
     est_v: Tensor
     est_ctx: list[Tensor]
+    enc_pos: Tensor
+    up_pos: Tensor
+    enc_pos_valid: int = 0
+    up_pos_valid: int = 0
     n_tokens: int = 0
     n_done: int = 0
     finished: bool = False
@@ -407,6 +473,10 @@ class FlowStreamCache:
         self.up_ctx.copy_(src.up_ctx)
         for dst, s in zip(self.est_ctx, src.est_ctx, strict=True):
             dst.copy_(s)
+        self.enc_pos[:, :, :, : src.enc_pos_valid] = src.enc_pos[:, :, :, : src.enc_pos_valid]
+        self.up_pos[:, :, :, : src.up_pos_valid] = src.up_pos[:, :, :, : src.up_pos_valid]
+        self.enc_pos_valid = src.enc_pos_valid
+        self.up_pos_valid = src.up_pos_valid
 
 
 @dataclass
@@ -613,6 +683,8 @@ class Flow(nn.Module):
             est_k=torch.zeros(est, **kw),
             est_v=torch.zeros(est, **kw),
             est_ctx=[torch.zeros(d.n_timesteps, 2, ch, 2, **kw) for ch in self.estimator.conv_channels()],
+            enc_pos=torch.zeros(d.enc_blocks, 1, d.enc_heads, capacity + d.enc_chunk - 1, d.enc_head_dim, **kw),
+            up_pos=torch.zeros(d.enc_up_blocks, 1, d.enc_heads, frames + d.up_chunk - 1, d.enc_head_dim, **kw),
         )
 
     def _advance(self, cache: FlowStreamCache, context: Tensor | None, spk: Tensor, prompt_feat: Tensor) -> Tensor:
@@ -691,7 +763,8 @@ class Flow(nn.Module):
         bigger = self.allocate_stream_cache(max(n_tokens, 2 * cache.capacity))
         bigger.copy_prefix_(cache, cache.n_done, d.token_mel_ratio)
         bigger.tokens[: cache.n_tokens] = cache.tokens[: cache.n_tokens]
-        for name in ("tokens", "enc_k", "enc_v", "la_ctx", "up_ctx", "up_k", "up_v", "est_k", "est_v", "est_ctx"):
+        names = ("tokens", "enc_k", "enc_v", "la_ctx", "up_ctx", "up_k", "up_v", "est_k", "est_v", "est_ctx")
+        for name in (*names, "enc_pos", "up_pos"):
             setattr(cache, name, getattr(bigger, name))
 
     def stream_chunk(
