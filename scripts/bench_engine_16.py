@@ -1,0 +1,228 @@
+"""Engine benchmark: N concurrent streams (default 16) with a real-time listener each.
+
+Runs the in-process engine (no WebRTC) at the full CosyVoice2-0.5B shape with random weights
+(eager PyTorch), with the LLM forced to a fixed number of speech tokens per text token so that
+every stream speaks a realistic length. Each stream gets its text at once (or at ``--text-rate``
+characters per second, like an LLM streaming), and a simulated listener plays its audio in real
+time from the first chunk on, acknowledging what it has played (so back-pressure follows the
+listener) and counting underruns: times the playout buffer ran dry before the utterance ended.
+
+Reports engine TTFA (first text delta in -> first PCM chunk out) p50/p95/p99, underruns, stall
+time, audio seconds and per-stream real-time factor; writes JSON to ``$OUT/engine16.json`` when
+``OUT`` is set (and to ``--json`` when given).
+
+    python scripts/bench_engine_16.py                               # random:0.5b on CUDA
+    python scripts/bench_engine_16.py --model random:tiny --device cpu --streams 2 --chars 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig
+from voice_out.engine.api import SAMPLE_RATE
+from voice_out.engine.engine import Engine, EngineStream
+from voice_out.engine.scheduler import ForcedTokens
+
+TEXT = (
+    "Sure! I can help with that. Your order shipped this morning, and it should arrive on Thursday "
+    "before noon. Would you like me to send the tracking link to your phone, or to your email address? "
+    "I can also set a reminder for the delivery window if that helps. "
+)
+ACK_PERIOD_S = 0.02
+
+
+@dataclass
+class Listener:
+    """A real-time listener of one stream: plays from the first chunk at 1x, stalls when dry."""
+
+    t_text: float = 0.0
+    t_first: float | None = None
+    received: int = 0
+    stall_s: float = 0.0
+    underruns: int = 0
+    chunk_times: list[float] = field(default_factory=list)
+    t_done: float | None = None
+
+    def played(self, now: float) -> int:
+        if self.t_first is None:
+            return 0
+        return max(0, min(self.received, int((now - self.t_first - self.stall_s) * SAMPLE_RATE)))
+
+    def on_chunk(self, now: float, start_sample: int, n: int) -> None:
+        if self.t_first is None:
+            self.t_first = now
+        else:
+            due = self.t_first + self.stall_s + start_sample / SAMPLE_RATE
+            if now > due:  # the buffer ran dry before this chunk arrived
+                self.underruns += 1
+                self.stall_s += now - due
+        self.received = start_sample + n
+        self.chunk_times.append(now)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+async def run_stream(engine: Engine, i: int, text: str, rate: float, delay_s: float) -> Listener:
+    await asyncio.sleep(delay_s)
+    lis = Listener()
+    stream: EngineStream = engine.open_stream(seed=1000 + i, auto_ack=False)
+    loop = asyncio.get_running_loop()
+
+    async def feed() -> None:
+        if rate <= 0:
+            stream.push_text(text)
+        else:
+            step = 4  # characters per delta, like LLM tokens
+            for k in range(0, len(text), step):
+                stream.push_text(text[k : k + step])
+                await asyncio.sleep(step / rate)
+        stream.end_text()
+
+    async def ack() -> None:
+        while True:
+            await asyncio.sleep(ACK_PERIOD_S)
+            stream.ack(lis.played(loop.time()))
+
+    lis.t_text = loop.time()
+    feeder = asyncio.create_task(feed())
+    acker = asyncio.create_task(ack())
+    try:
+        async for chunk in stream:
+            lis.on_chunk(loop.time(), chunk.start_sample, len(chunk.pcm))
+        lis.t_done = loop.time()
+    finally:
+        acker.cancel()
+        await feeder
+    return lis
+
+
+async def bench(engine: Engine, args: argparse.Namespace) -> list[Listener]:
+    async with engine:
+        # one untimed stream first: the first use of each kernel is not a benchmark
+        await run_stream(engine, -1, args.text[:40], 0.0, 0.0)
+        tasks = [
+            asyncio.create_task(run_stream(engine, i, args.text, args.text_rate, i * args.stagger_ms / 1000))
+            for i in range(args.streams)
+        ]
+        return list(await asyncio.gather(*tasks))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="random:0.5b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--chars", type=int, default=len(TEXT), help="characters of text per stream")
+    p.add_argument("--text-rate", type=float, default=0.0, help="chars/s of text arrival; 0 = all at once")
+    p.add_argument("--stagger-ms", type=float, default=0.0, help="delay between stream starts")
+    p.add_argument("--tokens-per-text-token", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=150, help="speech tokens of the synthetic voice prompt")
+    p.add_argument("--max-ahead-s", type=float, default=4.0)
+    p.add_argument("--max-chunks-per-step", type=int, default=4)
+    p.add_argument("--flow-path", default="rerun", choices=["rerun", "cached"])
+    p.add_argument("--kv-len", type=int, default=2048)
+    p.add_argument("--json", help="also write the JSON result here")
+    args = p.parse_args(argv)
+    args.text = (TEXT * (args.chars // len(TEXT) + 1))[: args.chars]
+
+    cfg = Config(
+        model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype),
+        engine=EngineConfig(max_streams=max(args.streams, 1), max_ahead_s=args.max_ahead_s, max_text_chars=100_000),
+        server=ServerConfig(voices_dir=str(Path(os.devnull) / "none")),
+    )
+    t0 = time.perf_counter()
+    engine = Engine.load(
+        cfg,
+        forced=ForcedTokens(args.tokens_per_text_token),
+        kv_len=args.kv_len,
+        flow_path=args.flow_path,
+        max_chunks_per_step=args.max_chunks_per_step,
+        noise_prompt_tokens=args.prompt_tokens,
+        text_normalizer="none",
+    )
+    listeners = asyncio.run(bench(engine, args))
+    wall = time.perf_counter() - t0
+
+    ttfa = [(lis.t_first - lis.t_text) * 1000 for lis in listeners if lis.t_first is not None]
+    audio_s = [lis.received / SAMPLE_RATE for lis in listeners]
+    lag = [
+        (lis.chunk_times[-1] - lis.t_first - lis.stall_s) - (lis.received / SAMPLE_RATE)
+        for lis in listeners
+        if lis.t_first is not None and lis.chunk_times
+    ] or [float("nan")]
+    result = {
+        "benchmark": "engine16",
+        "command": " ".join([sys.executable, *sys.argv]),
+        "model": args.model,
+        "device": str(args.device),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and "cuda" in args.device else None,
+        "dtype": args.dtype,
+        "eager": True,
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "streams": args.streams,
+        "chars_per_stream": args.chars,
+        "text_rate_chars_per_s": args.text_rate,
+        "tokens_per_text_token": args.tokens_per_text_token,
+        "prompt_tokens": args.prompt_tokens,
+        "max_ahead_s": args.max_ahead_s,
+        "flow_path": args.flow_path,
+        "ttfa_ms": {
+            "p50": percentile(ttfa, 0.5),
+            "p95": percentile(ttfa, 0.95),
+            "p99": percentile(ttfa, 0.99),
+            "max": max(ttfa, default=float("nan")),
+        },
+        "underruns_total": sum(lis.underruns for lis in listeners),
+        "streams_with_underruns": sum(1 for lis in listeners if lis.underruns),
+        "stall_s": {
+            "p50": percentile([lis.stall_s for lis in listeners], 0.5),
+            "max": max(lis.stall_s for lis in listeners),
+        },
+        "audio_s_per_stream": statistics.mean(audio_s),
+        # > 0: the last chunk came after the listener had played everything before it (a stall)
+        "last_chunk_lag_s_max": max(lag),
+        "engine_steps": engine.stats().steps,
+        "peak_gpu_mem_gib": (torch.cuda.max_memory_allocated() / 2**30) if torch.cuda.is_available() else None,
+        "wall_s": wall,
+        "per_stream": [
+            {k: v for k, v in asdict(lis).items() if k != "chunk_times"}
+            | {"ttfa_ms": (lis.t_first - lis.t_text) * 1000 if lis.t_first else None, "chunks": len(lis.chunk_times)}
+            for lis in listeners
+        ],
+    }
+    text = json.dumps(result, indent=2)
+    keys = ("streams", "ttfa_ms", "underruns_total", "streams_with_underruns", "audio_s_per_stream", "wall_s")
+    summary = {k: result[k] for k in keys}
+    print(json.dumps(summary, indent=2))
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "engine16.json").write_text(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
