@@ -454,6 +454,13 @@ class FlowStreamCache:
     def capacity(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def nbytes(self) -> int:
+        """Device memory held by this cache's tensors."""
+        tensors = [self.tokens, self.enc_k, self.enc_v, self.la_ctx, self.up_ctx, self.up_k, self.up_v]
+        tensors += [self.est_k, self.est_v, self.enc_pos, self.up_pos, *self.est_ctx]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def estimator_state(self, step: int) -> EstimatorState:
         n_tb = self.est_k.shape[1]
         kv = [(self.est_k[step, i], self.est_v[step, i]) for i in range(n_tb)]

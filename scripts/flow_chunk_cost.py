@@ -1,0 +1,169 @@
+"""Time per streaming chunk of the flow: cached ``stream_chunk`` vs upstream-style re-run.
+
+Upstream re-runs the flow over the prompt and every token so far at each chunk, so a chunk
+costs more the longer the utterance; the cached path runs only the new tokens through the
+network. This prints, per chunk index, the wall time of both paths on the same tokens (and the
+final chunk both ways: the exact full-attention re-run and the chunk-causal incremental one).
+
+    python scripts/flow_chunk_cost.py                                  # tiny model, CPU
+    python scripts/flow_chunk_cost.py --full --device cuda             # random CosyVoice2-0.5B, bf16
+    python scripts/flow_chunk_cost.py --full --device cuda --dtype float32
+
+Dims come from a ``cosyvoice2.yaml`` (``--config``, a file or a model directory; default
+``configs/models/tiny`` or, with ``--full``, ``configs/models/cosyvoice2-0.5b``); weights are
+seeded random. With ``OUT`` set, the results are also written to ``$OUT/flow_chunks.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from voice_out.model.checkpoint import random_flow
+from voice_out.model.flow import Flow
+
+REPO = Path(__file__).resolve().parent.parent
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def schedule(flow: Flow, n_prompt: int, n_tokens: int) -> list[tuple[int, int, bool]]:
+    """Upstream's chunk plan (offset, hop, finalize): 25 + pad, 50, then 100 tokens."""
+    d = flow.dims
+    hop, pad = d.enc_chunk, -n_prompt % d.enc_chunk
+    plan: list[tuple[int, int, bool]] = []
+    offset, first = 0, True
+    while True:
+        now = hop + pad if first else hop
+        if n_tokens - offset < now + d.pre_lookahead:
+            plan.append((offset, n_tokens - offset, True))
+            return plan
+        plan.append((offset, now, False))
+        offset, first = offset + now, False
+        hop = min(4 * d.enc_chunk, 2 * hop)
+
+
+def timed(device: torch.device, fn: Any) -> tuple[float, Any]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 1000.0 * (time.perf_counter() - t0), out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--full", action="store_true", help="full-size CosyVoice2-0.5B dims (random weights)")
+    ap.add_argument("--config", type=Path, help="cosyvoice2.yaml or a model directory")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--prompt-tokens", type=int, default=150, help="flow prompt length (150 = 6 s)")
+    ap.add_argument("--tokens", type=int, help="generated tokens (default 600 on CPU, 1500 on CUDA)")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-rerun", action="store_true", help="time only the cached path")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    config = args.config or REPO / "configs" / "models" / ("cosyvoice2-0.5b" if args.full else "tiny")
+    n_tokens = args.tokens or (1500 if device.type == "cuda" else 600)
+    torch.set_num_threads(args.threads)
+    flow = random_flow(config, device=device, dtype=dtype, seed=args.seed)
+    d = flow.dims
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    p = args.prompt_tokens
+    token = torch.randint(0, d.vocab_size, (1, n_tokens), generator=gen).to(device)
+    prompt_token = torch.randint(0, d.vocab_size, (1, p), generator=gen).to(device)
+    prompt_feat = (torch.randn(1, d.token_mel_ratio * p, d.n_mels, generator=gen) - 5.0).to(device)
+    embedding = torch.randn(1, d.spk_embed_dim, generator=gen).to(device)
+    plan = schedule(flow, p, n_tokens)
+    la = d.pre_lookahead
+
+    rows: list[dict[str, Any]] = []
+    with torch.inference_mode():
+        # warm-up (kernels, allocator) on a short stream
+        warm = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
+        wcache = flow.new_stream_cache(warm, capacity=p + 200)
+        for off, hop, final in plan[:3]:
+            flow.stream_chunk(wcache, token[:, off : off + hop + (0 if final else la)], final)
+        flow.inference(token[:, :60], prompt_token, prompt_feat, embedding, streaming=True, finalize=False)
+
+        prep_ms, prompt = timed(device, lambda: flow.prepare_prompt(prompt_token, prompt_feat, embedding))
+        cache = flow.new_stream_cache(prompt, capacity=p + n_tokens)
+        for k, (off, hop, final) in enumerate(plan):
+            stop = off + hop + (0 if final else la)
+            row: dict[str, Any] = {"chunk": k, "offset": off, "hop": hop, "final": final, "tokens_so_far": stop}
+            if final:
+                # the chunk-causal final on a copy of the cache state, then the exact final
+                side = flow.new_stream_cache(prompt, capacity=p + n_tokens)
+                for o2, h2, _ in plan[:-1]:
+                    flow.stream_chunk(side, token[:, o2 : o2 + h2 + la], False)
+                row["cached_causal_final_ms"], _ = timed(
+                    device, lambda s=side, a=off: flow.stream_chunk(s, token[:, a:], True, full_attention_final=False)
+                )
+            row["cached_ms"], _ = timed(
+                device, lambda c=cache, a=off, b=stop, f=final: flow.stream_chunk(c, token[:, a:b], f)
+            )
+            if not args.no_rerun:
+                row["rerun_ms"], _ = timed(
+                    device,
+                    lambda b=stop, f=final: flow.inference(
+                        token[:, :b], prompt_token, prompt_feat, embedding, streaming=not f, finalize=f
+                    ),
+                )
+            rows.append(row)
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({args.threads} thread(s))"
+    print(f"flow chunk cost: {config.name} dims, {name}, {str(dtype).replace('torch.', '')}")
+    print(f"prompt {p} tokens (prefix state {prompt.n_prefix} tokens, prepare_prompt {prep_ms:.1f} ms)")
+    print(f"stream cache: {cache.nbytes / 2**20:.1f} MiB for {cache.capacity} tokens")
+    print("| chunk | tokens so far | hop | cached ms | re-run ms | cached ms/token | re-run ms/token |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        rerun = r.get("rerun_ms")
+        label = f"{r['chunk']}{' (final)' if r['final'] else ''}"
+        cells = [
+            label,
+            str(r["tokens_so_far"]),
+            str(r["hop"]),
+            f"{r['cached_ms']:.1f}",
+            f"{rerun:.1f}" if rerun is not None else "-",
+            f"{r['cached_ms'] / max(r['hop'], 1):.2f}",
+            f"{rerun / max(r['hop'], 1):.2f}" if rerun is not None else "-",
+        ]
+        print("| " + " | ".join(cells) + " |")
+    last = rows[-1]
+    if "cached_causal_final_ms" in last:
+        print(
+            f"final chunk: exact full-attention re-run {last['cached_ms']:.1f} ms; "
+            f"chunk-causal incremental (full_attention_final=False) {last['cached_causal_final_ms']:.1f} ms"
+        )
+    out = os.environ.get("OUT")
+    if out:
+        result = {
+            "device": name,
+            "dtype": str(dtype),
+            "config": str(config),
+            "prompt_tokens": p,
+            "prefix_tokens": prompt.n_prefix,
+            "prepare_prompt_ms": prep_ms,
+            "cache_bytes": cache.nbytes,
+            "cache_capacity_tokens": cache.capacity,
+            "chunks": rows,
+        }
+        path = Path(out) / "flow_chunks.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
