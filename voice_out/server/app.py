@@ -362,8 +362,29 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
                 raise
             except Exception as e:
                 raise EngineStartError(f"the engine failed to start: {e}") from e
+        await _warm_voices(app)
         yield
         # on_shutdown has closed every session before cleanup_ctx leaves the engine.
+
+
+async def _warm_voices(app: web.Application) -> None:
+    """Load every stored voice once, off the loop, so a session's first delta does not wait on
+    disk (the engine resolves voices through the store's cache on the asyncio thread)."""
+    store = app[VOICES_KEY]
+    get, names_of = getattr(store, "get", None), getattr(store, "names", None)
+    if not callable(get) or not callable(names_of):
+        return
+
+    def warm(names: list[str]) -> None:
+        for name in names:
+            try:
+                get(name)
+            except VoiceOutError as e:
+                log.warning("voice %r cannot be used: %s", name, e)
+
+    loop = asyncio.get_running_loop()
+    names = await loop.run_in_executor(None, names_of)
+    await loop.run_in_executor(None, warm, list(names))
 
 
 async def _close_sessions(app: web.Application) -> None:
