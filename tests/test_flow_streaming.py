@@ -268,6 +268,7 @@ def test_other_chunk_geometry_and_bfloat16() -> None:
         causal = torch.cat(run_stream(flow, prompt, token, plan, full_attention_final=False), dim=2)
         assert float((causal - single).abs().max()) <= TOL
         flow = flow.to(torch.bfloat16)
+        assert flow.noise.dtype == torch.float32 and torch.equal(flow.noise, make_flow(tiny_dims()).noise)
         prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
         assert prompt.prefix.est_k.dtype == torch.bfloat16
         low = run_stream(flow, prompt, token, plan)

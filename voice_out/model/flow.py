@@ -555,6 +555,13 @@ class Flow(nn.Module):
         )
         self.register_buffer("noise", fixed_noise(d.n_mels, d.noise_frames), persistent=False)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Flow:
+        # ``.to(dtype)`` casts floating buffers; the noise must stay upstream's float32 values.
+        super()._apply(fn, recurse)
+        if self.noise.dtype != torch.float32:
+            self.noise = fixed_noise(self.dims.n_mels, self.dims.noise_frames).to(self.noise.device)
+        return self
+
     @property
     def dtype(self) -> torch.dtype:
         return self.spk_affine.weight.dtype
