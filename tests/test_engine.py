@@ -452,3 +452,14 @@ def test_say_writes_a_24khz_wav(tmp_path: Path, capsys: pytest.CaptureFixture[st
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("voice-out: error: unknown voice 'bob'") and "voice-out voices add" in err
     assert not (tmp_path / "no.wav").exists()
+
+
+def test_an_abandoned_stream_is_cancelled_when_collected(engine: Engine) -> None:
+    stream = engine.open_stream(seed=2)
+    stream.push_text("nobody will ever listen to this one")
+    stream.end_text()
+    assert engine.wait_idle(60)  # back-pressure holds it: nobody consumes its audio
+    assert engine.stats().live_requests == 1
+    del stream
+    gc.collect()
+    assert_clean(engine)

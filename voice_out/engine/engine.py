@@ -98,13 +98,33 @@ class _Outbox:
     """A stream's queue of items from the worker. ``deliver`` (worker) and ``close`` (consumer)
     are thread-safe; once closed, deliveries are dropped."""
 
-    def __init__(self, on_item: Callable[[PcmChunk | EndOfStream], None]) -> None:
+    def __init__(self) -> None:
         self._cond = threading.Condition()
         self._items: collections.deque[PcmChunk | EndOfStream] = collections.deque()
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
-        self._on_item = on_item
+        # the stream's state lives here, not in the stream: the worker holds the outbox, and
+        # must not keep an abandoned stream alive (its finalizer cancels it)
+        self.state = StreamState.WAITING
+        self.error: EngineError | None = None
+
+    def _track(self, item: PcmChunk | EndOfStream) -> None:
+        if isinstance(item, PcmChunk):
+            if self.state is StreamState.WAITING:
+                self.state = StreamState.RUNNING
+        else:
+            self.state = item.status.stream_state()
+            self.error = item.error
+
+    def abort(self) -> bool:
+        """Mark the stream ABORTED and close; False when it had already ended."""
+        with self._cond:
+            ended = self.state.terminal
+            if not ended:
+                self.state = StreamState.ABORTED
+        self.close()
+        return not ended
 
     @property
     def closed(self) -> bool:
@@ -125,7 +145,7 @@ class _Outbox:
             if self._closed:
                 return
             self._items.append(item)
-            self._on_item(item)
+            self._track(item)
             self._cond.notify_all()
             loop, event = self._loop, self._event
         if loop is not None and event is not None:
@@ -187,20 +207,9 @@ class EngineStream:
         self._n_chars = 0
         self._ended = False
         self._cancelled = False
-        self._state = StreamState.WAITING
-        self._error: EngineError | None = None
         self._iterated = False
-        self.outbox = _Outbox(self._on_item)
+        self.outbox = _Outbox()
         self.samples_received = 0
-
-    def _on_item(self, item: PcmChunk | EndOfStream) -> None:
-        # worker thread, under the outbox lock
-        if isinstance(item, PcmChunk):
-            if self._state is StreamState.WAITING:
-                self._state = StreamState.RUNNING
-        else:
-            self._state = item.status.stream_state()
-            self._error = item.error
 
     # ---- Stream protocol ---------------------------------------------------------------------
 
@@ -214,7 +223,7 @@ class EngineStream:
 
     @property
     def state(self) -> StreamState:
-        return self._state
+        return self.outbox.state
 
     @property
     def text(self) -> str:
@@ -223,14 +232,14 @@ class EngineStream:
     @property
     def error(self) -> EngineError | None:
         """Why the stream FAILED (None otherwise)."""
-        return self._error
+        return self.outbox.error
 
     def push_text(self, delta: str) -> None:
         """Append ``delta`` to the utterance. Raises StreamClosedError after ``end_text`` or
         ``cancel``, TextTooLongError past ``engine.max_text_chars`` (the text is not taken)."""
         if not isinstance(delta, str):
             raise TypeError(f"delta must be a str, not {type(delta).__name__}")
-        if self._cancelled or self._ended or self._state.terminal:
+        if self._cancelled or self._ended or self.state.terminal:
             raise StreamClosedError(f"stream {self._id} no longer takes text")
         limit = self._engine.config.engine.max_text_chars
         if self._n_chars + len(delta) > limit:
@@ -253,16 +262,12 @@ class EngineStream:
         if self._cancelled:
             return
         self._cancelled = True
-        finished = self._state.terminal
-        if not finished:
-            self._state = StreamState.ABORTED
-        self.outbox.close()
-        if not finished:
-            self._engine._send(Cancel(self._id))
+        if self.outbox.abort():
+            self._engine._post(Cancel(self._id))
 
     def ack(self, samples_played: int) -> None:
         """The listener has heard ``samples_played`` samples of this stream (monotone)."""
-        if not self._cancelled and not self._state.terminal:
+        if not self._cancelled and not self.state.terminal:
             self._engine._send(Ack(self._id, int(samples_played)))
 
     def _take(self, item: PcmChunk | EndOfStream) -> PcmChunk | None:
@@ -321,7 +326,7 @@ class EngineStream:
             yield chunk
 
     def __repr__(self) -> str:
-        return f"EngineStream(id={self._id!r}, voice={self._voice!r}, state={self._state.value})"
+        return f"EngineStream(id={self._id!r}, voice={self._voice!r}, state={self.state.value})"
 
 
 # --------------------------------------------------------------------------------------------
@@ -547,9 +552,15 @@ class Engine:
 
     def _send(self, msg: Message) -> None:
         inbox = self._inbox
-        if inbox is None:
+        if inbox is None or self._worker is None:
             raise StreamClosedError("the engine is stopped")
         inbox.put(msg)
+
+    def _post(self, msg: Message) -> None:
+        """Like ``_send`` but never raises (cancel paths): a stopped engine needs no message."""
+        inbox = self._inbox
+        if inbox is not None:
+            inbox.put(msg)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

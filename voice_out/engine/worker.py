@@ -240,7 +240,12 @@ class Worker:
                 for b in barriers:
                     _safe_notify(b)
                 return
-            plan = sched.plan()
+            try:
+                plan = sched.plan()
+            except Exception:  # noqa: BLE001 - a scheduler bug: fail what is live, keep serving
+                log.exception("planning failed; failing every live stream")
+                self._fail_all("the engine's scheduler failed")
+                continue
             if plan.empty:
                 busy = False
                 self._publish()
@@ -305,7 +310,21 @@ class Worker:
             log.exception("engine step failed; failing its %d streams", len(plan.request_ids()))
             message = f"engine step failed: {type(e).__name__}: {e}"
             result = StepResult(failed=dict.fromkeys(plan.request_ids(), message))
-        return sched.update(plan, result)
+        try:
+            return sched.update(plan, result)
+        except Exception:  # noqa: BLE001
+            log.exception("applying a step failed; failing its streams")
+            sched.finish(plan.request_ids(), RequestStatus.FAILED, StreamFailedError("the engine failed a step"))
+            return sched.take_outputs()
+
+    def _fail_all(self, message: str) -> None:
+        sched = self.scheduler
+        sched.finish(list(sched.requests), RequestStatus.FAILED, StreamFailedError(message))
+        self._deliver(sched.take_outputs())
+        sched.waiting.clear()
+        sched.free_slots = list(range(sched.config.max_streams))
+        if self.runner is not None:
+            self.runner.release_all()
 
     def _deliver(self, outputs: list[Output]) -> None:
         for out in outputs:
