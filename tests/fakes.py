@@ -216,6 +216,16 @@ class FakeVoiceStore:
     def __init__(self, engine: FakeEngine) -> None:
         self.engine = engine
         self.transcripts: dict[str, str] = {}
+        self.gets: list[str] = []
+
+    def names(self) -> list[str]:
+        return list(self.engine.voices)
+
+    def get(self, name: str) -> str:
+        self.gets.append(name)
+        if name not in self.engine.voices:
+            raise UnknownVoiceError(f"unknown voice {name!r}")
+        return name
 
     def list(self) -> list[str]:
         return list(self.engine.voices)

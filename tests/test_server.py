@@ -27,7 +27,7 @@ from tests.fakes import FakeEngine, FakeScript, FakeVoiceStore
 from voice_out.client import ClientError, ReceivedFrame, VoiceOutClient, connect
 from voice_out.config import ServerConfig
 from voice_out.server import protocol as p
-from voice_out.server.app import METRICS_KEY, SESSIONS_KEY, create_app
+from voice_out.server.app import METRICS_KEY, SESSIONS_KEY, VOICES_KEY, create_app
 from voice_out.server.signaling import SessionManager
 
 TOKEN = "s3cret-token"
@@ -497,6 +497,41 @@ async def test_voices_routes(server: Server) -> None:
         assert r.status == 404 and (await r.json())["error"]["code"] == "unknown_voice"
     async with http.get(url + "/voices") as r:
         assert [v["name"] for v in (await r.json())["voices"]] == ["alice", "bob"]
+
+
+@pytest.mark.asyncio
+async def test_stored_voices_are_loaded_at_start(make_server: Callable[..., Any]) -> None:
+    server: Server = await make_server()
+    store = server.app[VOICES_KEY]
+    assert isinstance(store, FakeVoiceStore) and store.gets == ["alice", "bob"]
+
+
+@pytest.mark.asyncio
+async def test_voices_routes_with_the_real_store(tmp_path: Path, web_dir: Path) -> None:
+    from voice_out.voices.store import VoiceStore
+
+    engine = FakeEngine()
+    store = await asyncio.get_running_loop().run_in_executor(None, VoiceStore, tmp_path / "voices", None)
+    app = create_app(ServerConfig(), engine, store, web_dir=web_dir)
+    srv = TestServer(app, host="127.0.0.1")
+    await srv.start_server()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(srv.make_url("/voices")) as r:
+                assert r.status == 200 and await r.json() == {"voices": []}
+            form = aiohttp.FormData()
+            form.add_field("name", "carol")
+            form.add_field("transcript", "Hello.")
+            form.add_field("audio", b"RIFF0000WAVE", filename="a.wav")
+            async with http.post(srv.make_url("/voices"), data=form) as r:
+                # No prompt networks (like a random-weights model): adding is not possible.
+                assert r.status == 501 and (await r.json())["error"]["code"] == "prompt_model_unavailable"
+            async with http.delete(srv.make_url("/voices/carol")) as r:
+                assert r.status == 404 and (await r.json())["error"]["code"] == "unknown_voice"
+            async with http.delete(srv.make_url("/voices/.hidden")) as r:
+                assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_voice_name"
+    finally:
+        await srv.close()
 
 
 @pytest.mark.asyncio
