@@ -167,6 +167,7 @@ class FakeEngine:
         self.script = script or FakeScript()
         self.active: set[FakeStream] = set()
         self.opened: list[FakeStream] = []
+        self.broken_voices: set[str] = set()
         self._ready = False
         self.started = 0
         self.stopped = 0
@@ -193,7 +194,13 @@ class FakeEngine:
     def open_stream(
         self, voice: str | None = None, *, stream_id: str | None = None, auto_ack: bool = True
     ) -> FakeStream:
+        from voice_out.voices.errors import InvalidVoiceNameError, VoiceStoreCorruptError
+
         name = voice or self.default_voice
+        if name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+            raise InvalidVoiceNameError(f"invalid voice name {name!r}")
+        if name in self.broken_voices:
+            raise VoiceStoreCorruptError(f"voice {name!r} is damaged; remove it and add it again")
         if name is None:
             raise NoVoiceError("no voice named and no default voice configured")
         if name not in self.voices:

@@ -189,6 +189,10 @@ async def test_session_error_codes() -> None:
             st.cancel()
         engine.default_voice = None
         s.receive(_msg(type="text.delta", id="e", delta="hi"))
+        s.receive(_msg(type="text.delta", id="f", delta="hi", voice="../etc"))
+        engine.voices.append("cracked")
+        engine.broken_voices.add("cracked")
+        s.receive(_msg(type="text.delta", id="g", delta="hi", voice="cracked"))
         assert sink.errors() == [
             ("a", "text_too_long"),
             ("a", "unknown_voice"),
@@ -200,6 +204,8 @@ async def test_session_error_codes() -> None:
             ("b", "utterance_closed"),
             ("d", "overloaded"),
             ("e", "no_voice"),
+            ("f", "unknown_voice"),
+            ("g", "voice_unusable"),
         ]
         # The session went on: "a" still holds its accepted text and is live.
         assert list(s.live) == ["a"]

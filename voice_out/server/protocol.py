@@ -48,6 +48,7 @@ class ErrorCode(enum.StrEnum):
     UTTERANCE_CLOSED = "utterance_closed"  # text for an utterance already done, cancelled or failed
     UNKNOWN_VOICE = "unknown_voice"
     NO_VOICE = "no_voice"  # no voice named and no default voice configured
+    VOICE_UNUSABLE = "voice_unusable"  # a registered voice that cannot be loaded (damaged, other model)
     OVERLOADED = "overloaded"  # the engine has no capacity for another stream now
     NOT_READY = "not_ready"  # the engine is starting or stopping
     INTERNAL = "internal"  # a failure inside the server or engine; the session goes on

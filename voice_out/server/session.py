@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from voice_out.engine.api import EngineError, EngineLike, PcmChunk, Stream
+from voice_out.errors import VoiceOutError
 from voice_out.server import protocol as p
 from voice_out.server.metrics import Metrics
 from voice_out.server.track import Done, Played, Silenced, Started, TrackEvent, Underrun, UtteranceTrack, heard_text
@@ -70,11 +71,18 @@ class Utterance:
     n_acked: int = 0
 
 
-def _error_code(exc: EngineError) -> p.ErrorCode:
+def _error_code(exc: VoiceOutError) -> p.ErrorCode:
+    """The protocol code of an engine or voice-store error."""
+    code = str(getattr(exc, "code", "internal"))
+    if code == "invalid_voice_name":  # a name no voice can have
+        return p.ErrorCode.UNKNOWN_VOICE
     try:
-        return p.ErrorCode(exc.code)
+        return p.ErrorCode(code)
     except ValueError:
+        pass
+    if isinstance(exc, EngineError):
         return p.ErrorCode.INTERNAL
+    return p.ErrorCode.VOICE_UNUSABLE  # a stored voice that is damaged or made for another model
 
 
 class Session:
@@ -191,7 +199,7 @@ class Session:
             )
         try:
             u.stream.push_text(msg.delta)
-        except EngineError as e:
+        except VoiceOutError as e:
             raise p.ProtocolError(_error_code(e), str(e), msg.id) from None
 
     def _start(self, msg: p.TextDelta) -> Utterance:
@@ -214,7 +222,7 @@ class Session:
                 stream = open_stream(msg.voice, stream_id=sid, auto_ack=False)
             else:
                 stream = self.engine.open_stream(msg.voice, stream_id=sid)
-        except EngineError as e:
+        except VoiceOutError as e:
             raise p.ProtocolError(_error_code(e), str(e), msg.id) from None
         self._seq += 1
         u = Utterance(msg.id, self._seq, stream, self.clock.now())
