@@ -407,3 +407,17 @@ def test_cached_stream_reset_after_cancel(flow: Any, hift: HiFT, case_f: dict[st
     again = list(t2w.stream_all(stream, tokens))
     assert [c.shape for c in again] == [c.shape for c in fresh]
     assert all(torch.equal(a, b) for a, b in zip(fresh, again, strict=True))
+
+
+def test_streams_made_in_inference_mode_run_outside_it(fake_t2w: Token2Wav, hift: HiFT) -> None:
+    """An engine may open (or warm up) streams under torch.inference_mode and run them later
+    without it, or the reverse: the in-place cache updates must work either way."""
+    voice = _voice(hift, 10)
+    with torch.inference_mode():
+        inside = fake_t2w.open_stream(*voice)
+    outside = fake_t2w.open_stream(*voice)
+    tokens = list(range(100, 160))
+    a = list(fake_t2w.stream_all(inside, tokens))
+    with torch.inference_mode():
+        b = list(fake_t2w.stream_all(outside, tokens))
+    assert len(a) == 2 and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -243,12 +243,12 @@ class Token2Wav:
             raise TypeError(f"{type(self.flow).__name__} has no cached streaming API: use flow_path='rerun'")
         return cast(StreamingFlow, self.flow)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def prepare_voice(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> Any:
         """The flow state of a voice's prompt for the cached path; share it between requests."""
         return self._streaming_flow().prepare_prompt(prompt_token, prompt_feat, embedding)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def prepare_flow(self, stream: Token2WavStream) -> None:
         """Set up the flow side of a (re)started stream: the cached path's per-request cache,
         reset in place when the stream already has one."""
@@ -288,7 +288,7 @@ class Token2Wav:
             t = t[None, :]
         return t.to(self.device)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def run_chunk(self, stream: Token2WavStream, plan: ChunkPlan, tokens: Tensor | Sequence[int]) -> Tensor:
         """Make the audio of ``plan`` for ``stream``: float32 (n,) on the model device.
 
@@ -333,7 +333,7 @@ class Token2Wav:
         while (plan := stream.ready_chunk(n, llm_finished=True)) is not None:
             yield stream.run_chunk(plan, tokens)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def synthesize(
         self,
         tokens: Tensor | Sequence[int],
@@ -353,7 +353,7 @@ class Token2Wav:
         mel = self.flow.inference(token, prompt_token, prompt_feat, embedding, streaming=False, finalize=True)
         return self.vocode(mel, speed=speed, noise=noise)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def vocode(self, mel: Tensor, *, speed: float = 1.0, noise: torch.Generator | None = None) -> Tensor:
         """One HiFT pass over a whole mel [1, 80, T] (no caches): float32 (n,).
 
