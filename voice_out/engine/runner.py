@@ -192,7 +192,8 @@ class Runner:
             rows = [(KIND_LLM, 0)] + [(KIND_TEXT, i % dims.text_vocab_size) for i in range(7)]
             h = self.llm.prefill(self.cache, 0, self.llm.embed_rows(rows), start_pos=0)
             speech = torch.zeros(1, dtype=torch.long, device=self.device)
-            h2 = self.llm.decode_step(self.cache, None, self.llm.embed_speech(speech), kv_len=KV_WINDOW_STEP)
+            window = min(KV_WINDOW_STEP, self.cache.max_len)
+            h2 = self.llm.decode_step(self.cache, None, self.llm.embed_speech(speech), kv_len=window)
             logp = self.llm.logprobs(torch.stack([h, h2[0]]))
             history = torch.full((2, self.sampling.win_size), NO_TOKEN, dtype=torch.long, device=self.device)
             gens = [stream_generator(0, self.device), stream_generator(1, self.device)]
