@@ -28,9 +28,8 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import chromium_path
-from tests.fakes import FakeEngine, FakeScript, FakeVoiceStore
-from voice_out.config import Config
-from voice_out.server.app import create_app
+from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig
+from voice_out.server.app import create_app, load_runtime
 
 pytestmark = pytest.mark.browser
 
@@ -68,6 +67,18 @@ TOKENS_PER_S = 30
 VOICE = "browser_mic"
 TRANSCRIPT = "A short recording made in the browser."
 RECORD_MS = 3000
+
+
+# Runs in the page: wait for a block heard in the last 20 ms, then send the cancel at once.
+CANCEL_WHILE_AUDIBLE = """(async () => {
+  const deadline = performance.now() + 5000;
+  while (!(voiceOut.audio.lastAudibleEnd > performance.now() - 20)) {
+    if (performance.now() > deadline) return false;
+    await new Promise((resolve) => setTimeout(resolve, 2));
+  }
+  voiceOut.cancel(null, "test");
+  return true;
+})()"""
 
 
 class DevToolsError(RuntimeError):
@@ -234,14 +245,14 @@ async def chromium(profile_dir: Path) -> AsyncIterator[Page]:
 
 
 @contextlib.asynccontextmanager
-async def running_server() -> AsyncIterator[str]:
-    """The real voice_out server on a free loopback port; yields its base URL."""
-    engine = FakeEngine(script=FakeScript(first_chunk_delay_s=0.05, ms_per_char=60.0))
-    app = create_app(Config(), engine, FakeVoiceStore(engine))
-    runner = web.AppRunner(app)
-    await runner.setup()
+async def running_server(config: Config) -> AsyncIterator[str]:
+    """The real voice_out server (engine, voice store, app) on a free loopback port; yields its
+    base URL."""
+    engine, store = await asyncio.get_running_loop().run_in_executor(None, load_runtime, config)
+    runner = web.AppRunner(create_app(config, engine, store))
+    await runner.setup()  # enters the engine: worker started, model loaded, warmed up
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, config.server.host, 0)
         await site.start()
         host, port = runner.addresses[0][:2]
         yield f"http://{host}:{port}"
@@ -249,61 +260,79 @@ async def running_server() -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-async def browser_session(profile: Path, screenshots: dict[str, bytes]) -> dict[str, Any]:
-    """Drive the page through one conversation; return what the page measured."""
-    async with running_server() as base_url, chromium(profile) as page:
-        await page.send("Page.navigate", {"url": base_url + "/"})
-        await page.wait_for("window.voiceOut && window.voiceOut.loaded", 15, "the demo page to load")
-        session_id = await page.evaluate("voiceOut.connect()")
-        assert session_id, "POST /offer answered without a session id"
+async def browser_session(config: Config, profile: Path, out: dict[str, Any]) -> None:
+    """Run the conversation; ``out`` receives what the page measured (``"measured"``) and
+    screenshots (``"*.png"``), also when the conversation fails half-way."""
+    async with running_server(config) as base_url, chromium(profile) as page:
+        try:
+            await conversation(page, base_url, out)
+        finally:
+            with contextlib.suppress(Exception):
+                out.setdefault("measured", await page.evaluate("window.voiceOut && voiceOut.summary()"))
+                out.setdefault("demo.png", await page.screenshot())
 
-        # 0. A voice recorded with the (fake) microphone, registered through POST /voices.
-        recorded = await page.evaluate(f"voiceOut.record({RECORD_MS})")
-        assert recorded["seconds"] > 0.8 * RECORD_MS / 1000, recorded
-        await page.evaluate(f"voiceOut.uploadVoice({json.dumps(VOICE)}, null, {json.dumps(TRANSCRIPT)})")
-        voices = await page.evaluate("voiceOut.listVoices()")
-        assert VOICE in voices, voices
-        assert await page.evaluate("document.getElementById('voice').value") == VOICE
 
-        # 1. A short utterance streamed like an LLM and played to the end.
-        short_id = await page.evaluate(f"voiceOut.stream({json.dumps(SHORT_TEXT)}, {{tps: {TOKENS_PER_S}}})")
-        await page.wait_for(
-            f"['done', 'error'].includes(voiceOut.utterances[{json.dumps(short_id)}].status)",
-            30,
-            "audio.done of the short utterance",
-        )
-        await page.wait_for("!voiceOut.audio.audible", 5, "silence after the short utterance")
+async def conversation(page: Page, base_url: str, out: dict[str, Any]) -> None:
+    """Drive the page through one conversation."""
+    await page.send("Page.navigate", {"url": base_url + "/"})
+    await page.wait_for("window.voiceOut && window.voiceOut.loaded", 15, "the demo page to load")
+    session_id = await page.evaluate("voiceOut.connect()")
+    assert session_id, "POST /offer answered without a session id"
 
-        # 2. A long utterance, interrupted once the page has heard it for a while.
-        long_id = await page.evaluate(f"voiceOut.stream({json.dumps(LONG_TEXT)}, {{tps: {TOKENS_PER_S}}})")
-        await page.wait_for(
-            f"voiceOut.utterances[{json.dumps(long_id)}].firstAudibleAt !== null", 30, "audio of the long utterance"
-        )
-        await asyncio.sleep(0.3)
-        screenshots["demo-playing.png"] = await page.screenshot()
-        await page.evaluate("voiceOut.cancel(null, 'test'), true")
-        await page.wait_for("voiceOut.bargeIns[0].silenceAt !== null", 10, "silence after the barge-in")
-        await asyncio.sleep(QUIET_AFTER_CANCEL_S)
-        await page.wait_for(
-            f"voiceOut.utterances[{json.dumps(long_id)}].status === 'cancelled'", 5, "the cancelled event"
-        )
+    # 0. A voice recorded with the (fake) microphone, registered through POST /voices.
+    recorded = await page.evaluate(f"voiceOut.record({RECORD_MS})")
+    assert recorded["seconds"] > 0.8 * RECORD_MS / 1000, recorded
+    await page.evaluate(f"voiceOut.uploadVoice({json.dumps(VOICE)}, null, {json.dumps(TRANSCRIPT)})")
+    voices = await page.evaluate("voiceOut.listVoices()")
+    assert VOICE in voices, voices
+    assert await page.evaluate("document.getElementById('voice').value") == VOICE
 
-        # 3. Barge-in by voice: the page's energy VAD on the microphone. Chromium's fake
-        #    microphone beeps (~50 ms every 0.5 s), so the test asks for 40 ms of "speech".
-        await page.evaluate("voiceOut.micVad.speechMs = 40, voiceOut.micBargeIn(true)")
-        mic_id = await page.evaluate(f"voiceOut.stream({json.dumps(LONG_TEXT)}, {{tps: {TOKENS_PER_S}}})")
-        await page.wait_for(
-            "voiceOut.bargeIns.length === 2 && voiceOut.bargeIns[1].silenceAt !== null", 10, "a microphone barge-in"
-        )
-        await page.evaluate("voiceOut.micBargeIn(false)")
-        await page.wait_for(f"voiceOut.utterances[{json.dumps(mic_id)}].status === 'cancelled'", 5, "cancelled")
+    # 1. A short utterance streamed like an LLM and played to the end.
+    short_id = await page.evaluate(f"voiceOut.stream({json.dumps(SHORT_TEXT)}, {{tps: {TOKENS_PER_S}}})")
+    await page.wait_for(
+        f"['done', 'error'].includes(voiceOut.utterances[{json.dumps(short_id)}].status)",
+        30,
+        "audio.done of the short utterance",
+    )
+    await page.wait_for("!voiceOut.audio.audible", 5, "silence after the short utterance")
 
-        measured: dict[str, Any] = await page.evaluate("voiceOut.summary()")
-        measured["short_id"] = short_id
-        measured["long_id"] = long_id
-        measured["mic_id"] = mic_id
-        screenshots["demo.png"] = await page.screenshot()
-        return measured
+    # 2. A long utterance, interrupted once the page has heard it for a while.
+    long_id = await page.evaluate(f"voiceOut.stream({json.dumps(LONG_TEXT)}, {{tps: {TOKENS_PER_S}}})")
+    await page.wait_for(
+        f"voiceOut.utterances[{json.dumps(long_id)}].firstAudibleAt !== null", 30, "audio of the long utterance"
+    )
+    await asyncio.sleep(0.3)
+    out["demo-playing.png"] = await page.screenshot()
+    # Barge in while the page is hearing sound (random weights pause often), so that the
+    # measured time runs from audible speech to silence.
+    assert await page.evaluate(CANCEL_WHILE_AUDIBLE), "no audible sound to interrupt"
+    await page.wait_for("voiceOut.bargeIns[0].silenceAt !== null", 10, "silence after the barge-in")
+    await asyncio.sleep(QUIET_AFTER_CANCEL_S)
+    await page.wait_for(f"voiceOut.utterances[{json.dumps(long_id)}].status === 'cancelled'", 5, "the cancelled event")
+
+    # 3. Barge-in by voice: the page's energy VAD on the microphone. Chromium's fake
+    #    microphone beeps (~50 ms every 0.5 s), so the test asks for 40 ms of "speech".
+    #    The microphone listens once the page hears the agent, so the cut is audible.
+    await page.evaluate("voiceOut.micVad.speechMs = 40")
+    mic_id = await page.evaluate(f"voiceOut.stream({json.dumps(LONG_TEXT)}, {{tps: {TOKENS_PER_S}}})")
+    await page.wait_for(
+        f"voiceOut.utterances[{json.dumps(mic_id)}].firstAudibleAt !== null", 30, "audio of the third utterance"
+    )
+    await page.evaluate("voiceOut.micBargeIn(true)")
+    await page.wait_for(
+        "voiceOut.bargeIns.length === 2 && voiceOut.bargeIns[1].silenceAt !== null", 10, "a microphone barge-in"
+    )
+    await page.evaluate("voiceOut.micBargeIn(false)")
+    await page.wait_for(f"voiceOut.utterances[{json.dumps(mic_id)}].status === 'cancelled'", 5, "cancelled")
+
+    measured: dict[str, Any] = await page.evaluate("voiceOut.summary()")
+    measured["rtp"] = await page.evaluate("voiceOut.rtpStats()")
+    # The received level around each barge-in, for the record (and for a failure's diagnosis).
+    measured["levels_around_barge_ins"] = [
+        await page.evaluate(f"voiceOut.levels({b['at']} - 300, {b['at']} + 500)") for b in measured["bargeIns"]
+    ]
+    measured.update(short_id=short_id, long_id=long_id, mic_id=mic_id)
+    out["measured"] = measured
 
 
 QUIET_AFTER_CANCEL_S = 1.0
@@ -312,17 +341,28 @@ MAX_PAGE_TTFA_MS = 5000.0
 MAX_BARGE_IN_MS = 600.0
 
 
-def test_demo_page_speaks_and_barges_in(tmp_path: Path) -> None:
+def test_demo_page_speaks_and_barges_in(tmp_path: Path, parity_dir: Path) -> None:
     keep = os.environ.get("VOICE_OUT_BROWSER_ARTIFACTS")
     artifacts = Path(keep) if keep else tmp_path
     artifacts.mkdir(parents=True, exist_ok=True)
-    screenshots: dict[str, bytes] = {}
+    # The tiny model in the official layout: random weights (it speaks noise), but every stage
+    # of the real engine runs, and its prompt networks let the page register a voice.
+    config = Config(
+        model=ModelConfig(model=str(parity_dir), device="cpu", dtype="float32", offline=True),
+        # Random weights rarely stop on their own: cap the speech at a natural length
+        # (~6 speech tokens, a quarter second, per text token) so the short utterance ends.
+        engine=EngineConfig(max_streams=4, max_speech_tokens_per_text_token=6, seed=0),
+        server=ServerConfig(host="127.0.0.1", port=0, voices_dir=str(tmp_path / "voices")),
+    )
+    out: dict[str, Any] = {}
     try:
-        measured = asyncio.run(asyncio.wait_for(browser_session(tmp_path / "profile", screenshots), TEST_TIMEOUT_S))
+        asyncio.run(asyncio.wait_for(browser_session(config, tmp_path / "profile", out), TEST_TIMEOUT_S))
     finally:
-        for name, png in screenshots.items():
-            (artifacts / name).write_bytes(png)
-    (artifacts / "measured.json").write_text(json.dumps(measured, indent=2))
+        for name, value in out.items():
+            if name.endswith(".png"):
+                (artifacts / name).write_bytes(value)
+        (artifacts / "measured.json").write_text(json.dumps(out.get("measured"), indent=2))
+    measured = out["measured"]
     check_measurements(measured)
 
 
@@ -343,15 +383,13 @@ def check_measurements(m: dict[str, Any]) -> None:
         ("audio.started", m["long_id"]),
         ("cancelled", m["long_id"]),
     ]
-    # The microphone may interrupt the third utterance before or after its audio started.
-    mic_tail = [("cancelled", m["mic_id"])]
-    assert by_id in (expected + mic_tail, expected + [("audio.started", m["mic_id"])] + mic_tail), by_id
+    expected += [("audio.started", m["mic_id"]), ("cancelled", m["mic_id"])]
+    assert by_id == expected, by_id
 
     # The page heard both utterances, with energy, soon after their first delta.
     assert audio["meter"] == "worklet"
-    assert audio["maxRms"] > 10 * audio["threshold"], audio["maxRms"]
-    assert m["utterances"][m["mic_id"]]["voice"] == VOICE
-    for u in (short, long):
+    assert audio["maxRms"] > 4 * audio["threshold"], audio["maxRms"]
+    for u in (short, long, m["utterances"][m["mic_id"]]):
         assert u["voice"] == VOICE, u
         assert u["pageTtfaMs"] is not None, u
         assert 0 < u["pageTtfaMs"] < MAX_PAGE_TTFA_MS, u
@@ -375,6 +413,7 @@ def check_measurements(m: dict[str, Any]) -> None:
 
     # Barge-in by voice: the microphone VAD cancelled the third utterance, and it went quiet.
     assert by_voice["reason"] == "microphone" and by_voice["ids"] == [m["mic_id"]], by_voice
+    assert m["utterances"][m["mic_id"]]["firstAudibleAt"] < by_voice["at"]
     assert "micBargeIn" in m["marks"]
     assert by_voice["ms"] is not None and by_voice["ms"] < MAX_BARGE_IN_MS, by_voice
     assert [o for o in audio["onsets"] if o["t"] > by_voice["silenceAt"]] == []

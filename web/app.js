@@ -13,6 +13,8 @@ const MIC_SPEECH_MS = 200; // microphone above its threshold this long = the per
 const MIC_POLL_MS = 20;
 const ICE_GATHERING_TIMEOUT_MS = 3000;
 const SESSION_READY_TIMEOUT_MS = 10000;
+const CLOCK_WINDOW_REPORTS = 50; // level reports (~10 ms each) that set the audio-clock offset
+const LEVEL_HISTORY_BLOCKS = 8192; // ~20 s of 128-frame blocks, for voiceOut.levels()
 const MAX_LOG_ROWS = 400; // rows kept in the DOM; voiceOut.log keeps everything
 const TERMINAL = new Set(["done", "cancelled", "error"]);
 
@@ -49,7 +51,8 @@ const state = {
   audioCtx: null,
   graphInput: null, // where the remote stream is connected
   analyser: null,
-  clockOffset: Infinity, // performance.now() - audio-clock ms, smallest seen
+  levelHistory: [], // [[block end, rms]] of the latest blocks
+  clockOffsets: [], // performance.now() - audio-clock ms of the latest level reports
   mic: null, // {stream, analyser, timer, speechMs}
   recorder: null,
   recordedWav: null,
@@ -79,7 +82,12 @@ const voiceOut = {
     audio.threshold = value;
   },
   summary,
+  rtpStats,
   resetMeasurements,
+  /** [[block end ms, rms]] of the received audio between two times (the latest ~20 s). */
+  levels(from = -Infinity, to = Infinity) {
+    return state.levelHistory.filter(([t]) => t >= from && t <= to);
+  },
 };
 window.voiceOut = voiceOut;
 
@@ -105,6 +113,28 @@ function summary() {
       events: voiceOut.log.filter((e) => e.dir === "in").map((e) => ({ t: e.t, ...e.msg })),
     }),
   );
+}
+
+/** The receiving side of the audio track, from WebRTC's own statistics. */
+async function rtpStats() {
+  if (!state.pc) return null;
+  const stats = await state.pc.getStats();
+  for (const r of stats.values()) {
+    if (r.type === "inbound-rtp" && r.kind === "audio") {
+      const emitted = r.jitterBufferEmittedCount || 0;
+      return {
+        packetsReceived: r.packetsReceived,
+        packetsLost: r.packetsLost,
+        jitterMs: (r.jitter || 0) * 1000,
+        // Average time a sample waited in the jitter buffer: the floor of barge-in latency.
+        jitterBufferMs: emitted ? (1000 * r.jitterBufferDelay) / emitted : null,
+        jitterBufferTargetMs: emitted && r.jitterBufferTargetDelay ? (1000 * r.jitterBufferTargetDelay) / emitted : null,
+        concealedSamples: r.concealedSamples,
+        totalSamplesReceived: r.totalSamplesReceived,
+      };
+    }
+  }
+  return null;
 }
 
 function resetMeasurements() {
@@ -262,11 +292,16 @@ function onLevelReport(report) {
   // report: Float64Array of [start s, end s, rms, peak] per block, audio-clock seconds.
   const arrival = now();
   const lastEnd = report[report.length - 3] * 1000;
-  // The smallest (arrival - audio clock) seen is the best estimate of the clock offset: it is
-  // the report that waited least in the message queue.
-  state.clockOffset = Math.min(state.clockOffset, arrival - lastEnd);
+  // Map the audio clock onto performance.now(). The smallest (arrival - audio time) among
+  // recent reports is the best estimate of the offset: that report waited least in the
+  // message queue. Only recent ones count, because the two clocks drift apart (a fake or
+  // starved audio device runs slow or fast).
+  const offsets = state.clockOffsets;
+  offsets.push(arrival - lastEnd);
+  if (offsets.length > CLOCK_WINDOW_REPORTS) offsets.shift();
+  const offset = Math.min(...offsets);
   for (let i = 0; i < report.length; i += 4) {
-    onAudioBlock(report[i] * 1000 + state.clockOffset, report[i + 1] * 1000 + state.clockOffset, report[i + 2], report[i + 3]);
+    onAudioBlock(report[i] * 1000 + offset, report[i + 1] * 1000 + offset, report[i + 2], report[i + 3]);
   }
 }
 
@@ -289,6 +324,8 @@ function startAnalyserPolling(analyser) {
 
 function onAudioBlock(start, end, rms, _peak) {
   audio.blocks += 1;
+  state.levelHistory.push([end, rms]);
+  if (state.levelHistory.length > LEVEL_HISTORY_BLOCKS) state.levelHistory.splice(0, LEVEL_HISTORY_BLOCKS / 4);
   audio.level = rms;
   if (rms > audio.maxRms) audio.maxRms = rms;
   if (rms >= audio.threshold) {
