@@ -269,6 +269,8 @@ class Token2Wav:
 
     def _flow_mel(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor:
         """New mel frames of ``plan``: [1, 80, 2 * hop_tokens] float32."""
+        if plan.hop_tokens == 0:  # a final chunk with nothing new (an empty request)
+            return torch.zeros(1, self.hift.dims.in_channels, 0, device=self.device)
         if stream.flow_path == "rerun":
             mel = self.flow.inference(
                 token[:, : plan.token_len],
