@@ -17,6 +17,7 @@ from voice_out.server.track import (
     Started,
     TrackEvent,
     Underrun,
+    Upsampler2x,
     UtteranceTrack,
     heard_text,
     pcm_to_s16,
@@ -46,7 +47,7 @@ class FakeClock:
 def make_track() -> tuple[UtteranceTrack, FakeClock, list[TrackEvent]]:
     clock = FakeClock()
     events: list[TrackEvent] = []
-    track = UtteranceTrack(sample_rate=SR, clock=clock, on_event=events.append)
+    track = UtteranceTrack(sample_rate=SR, clock=clock, on_event=events.append, output_rate=SR)
     return track, clock, events
 
 
@@ -284,3 +285,44 @@ def test_open_twice_is_refused() -> None:
 )
 def test_heard_text_cuts_at_word_boundaries(text: str, end: int, complete: bool, heard: str) -> None:
     assert heard_text(text, end, complete) == heard
+
+
+# -- 48 kHz output -------------------------------------------------------------------------------
+
+
+def test_upsampler_streaming_equals_one_pass() -> None:
+    x = pcm_to_s16(tone(480 * 7, seed=5))
+    up = Upsampler2x()
+    streamed = np.concatenate([up.process(x[i : i + 480]) for i in range(0, len(x), 480)])
+    one_pass = Upsampler2x().process(x)
+    assert np.abs(streamed.astype(np.int32) - one_pass).max() <= 1  # float summation order only
+
+
+def test_upsampler_keeps_the_band_and_rejects_images() -> None:
+    n = SR  # one second
+    t = np.arange(n) / SR
+    x = pcm_to_s16(0.5 * np.sin(2 * np.pi * 1000 * t).astype(np.float32))
+    y = Upsampler2x().process(x).astype(np.float64)[1000:-1000]  # skip the filter's edges
+    spectrum = np.abs(np.fft.rfft(y * np.hanning(len(y))))
+    freqs = np.fft.rfftfreq(len(y), 1 / (2 * SR))
+    assert freqs[np.argmax(spectrum)] == pytest.approx(1000, abs=2)
+    image = spectrum[(freqs > 22000) & (freqs < 24000)].max()  # the 1 kHz image sits at 23 kHz
+    assert 20 * np.log10(image / spectrum.max()) < -60
+    assert np.sqrt(np.mean(y**2)) / 32767 == pytest.approx(0.5 / np.sqrt(2), rel=0.02)
+    assert not Upsampler2x().process(np.zeros(480, np.int16)).any()  # silence stays exact zero
+
+
+@pytest.mark.asyncio
+async def test_default_output_is_48khz_and_silent_right_after_a_cancel() -> None:
+    clock = FakeClock()
+    track = UtteranceTrack(sample_rate=SR, clock=clock)
+    assert track.output_rate == 48000
+    track.open("u")
+    track.push("u", PcmChunk(np.full(SR, 0.5, np.float32), 0, 3))
+    for i in range(3):
+        f = await track.recv()
+        assert (f.samples, f.sample_rate, f.pts, f.time_base) == (960, 48000, 960 * i, fractions.Fraction(1, 48000))
+    track.flush()
+    after = np.concatenate([(await track.recv()).to_ndarray().reshape(-1) for _ in range(3)])
+    assert after[: 2 * FADE].any()
+    assert not after[2 * FADE + Upsampler2x.TAPS :].any()  # the 5 ms fade, the filter's 2 ms, then zeros

@@ -1,9 +1,10 @@
 """The outgoing audio track: utterances played in order, paced by the clock, cut on barge-in.
 
-:class:`UtteranceTrack` is an aiortc ``MediaStreamTrack`` that emits 20 ms s16 mono frames at
-24 kHz (aiortc's Opus encoder resamples to 48 kHz). ``pts`` comes from a sample counter and
-``recv`` sleeps until ``start + pts / sample_rate``, so RTP time never drifts; when there is
-nothing to play it emits silence, so RTP never stalls.
+:class:`UtteranceTrack` is an aiortc ``MediaStreamTrack`` that emits 20 ms s16 mono frames.
+It works on the engine's 24 kHz samples and sends 48 kHz (upsampled here, which saves the
+20 ms that aiortc's Opus-encoder resampler would hold back; 24 kHz output is an option).
+``pts`` comes from a sample counter and ``recv`` sleeps until ``start + pts / sample_rate``,
+so RTP time never drifts; when there is nothing to play it emits silence, so RTP never stalls.
 
 Utterances are opened in start order and played in that order without gaps: when one ends
 inside a frame, the next one fills the rest of that frame. On cancel, queued audio is dropped
@@ -170,6 +171,38 @@ class _Playout:
         return np.concatenate(parts) if parts else np.zeros(0, np.int16)
 
 
+class Upsampler2x:
+    """Streaming 2x upsampler (zero-stuffing + a Kaiser-windowed sinc low-pass), s16 -> s16.
+
+    One instance filters one continuous signal (the track's output, silence included), so there
+    are no edges between frames or utterances. Delay: ``(TAPS - 1) / 2`` output samples (about
+    1 ms at 48 kHz). Digital silence stays exactly zero.
+
+    Why: aiortc's Opus encoder resamples 24 kHz input to 48 kHz with a resampler that holds
+    back one 20 ms frame; feeding it 48 kHz removes that frame from every latency (first
+    audio and barge-in).
+    """
+
+    TAPS = 96
+    CUTOFF = 0.45  # of the output rate: 10.8 kHz at 48 kHz, below the input's 12 kHz Nyquist
+    KAISER_BETA = 8.0
+
+    def __init__(self) -> None:
+        n = np.arange(self.TAPS) - (self.TAPS - 1) / 2
+        h = 2 * self.CUTOFF * np.sinc(2 * self.CUTOFF * n) * np.kaiser(self.TAPS, self.KAISER_BETA)
+        self.taps = (2.0 * h / h.sum()).astype(np.float64)  # gain 2: half the stuffed samples are 0
+        self._history = np.zeros(self.TAPS - 1, np.float64)
+
+    def process(self, frame: np.ndarray) -> np.ndarray:
+        """int16 [n] -> int16 [2n]."""
+        stuffed = np.zeros(2 * len(frame), np.float64)
+        stuffed[0::2] = frame
+        ext = np.concatenate([self._history, stuffed])
+        self._history = ext[len(ext) - (self.TAPS - 1) :]
+        out = np.convolve(ext, self.taps, mode="valid")
+        return np.clip(np.rint(out), -32768, 32767).astype(np.int16)
+
+
 def pcm_to_s16(pcm: np.ndarray) -> np.ndarray:
     """float32 [-1, 1] -> int16, clipped."""
     return (np.clip(np.asarray(pcm, dtype=np.float32), -1.0, 1.0) * 32767.0).astype(np.int16)
@@ -177,6 +210,9 @@ def pcm_to_s16(pcm: np.ndarray) -> np.ndarray:
 
 class UtteranceTrack(MediaStreamTrack):
     """An audio track that plays queued utterances gaplessly and emits silence in between.
+
+    Queueing, pacing, fades and accounting work at ``sample_rate`` (the engine's 24 kHz);
+    frames go out at ``output_rate``: 48 kHz by default (see :class:`Upsampler2x`), or 24 kHz.
 
     ``on_event`` receives :data:`TrackEvent` s synchronously from ``recv``, after the frame that
     caused them has been built (so ``Started`` follows the frame holding the first sample).
@@ -190,12 +226,17 @@ class UtteranceTrack(MediaStreamTrack):
         sample_rate: int = SAMPLE_RATE,
         clock: Clock | None = None,
         on_event: Callable[[TrackEvent], None] | None = None,
+        output_rate: int = 2 * SAMPLE_RATE,
     ) -> None:
         super().__init__()
         self.sample_rate = sample_rate
         self.frame_samples = sample_rate * FRAME_MS // 1000
         self.fade_samples = sample_rate * FADE_MS // 1000
-        self.time_base = fractions.Fraction(1, sample_rate)
+        if output_rate not in (sample_rate, 2 * sample_rate):
+            raise ValueError(f"output_rate must be {sample_rate} or {2 * sample_rate}, not {output_rate}")
+        self.output_rate = output_rate
+        self.time_base = fractions.Fraction(1, output_rate)
+        self._upsampler = Upsampler2x() if output_rate != sample_rate else None
         self.clock: Clock = clock or MonotonicClock()
         self.on_event = on_event
         self._queue: deque[_Playout] = deque()
@@ -349,9 +390,13 @@ class UtteranceTrack(MediaStreamTrack):
             if self.readyState != "live":
                 raise MediaStreamError
         samples, events = self.next_frame(self.clock.now())
+        factor = 1
+        if self._upsampler is not None:
+            samples = self._upsampler.process(samples)
+            factor = 2
         frame = AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
-        frame.sample_rate = self.sample_rate
-        frame.pts = self._pts
+        frame.sample_rate = self.output_rate
+        frame.pts = self._pts * factor
         frame.time_base = self.time_base
         self.frames_sent += 1
         if self.on_event is not None:
