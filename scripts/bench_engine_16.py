@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=150, help="speech tokens of the synthetic voice prompt")
     p.add_argument("--max-ahead-s", type=float, default=4.0)
     p.add_argument("--max-chunks-per-step", type=int, default=4)
-    p.add_argument("--flow-path", default="rerun", choices=["rerun", "cached"])
+    p.add_argument("--flow-path", default="cached", choices=["rerun", "cached"])
     p.add_argument("--kv-len", type=int, default=2048)
     p.add_argument("--json", help="also write the JSON result here")
     args = p.parse_args(argv)

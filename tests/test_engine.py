@@ -480,3 +480,25 @@ def test_docs_example_runs(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"\d+\.\d\d s of audio in \d+ chunks", done.stdout), done.stdout
+
+
+def test_cached_flow_path_speaks_like_the_rerun_path(engine: Engine, tmp_path: Path) -> None:
+    text = ["a few words ", "for the flow"]  # 24 ids -> 72 tokens: chunks of 25, 47 (final)
+    cached = solo(engine, 77, text)  # the default path
+    eng = Engine.load(
+        engine.config,
+        forced=ForcedTokens(3),
+        warmup=False,
+        text_normalizer="none",
+        noise_prompt_tokens=0,
+        kv_len=512,
+        flow_path="rerun",  # upstream's way: the flow re-runs the prompt and every token per chunk
+    )
+    eng.start(timeout=120)
+    try:
+        rerun = solo(eng, 77, text)
+    finally:
+        eng.close()
+    assert signature(cached) == signature(rerun) and len(cached) == 2
+    for a, b in zip(cached, rerun, strict=True):
+        np.testing.assert_allclose(a.pcm, b.pcm, atol=1e-4)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -93,7 +93,7 @@ class Runner:
         self.slot_len = [0] * n_slots
         self.live: dict[str, _Live] = {}
         self._t2w_pool: list[Token2WavStream] = []
-        self._voice_cache: dict[int, tuple[FlowVoice, Tensor, Tensor, Tensor]] = {}
+        self._voice_cache: dict[int, tuple[FlowVoice, Tensor, Tensor, Tensor, object]] = {}
 
     # ---- accounting --------------------------------------------------------------------------
 
@@ -155,31 +155,32 @@ class Runner:
         self.cache.reset()
         self.slot_len = [0] * len(self.slot_len)
 
-    def _voice(self, voice: FlowVoice) -> tuple[Tensor, Tensor, Tensor]:
-        """Device copies of a voice's conditioning, batch-1 shaped, made once per voice."""
+    def _voice(self, voice: FlowVoice) -> tuple[Tensor, Tensor, Tensor, object]:
+        """Device copies of a voice's conditioning, batch-1 shaped, and (cached flow path) its
+        prepared flow prompt: made once per voice, shared by its requests."""
         hit = self._voice_cache.get(id(voice))
         if hit is None or hit[0] is not voice:
             dev = self.t2w.device
-            hit = (
-                voice,
-                voice.prompt_token.reshape(1, -1).to(dev, torch.int32),
-                voice.prompt_feat.reshape(1, -1, voice.prompt_feat.shape[-1]).to(dev, torch.float32),
-                voice.embedding.reshape(1, -1).to(dev, torch.float32),
-            )
+            token = voice.prompt_token.reshape(1, -1).to(dev, torch.int32)
+            feat = voice.prompt_feat.reshape(1, -1, voice.prompt_feat.shape[-1]).to(dev, torch.float32)
+            emb = voice.embedding.reshape(1, -1).to(dev, torch.float32)
+            prepared = self.t2w.prepare_voice(token, feat, emb) if self.flow_path == "cached" else None
+            hit = (voice, token, feat, emb, prepared)
             self._voice_cache[id(voice)] = hit
-        return hit[1], hit[2], hit[3]
+        return hit[1], hit[2], hit[3], hit[4]
 
     def _admit(self, adm: Admit) -> None:
         flow_voice = adm.voice.flow
         if not isinstance(flow_voice, FlowVoice):
             raise TypeError(f"voice {adm.voice.name!r} has no token2wav conditioning")
-        token, feat, emb = self._voice(flow_voice)
+        token, feat, emb, prepared = self._voice(flow_voice)
+        # the same first/max hop as the scheduler's copy of the schedule: it hands us its plans
+        kw: dict[str, Any] = {"first_hop": self.first_hop, "max_hop": self.max_hop, "flow_path": self.flow_path}
         if self._t2w_pool:
             stream = self._t2w_pool.pop()
-            stream.reset(token, feat, emb, first_hop=self.first_hop, flow_path=self.flow_path)
+            stream.reset(token, feat, emb, flow_prompt=prepared, **kw)
         else:
-            stream = self.t2w.open_stream(token, feat, emb, first_hop=self.first_hop, flow_path=self.flow_path)
-        stream.schedule.max_hop = self.max_hop  # the scheduler's copy of the schedule uses it too
+            stream = self.t2w.open_stream(token, feat, emb, flow_prompt=prepared, **kw)
         self.cache.reset(adm.slot)
         self.slot_len[adm.slot] = 0
         self.live[adm.request_id] = _Live(adm.slot, stream_generator(adm.seed, self.device), stream)
@@ -198,8 +199,16 @@ class Runner:
             history = torch.full((2, self.sampling.win_size), NO_TOKEN, dtype=torch.long, device=self.device)
             gens = [stream_generator(0, self.device), stream_generator(1, self.device)]
             ras_sample_batch(logp, history, draw_uniforms(gens, self.device), self.sampling).tolist()
-            token, feat, emb = self._voice(voice)
-            stream = self.t2w.open_stream(token, feat, emb, first_hop=self.first_hop, flow_path=self.flow_path)
+            token, feat, emb, prepared = self._voice(voice)
+            stream = self.t2w.open_stream(
+                token,
+                feat,
+                emb,
+                first_hop=self.first_hop,
+                max_hop=self.max_hop,
+                flow_path=self.flow_path,
+                flow_prompt=prepared,
+            )
             for _ in self.t2w.stream_all(stream, list(range(1, 9))):
                 pass
             self._t2w_pool.append(stream)
