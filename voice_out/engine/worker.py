@@ -191,7 +191,16 @@ class Worker:
                 self._refuse_all()
                 return
             self._signal_ready()
-            self._loop(self.runner)
+            try:
+                self._loop(self.runner)
+            except BaseException:
+                # a bug in the loop itself: end every stream rather than leave consumers hanging
+                log.exception("the engine worker crashed")
+                err = StreamFailedError("the engine worker crashed")
+                for sink in list(self._sinks.values()):
+                    _safe_deliver(sink, EndOfStream(RequestStatus.FAILED, err))
+                self._sinks.clear()
+                raise
         finally:
             self.runner = None  # drop the model and caches with the thread
             self._publish()
