@@ -29,9 +29,11 @@ from voice_out.server.track import Done, Played, Silenced, Started, TrackEvent, 
 
 log = logging.getLogger(__name__)
 
-#: How much synthesized audio a pump lets pile up per utterance before it stops pulling from
-#: the engine (the engine's own ``max_ahead_s`` then holds the GPU back).
-MAX_BUFFERED_S = 2.0
+#: How much synthesized audio a pump lets pile up in the track per utterance before it stops
+#: pulling from the engine. Keep it below the engine's own ``max_ahead_s`` (4 s by default): then
+#: the time a pump waits on the engine is real synthesis time (the RTF metric), never the
+#: engine holding back for the listener.
+MAX_BUFFERED_S = 1.0
 #: Tell the engine what was played at most this often (samples), when it takes acks.
 ACK_EVERY_SAMPLES = 2400
 #: Ids of ended utterances remembered to tell "closed" from "unknown" (bounded).
