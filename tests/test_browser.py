@@ -167,6 +167,14 @@ class Page:
                 )
             await asyncio.sleep(0.05)
 
+    def requested_urls(self) -> list[str]:
+        """Every URL the page has requested so far."""
+        return [
+            e["params"]["request"]["url"]
+            for e in self.devtools.events
+            if e.get("method") == "Network.requestWillBeSent" and e.get("sessionId") == self.session
+        ]
+
     def console(self) -> str:
         """The page's console output and uncaught exceptions so far (for failure messages)."""
         lines = []
@@ -228,6 +236,7 @@ async def chromium(profile_dir: Path) -> AsyncIterator[Page]:
                 page = Page(devtools, attached["sessionId"])
                 await page.send("Runtime.enable")
                 await page.send("Page.enable")
+                await page.send("Network.enable")
                 yield page
             finally:
                 with contextlib.suppress(Exception):
@@ -332,6 +341,11 @@ async def conversation(page: Page, base_url: str, out: dict[str, Any]) -> None:
         await page.evaluate(f"voiceOut.levels({b['at']} - 300, {b['at']} + 500)") for b in measured["bargeIns"]
     ]
     measured.update(short_id=short_id, long_id=long_id, mic_id=mic_id)
+    # The page is self-contained: everything it loaded came from the server (or from itself).
+    urls = page.requested_urls()
+    assert base_url + "/app.js" in urls and base_url + "/style.css" in urls, urls
+    foreign = [u for u in urls if not u.startswith((base_url + "/", "data:", "blob:"))]
+    assert foreign == [], foreign
     out["measured"] = measured
 
 
@@ -386,7 +400,8 @@ def check_measurements(m: dict[str, Any]) -> None:
     expected += [("audio.started", m["mic_id"]), ("cancelled", m["mic_id"])]
     assert by_id == expected, by_id
 
-    # The page heard both utterances, with energy, soon after their first delta.
+    # The page heard every utterance, with energy, soon after its first delta (measured by
+    # the AudioWorklet, which the page loaded from the server).
     assert audio["meter"] == "worklet"
     assert audio["maxRms"] > 4 * audio["threshold"], audio["maxRms"]
     for u in (short, long, m["utterances"][m["mic_id"]]):

@@ -184,6 +184,15 @@ function describe(type, msg) {
       return `${msg.reason}: silent ${fmtMs(msg.last_audible_after_cancel_ms)} after the cancel`;
     case "connection":
       return msg.state;
+    case "voices":
+      return msg.voices.join(", ") || "none";
+    case "voice added":
+    case "voice deleted":
+      return msg.name;
+    case "answer":
+      return `session ${msg.session_id}`;
+    case "mic":
+      return `${msg.note} (rms ${msg.rms})`;
     default: {
       const rest = { ...msg };
       delete rest.type;
@@ -744,7 +753,7 @@ async function setMicBargeIn(on) {
     if (mic.speechMs >= voiceOut.micVad.speechMs && channelOpen() && speaking()) {
       mic.speechMs = 0;
       mark("micBargeIn");
-      record("page", "mic", { rms: Number(rms.toFixed(4)), note: "speech detected: barge in" });
+      record("page", "mic", { rms: Number(rms.toFixed(4)), note: "speech detected, barging in" });
       cancel(null, "microphone");
     }
   }, MIC_POLL_MS);
