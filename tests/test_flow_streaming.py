@@ -215,6 +215,21 @@ def test_prompt_state_is_shared_and_caches_reset_in_place(flow: Flow) -> None:
     assert all(torch.equal(a, b) for a, b in zip(snapshot, after, strict=True)), "prompt state was modified"
 
 
+@pytest.mark.requires_cuda
+def test_prompt_state_kept_in_host_memory_serves_a_gpu_stream() -> None:
+    """A voice store may keep prompt states off the GPU: reset copies them onto the flow's device."""
+    flow = make_flow(tiny_dims()).to("cuda")
+    token, prompt_token, prompt_feat, embedding = inputs(flow, 24, 30, seed=11)
+    plan = schedule(flow, 24, 30)
+    with torch.no_grad():
+        prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
+        stored = prompt.to("cpu")
+        assert stored.prefix.est_k.device.type == "cpu" and stored.nbytes == prompt.nbytes > 0
+        a = run_stream(flow, prompt, token, plan)
+        b = run_stream(flow, stored, token, plan)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def test_cache_grows_when_capacity_is_exceeded(flow: Flow) -> None:
     token, prompt_token, prompt_feat, embedding = inputs(flow, 13, 50, seed=6)
     plan = schedule(flow, 13, 50)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -461,6 +461,18 @@ class FlowStreamCache:
         tensors += [self.est_k, self.est_v, self.enc_pos, self.up_pos, *self.est_ctx]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def to(self, device: torch.device | str) -> FlowStreamCache:
+        """This cache on ``device`` (e.g. a voice's prompt prefix kept in host memory); tensors
+        already on ``device`` are shared, not copied."""
+        moved: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                moved[f.name] = value.to(device)
+            elif f.name == "est_ctx":
+                moved[f.name] = [t.to(device) for t in value]
+        return replace(self, **moved)
+
     def estimator_state(self, step: int) -> EstimatorState:
         n_tb = self.est_k.shape[1]
         kv = [(self.est_k[step, i], self.est_v[step, i]) for i in range(n_tb)]
@@ -510,6 +522,22 @@ class FlowPrompt:
     @property
     def n_prefix(self) -> int:
         return self.prefix.n_done
+
+    @property
+    def nbytes(self) -> int:
+        return self.prefix.nbytes
+
+    def to(self, device: torch.device | str) -> FlowPrompt:
+        """This prompt on ``device`` (tensors already there are shared). A prompt kept in
+        host memory still serves ``reset_stream_cache``: its state is copied into the request's
+        cache on the flow's device."""
+        return FlowPrompt(
+            prompt_token=self.prompt_token.to(device),
+            prompt_feat=self.prompt_feat.to(device),
+            embedding=self.embedding.to(device),
+            spk=self.spk.to(device),
+            prefix=self.prefix.to(device),
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -713,7 +741,7 @@ class Flow(nn.Module):
         mu = self.encoder_proj(h).transpose(1, 2)
         f0 = start * d.token_mel_ratio
         cond = self._cond(prompt_feat, f0, mu.shape[2])
-        mel = self.solve(mu, spk, cond, True, f0, cache)
+        mel = self.solve(mu, spk.to(self.device, self.dtype), cond, True, f0, cache)
         cache.n_done = stop
         return mel
 
