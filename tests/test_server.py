@@ -452,6 +452,7 @@ async def test_bad_offers(server: Server) -> None:
         ({"sdp": "v=0\r\n", "type": "offer"}, 400, "bad_offer"),
         ({"sdp": "v=0\r\nm=audio 9 UDP/TLS/RTP/SAVPF 111\r\n", "type": "offer"}, 400, "bad_offer"),
     ]
+    cases.append(({"sdp": "x" * 300_000, "type": "offer"}, 413, "too_large"))
     for body, status, code in cases:
         data = body if isinstance(body, str) else json.dumps(body)
         async with server.http.post(server.url + "/offer", data=data) as r:

@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 WEB_DIR = Path(__file__).resolve().parent.parent.parent / "web"
 #: Prompt audio uploads: 30 s of 48 kHz stereo 16-bit WAV is ~5.8 MB.
 MAX_UPLOAD_BYTES = 16 * 1024 * 1024
+#: An SDP offer is a few KiB.
+MAX_OFFER_BYTES = 256 * 1024
 #: Outgoing messages a slow control WebSocket may have queued before it is dropped.
 MAX_WS_BACKLOG = 1000
 
@@ -131,6 +133,8 @@ async def static(request: web.Request) -> web.StreamResponse:
 
 
 async def offer(request: web.Request) -> web.Response:
+    if (request.content_length or 0) > MAX_OFFER_BYTES:
+        return json_error(413, "too_large", f"an SDP offer is at most {MAX_OFFER_BYTES} bytes")
     try:
         body = await request.json()
     except (ValueError, UnicodeDecodeError):
