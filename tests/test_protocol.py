@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.fakes import FakeEngine, FakeScript
 from voice_out.server import protocol as p
@@ -249,3 +251,51 @@ async def test_stream_failure_is_an_error_for_that_utterance_only() -> None:
         assert list(s.live) == ["good"]
         await s.close()
     assert not engine.active
+
+
+# -- nothing a client sends escapes as anything but a ProtocolError -----------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+messages = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["text.delta", "text.done", "cancel", "ping", "other"]) | json_values,
+        "id": st.text(max_size=5) | json_values,
+        "delta": st.text(max_size=30) | json_values,
+        "voice": st.sampled_from(["alice", "nobody", ""]) | json_values,
+        "t": json_values,
+    },
+)
+
+
+@given(st.one_of(messages.map(json.dumps), st.text(max_size=50), st.binary(max_size=20)))
+@settings(max_examples=400, deadline=None)
+def test_parse_returns_a_message_or_a_protocol_error(raw: str | bytes) -> None:
+    try:
+        msg = p.parse(raw)
+    except p.ProtocolError as e:
+        assert isinstance(e.code, p.ErrorCode) and e.message
+    else:
+        assert isinstance(msg, p.TextDelta | p.TextDone | p.Cancel | p.Ping)
+
+
+@given(st.lists(messages.map(json.dumps), min_size=1, max_size=25))
+@settings(max_examples=60, deadline=None)
+def test_a_session_survives_any_message_sequence(batch: list[str]) -> None:
+    async def run() -> None:
+        engine = FakeEngine(capacity=4, script=FakeScript(first_chunk_delay_s=0.0, chunk_delay_s=0.0))
+        async with engine:
+            s, sink = _session(engine, max_queued_utterances=3, max_text_chars=50)
+            for raw in batch:
+                s.receive(raw)
+                await asyncio.sleep(0)
+            assert len(s.live) <= 3
+            assert all(m["code"] != "internal" for m in sink.messages if m["type"] == "error")
+            await s.close()
+            assert s.n_tasks == 0 and not engine.active and not s.live
+
+    asyncio.run(run())
