@@ -99,6 +99,12 @@ class Phase(Enum):
 
 @dataclass(frozen=True)
 class BistreamConfig:
+    """The 5 : 15 mix ratio, the speech vocabulary size and the quirk flags (module docstring).
+
+    The defaults fix quirks A, B, C and pull one text token at a time; :meth:`upstream` gives
+    exact upstream behaviour (the parity traces).
+    """
+
     text_per_group: int = 5
     speech_per_group: int = 15
     speech_token_size: int = 6561
