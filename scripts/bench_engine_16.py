@@ -12,7 +12,7 @@ time, audio seconds and per-stream real-time factor; writes JSON to ``$OUT/engin
 ``OUT`` is set (and to ``--json`` when given).
 
     python scripts/bench_engine_16.py                               # random:0.5b on CUDA
-    python scripts/bench_engine_16.py --model random:tiny --device cpu --streams 2 --chars 20
+    python scripts/bench_engine_16.py --model random:tiny --device cpu --threads 1 --streams 2 --chars 20
 """
 
 from __future__ import annotations
@@ -139,11 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=150, help="speech tokens of the synthetic voice prompt")
     p.add_argument("--max-ahead-s", type=float, default=4.0)
     p.add_argument("--max-chunks-per-step", type=int, default=4)
-    p.add_argument("--flow-path", default="cached", choices=["rerun", "cached"])
+    p.add_argument("--flow-path", default="rerun", choices=["rerun", "cached"])
     p.add_argument("--kv-len", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--json", help="also write the JSON result here")
     args = p.parse_args(argv)
     args.text = (TEXT * (args.chars // len(TEXT) + 1))[: args.chars]
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
 
     cfg = Config(
         model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype),

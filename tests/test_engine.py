@@ -484,7 +484,7 @@ def test_docs_example_runs(tmp_path: Path) -> None:
 
 def test_cached_flow_path_speaks_like_the_rerun_path(engine: Engine, tmp_path: Path) -> None:
     text = ["a few words ", "for the flow"]  # 24 ids -> 72 tokens: chunks of 25, 47 (final)
-    cached = solo(engine, 77, text)  # the default path
+    rerun = solo(engine, 77, text)  # the default: upstream's re-run of the prefix per chunk
     eng = Engine.load(
         engine.config,
         forced=ForcedTokens(3),
@@ -492,11 +492,11 @@ def test_cached_flow_path_speaks_like_the_rerun_path(engine: Engine, tmp_path: P
         text_normalizer="none",
         noise_prompt_tokens=0,
         kv_len=512,
-        flow_path="rerun",  # upstream's way: the flow re-runs the prompt and every token per chunk
+        flow_path="cached",  # the flow's incremental path
     )
     eng.start(timeout=120)
     try:
-        rerun = solo(eng, 77, text)
+        cached = solo(eng, 77, text)
     finally:
         eng.close()
     assert signature(cached) == signature(rerun) and len(cached) == 2

@@ -465,7 +465,7 @@ class Engine:
         forced: ForcedTokens | None = None,
         kv_len: int = 4096,
         warmup: bool = True,
-        flow_path: str = "cached",
+        flow_path: str = "rerun",
         fault_hook: Any | None = None,
         max_chunks_per_step: int = 4,
         noise_prompt_tokens: int = 25,
