@@ -2,9 +2,12 @@
 WebRTC, streams text like an LLM, barges in, and the page's own WebAudio measurements (see
 ``window.voiceOut`` in web/app.js) are asserted.
 
-Chromium is driven through its DevTools protocol over a WebSocket (aiohttp), so the test needs
-no browser-automation package. Everything stays on this machine: the server listens on
-127.0.0.1 and the page loads nothing from elsewhere.
+The server is the real stack, in this process: ``load_runtime`` (engine and voice store, as
+``voice-out serve`` builds them) on the tiny official-layout model of ``VOICE_OUT_PARITY_DIR``
+(random weights: it speaks noise, through every stage of the real engine), ``create_app``, and
+aiortc. Chromium is driven through its DevTools protocol over a WebSocket (aiohttp), so the
+test needs no browser-automation package. Everything stays on this machine: the server listens
+on 127.0.0.1 and the page loads nothing from elsewhere (asserted).
 
 Set ``VOICE_OUT_BROWSER_ARTIFACTS=<dir>`` to keep the screenshot and the page's measurements.
 """
@@ -55,7 +58,15 @@ DEVTOOLS_LINE = re.compile(rb"DevTools listening on (ws://\S+)")
 LAUNCH_TIMEOUT_S = 20.0
 TEST_TIMEOUT_S = 90.0
 
-# What the page streams: first a short utterance played to the end, then a long one cut short.
+# Bounds on what the page measures, on a 2-core CPU machine with the tiny model (design §5):
+# first delta sent -> first audible sample decoded; cancel sent -> last audible sample decoded.
+MAX_PAGE_TTFA_MS = 5000.0
+MAX_BARGE_IN_MS = 600.0
+# After a barge-in the page must stay silent this long (no late audio).
+QUIET_AFTER_CANCEL_S = 1.0
+
+# What the page streams: a short utterance played to the end, then a long one cut by the
+# barge-in button, then the long one again, cut by the microphone.
 SHORT_TEXT = "Hello there, this is a short test."
 LONG_TEXT = (
     "This is a much longer paragraph that keeps arriving word by word, just like the reply of a "
@@ -347,12 +358,6 @@ async def conversation(page: Page, base_url: str, out: dict[str, Any]) -> None:
     foreign = [u for u in urls if not u.startswith((base_url + "/", "data:", "blob:"))]
     assert foreign == [], foreign
     out["measured"] = measured
-
-
-QUIET_AFTER_CANCEL_S = 1.0
-# Bounds on a CPU-only machine with the tiny model (the page's measurements; design §5).
-MAX_PAGE_TTFA_MS = 5000.0
-MAX_BARGE_IN_MS = 600.0
 
 
 def test_demo_page_speaks_and_barges_in(tmp_path: Path, parity_dir: Path) -> None:
