@@ -519,7 +519,10 @@ async def test_voices_routes_with_the_real_store(tmp_path: Path, web_dir: Path) 
     try:
         async with aiohttp.ClientSession() as http:
             async with http.get(srv.make_url("/voices")) as r:
-                assert r.status == 200 and await r.json() == {"voices": []}
+                # An empty store: only the engine's own voices, marked built in.
+                assert r.status == 200
+                builtin = [{"name": "alice", "builtin": True}, {"name": "bob", "builtin": True}]
+                assert await r.json() == {"voices": builtin}
             form = aiohttp.FormData()
             form.add_field("name", "carol")
             form.add_field("transcript", "Hello.")

@@ -65,7 +65,7 @@ async def test_real_engine_session() -> None:
             async with http.get(url + "/healthz") as r:
                 assert r.status == 200 and (await r.json())["engine_ready"] is True
             async with http.get(url + "/voices") as r:
-                assert await r.json() == {"voices": [{"name": "noise"}]}
+                assert await r.json() == {"voices": [{"name": "noise", "builtin": True}]}
 
         client = await connect(url)
         assert client.voices == ("noise",)

@@ -171,12 +171,16 @@ def _voice_status(code: str) -> int:
 
 
 async def list_voices(request: web.Request) -> web.Response:
+    """The voices a session can name: the store's (with their manifests), then any the engine
+    has built in (e.g. ``noise`` of random-weight models) as ``{"name", "builtin": true}``."""
     store = request.app[VOICES_KEY]
-    if store is None:
-        voices: list[dict[str, Any]] = [{"name": n} for n in request.app[ENGINE_KEY].voice_names()]
-    else:
-        items = await asyncio.get_running_loop().run_in_executor(None, store.list)
-        voices = [_voice_json(v) for v in items]
+    loop = asyncio.get_running_loop()
+    voices: list[dict[str, Any]] = []
+    if store is not None:
+        voices = [_voice_json(v) for v in await loop.run_in_executor(None, store.list)]
+    listed = {v.get("name") for v in voices}
+    engine_names = await loop.run_in_executor(None, request.app[ENGINE_KEY].voice_names)
+    voices += [{"name": n, "builtin": True} for n in engine_names if n not in listed]
     return web.json_response({"voices": voices})
 
 
