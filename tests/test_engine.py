@@ -18,6 +18,7 @@ from voice_out.config import Config, EngineConfig, ServerConfig
 from voice_out.engine.api import (
     SAMPLE_RATE,
     EngineLike,
+    NoVoiceError,
     OverloadedError,
     PcmChunk,
     Stream,
@@ -502,3 +503,32 @@ def test_cached_flow_path_speaks_like_the_rerun_path(engine: Engine, tmp_path: P
     assert signature(cached) == signature(rerun) and len(cached) == 2
     for a, b in zip(cached, rerun, strict=True):
         np.testing.assert_allclose(a.pcm, b.pcm, atol=1e-4)
+
+
+def test_a_real_model_directory_speaks_in_a_registered_voice(parity_dir: Path, tmp_path: Path) -> None:
+    """The loading path of real checkpoints: llm.pt/flow.pt/hift.pt, the BPE tokenizer, the
+    streaming normalizer and a voice added to the store from audio (the parity model dir)."""
+    from voice_out.voices.store import VoiceStore
+
+    store = VoiceStore(tmp_path / "voices", parity_dir)
+    voice = store.add("ann", parity_dir / "cases" / "zero_shot_prompt.wav", "Hope you can do better than me.")
+    cfg = Config(server=ServerConfig(voices_dir=str(tmp_path / "voices")), engine=EngineConfig(max_streams=2))
+    eng = Engine.load(cfg, model=str(parity_dir), device="cpu", voices=store, forced=ForcedTokens(3), kv_len=512)
+    assert eng.voice_names() == ["ann"]
+    eng.start(timeout=120)
+    try:
+        with pytest.raises(NoVoiceError, match="voice-out voices add"):
+            eng.open_stream()  # no default voice configured
+        stream = eng.open_stream("ann", seed=3)
+        text = "Hello there, 2 friends!"
+        for part in (text[:7], text[7:15], text[15:]):
+            stream.push_text(part)
+        stream.end_text()
+        chunks = list(stream)
+    finally:
+        eng.close()
+    assert chunks and chunks[-1].final and chunks[-1].text_end == len(text)
+    assert all(np.isfinite(c.pcm).all() for c in chunks)
+    n_tokens = sum(len(c.pcm) for c in chunks) // SAMPLES_PER_TOKEN
+    assert n_tokens >= 3 * 5  # "two friends" is read out: several BPE tokens, 3 speech tokens each
+    assert voice.flow_prompt_tokens.shape[0] % 25 == 0
