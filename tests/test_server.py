@@ -764,3 +764,29 @@ def test_serve_without_engine_is_one_line(monkeypatch: pytest.MonkeyPatch, capsy
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith("voice-out: error: cannot serve: the streaming engine")
+
+
+@pytest.mark.asyncio
+async def test_sessions_are_isolated(server: Server) -> None:
+    """One client spamming junk and vanishing mid-utterance does not disturb another."""
+    calm = await server.connect()
+    rowdy = await server.connect()
+    text = "I keep talking while the other one misbehaves. "
+    t_send = calm.send_text("c", text)
+    calm.done("c")
+    rowdy.send_text("r", "Me too, briefly. ")
+    await calm.wait_for("audio.started", "c")
+    for i in range(200):
+        rowdy.send_raw(["{", "[]", '{"type":"nope"}', '{"type":"cancel","id":"zz"}'][i % 4])
+    rowdy.send_raw(b"\xff" * 1000)
+    await rowdy.close()  # gone mid-utterance
+    await calm.wait_for("audio.done", "c")
+    await asyncio.sleep(0.2)
+    assert [t for t, _ in events_of(calm)] == ["session.ready", "audio.started", "audio.done"]
+    frames = utterance_frames(calm, t_send)
+    audible = [i for i, f in enumerate(frames) if f.audible]
+    assert audible == list(range(len(audible)))  # no gap in the calm session's speech
+    assert len(audible) * 20 == pytest.approx(len(text) * MS_PER_CHAR, abs=40)
+    await until(lambda: len(server.sessions) == 1)
+    assert server.sessions.get(calm.session_id) is not None
+    await calm.close()
