@@ -392,11 +392,17 @@ async def test_shutdown_closes_sessions_and_stops_the_engine(make_server: Callab
     await client.wait_for("audio.started", "u")
     session = server.sessions.get(client.session_id)
     assert session is not None
+    ws = await server.http.ws_connect(f"{server.url}/sessions/{client.session_id}/control")
+    assert json.loads((await ws.receive()).data)["type"] == "session.ready"
     await server.app.shutdown()
     await server.app.cleanup()
     assert len(server.sessions) == 0 and server.sessions.n_tasks == 0
     assert session.closed and session.track.readyState == "ended"
     assert engine.stopped == 1 and not engine.ready and engine.active == set()
+    # The agent's control socket was closed by the server, and the browser was hung up on.
+    assert (await asyncio.wait_for(ws.receive(), 5)).type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+    await ws.close()
+    await until(lambda: client.pc.connectionState == "closed" or client.channel.readyState == "closed")
     await client.close()
 
 
