@@ -115,15 +115,27 @@ async def run_stream(engine: Engine, i: int, text: str, rate: float, delay_s: fl
     return lis
 
 
-async def bench(engine: Engine, args: argparse.Namespace) -> list[Listener]:
+async def bench(engine: Engine, args: argparse.Namespace, stats_out: dict[str, float]) -> list[Listener]:
     async with engine:
         # one untimed stream first: the first use of each kernel is not a benchmark
         await run_stream(engine, -1, args.text[:40], 0.0, 0.0)
+        before = engine.stats()
         tasks = [
             asyncio.create_task(run_stream(engine, i, args.text, args.text_rate, i * args.stagger_ms / 1000))
             for i in range(args.streams)
         ]
-        return list(await asyncio.gather(*tasks))
+        listeners = list(await asyncio.gather(*tasks))
+        after = engine.stats()
+        steps = after.steps - before.steps
+        busy = after.busy_s - before.busy_s
+        stats_out.update(
+            steps=steps,
+            busy_s=busy,
+            mean_step_ms=1000 * busy / max(steps, 1),
+            llm_rows_per_step=(after.llm_rows - before.llm_rows) / max(steps, 1),
+            chunks=after.chunks - before.chunks,
+        )
+        return listeners
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         noise_prompt_tokens=args.prompt_tokens,
         text_normalizer="none",
     )
-    listeners = asyncio.run(bench(engine, args))
+    engine_stats: dict[str, float] = {}
+    listeners = asyncio.run(bench(engine, args, engine_stats))
     wall = time.perf_counter() - t0
 
     ttfa = [(lis.t_first - lis.t_text) * 1000 for lis in listeners if lis.t_first is not None]
@@ -205,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "audio_s_per_stream": statistics.mean(audio_s),
         # > 0: the last chunk came after the listener had played everything before it (a stall)
         "last_chunk_lag_s_max": max(lag),
-        "engine_steps": engine.stats().steps,
+        "engine": engine_stats,
         "peak_gpu_mem_gib": (torch.cuda.max_memory_allocated() / 2**30) if torch.cuda.is_available() else None,
         "wall_s": wall,
         "per_stream": [
@@ -215,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
     }
     text = json.dumps(result, indent=2)
-    keys = ("streams", "ttfa_ms", "underruns_total", "streams_with_underruns", "audio_s_per_stream", "wall_s")
+    keys = ("streams", "ttfa_ms", "underruns_total", "streams_with_underruns", "audio_s_per_stream", "engine", "wall_s")
     summary = {k: result[k] for k in keys}
     print(json.dumps(summary, indent=2))
     out_dir = os.environ.get("OUT")

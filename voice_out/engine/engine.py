@@ -411,6 +411,9 @@ class EngineStats:
     queued_chunks: int
     steps: int
     failed_steps: int
+    busy_s: float = 0.0
+    llm_rows: int = 0
+    chunks: int = 0
 
 
 class Engine:
@@ -677,6 +680,9 @@ class Engine:
             queued_chunks=sum(len(s.outbox) for s in streams),
             steps=ws.steps,
             failed_steps=ws.failed_steps,
+            busy_s=ws.busy_s,
+            llm_rows=ws.llm_rows,
+            chunks=ws.chunks,
         )
 
     def wait_idle(self, timeout: float | None = 30.0) -> bool:

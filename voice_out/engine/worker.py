@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -132,6 +133,10 @@ class WorkerStats:
     runner_requests: int = 0
     steps: int = 0
     failed_steps: int = 0
+    #: Seconds spent in ``runner.execute`` (device work and its host overhead).
+    busy_s: float = 0.0
+    llm_rows: int = 0
+    chunks: int = 0
 
 
 class Worker:
@@ -164,6 +169,9 @@ class Worker:
         self.stats = WorkerStats()
         self._steps = 0
         self._failed_steps = 0
+        self._busy_s = 0.0
+        self._llm_rows = 0
+        self._chunks = 0
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 
     @property
@@ -312,6 +320,9 @@ class Worker:
     def _step(self, runner: StepRunner, plan: StepPlan) -> list[Output]:
         sched = self.scheduler
         self._steps += 1
+        self._llm_rows += len(plan.llm)
+        self._chunks += len(plan.vocode)
+        t0 = time.perf_counter()
         try:
             result = runner.execute(plan)
         except Exception as e:  # noqa: BLE001 - the step fails, the worker goes on
@@ -319,6 +330,7 @@ class Worker:
             log.exception("engine step failed; failing its %d streams", len(plan.request_ids()))
             message = f"engine step failed: {type(e).__name__}: {e}"
             result = StepResult(failed=dict.fromkeys(plan.request_ids(), message))
+        self._busy_s += time.perf_counter() - t0
         try:
             return sched.update(plan, result)
         except Exception:  # noqa: BLE001
@@ -356,6 +368,9 @@ class Worker:
             runner_requests=runner.n_live if runner is not None else 0,
             steps=self._steps,
             failed_steps=self._failed_steps,
+            busy_s=self._busy_s,
+            llm_rows=self._llm_rows,
+            chunks=self._chunks,
         )
 
 
