@@ -117,9 +117,9 @@ def run_stream(
     return out
 
 
-@pytest.mark.parametrize("n_prompt", [2, 13, 20, 24])
+@pytest.mark.parametrize("n_prompt", [0, 2, 13, 20, 24])
 def test_cached_equals_rerun_for_every_chunk(flow: Flow, n_prompt: int) -> None:
-    """n_prompt 2: no prompt prefix; 13 / 24: a prefix and a prompt tail; 20: chunk-aligned."""
+    """n_prompt 0: no prompt; 2: no prefix; 13 / 24: a prefix and a prompt tail; 20: chunk-aligned."""
     token, prompt_token, prompt_feat, embedding = inputs(flow, n_prompt, 64)
     plan = schedule(flow, n_prompt, 64)
     assert sum(not f for _, _, f in plan) >= 4

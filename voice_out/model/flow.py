@@ -15,7 +15,8 @@ Public API (stable; :mod:`voice_out.model.token2wav` drives it; GPU worker threa
 
     # Cached streaming path: each chunk costs only its new tokens.
     prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)   # once per voice; share it
-    cache = flow.new_stream_cache(prompt)                                # per request (or reset_stream_cache)
+    cache = flow.new_stream_cache(prompt, capacity=None)                 # per request
+    flow.reset_stream_cache(cache, prompt)                               # next request, in place
     mel = flow.stream_chunk(cache, token[:, offset : offset + hop + 3], finalize=False)  # [1, 80, 2 hop]
     ...
     mel = flow.stream_chunk(cache, token[:, offset:], finalize=True)     # [1, 80, 2 (N - offset)]
@@ -29,6 +30,10 @@ finalize=False)[:, :, 2 offset:]``. The final call (``finalize=True``) by defaul
 upstream's full-attention last pass exactly by re-running the whole utterance once (the only
 non-incremental step; see ``stream_chunk``); ``full_attention_final=False`` keeps it chunk-causal
 and incremental (= the matching slice of one streaming pass).
+
+Memory: a stream cache holds every layer's keys/values for every Euler step and CFG row (4.6 MB
+per token of capacity for CosyVoice2-0.5B in bfloat16; ``cache.nbytes``). ``FlowPrompt.to("cpu")``
+keeps a voice's state in host memory; ``reset_stream_cache`` copies it to the flow's device.
 
 Pure torch: no I/O, no threads, no logging; the noise buffer comes from a local generator.
 """
