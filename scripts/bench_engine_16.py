@@ -25,14 +25,15 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from voice_out.bench.listener import Listener, percentile, run_stream
 from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig
 from voice_out.engine.api import SAMPLE_RATE
-from voice_out.engine.engine import Engine, EngineStream
+from voice_out.engine.engine import Engine
 from voice_out.engine.scheduler import ForcedTokens
 
 TEXT = (
@@ -40,79 +41,6 @@ TEXT = (
     "before noon. Would you like me to send the tracking link to your phone, or to your email address? "
     "I can also set a reminder for the delivery window if that helps. "
 )
-ACK_PERIOD_S = 0.02
-
-
-@dataclass
-class Listener:
-    """A real-time listener of one stream: plays from the first chunk at 1x, stalls when dry."""
-
-    t_text: float = 0.0
-    t_first: float | None = None
-    received: int = 0
-    stall_s: float = 0.0
-    underruns: int = 0
-    chunk_times: list[float] = field(default_factory=list)
-    t_done: float | None = None
-
-    def played(self, now: float) -> int:
-        if self.t_first is None:
-            return 0
-        return max(0, min(self.received, int((now - self.t_first - self.stall_s) * SAMPLE_RATE)))
-
-    def on_chunk(self, now: float, start_sample: int, n: int) -> None:
-        if self.t_first is None:
-            self.t_first = now
-        else:
-            due = self.t_first + self.stall_s + start_sample / SAMPLE_RATE
-            if now > due:  # the buffer ran dry before this chunk arrived
-                self.underruns += 1
-                self.stall_s += now - due
-        self.received = start_sample + n
-        self.chunk_times.append(now)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-async def run_stream(engine: Engine, i: int, text: str, rate: float, delay_s: float) -> Listener:
-    await asyncio.sleep(delay_s)
-    lis = Listener()
-    stream: EngineStream = engine.open_stream(seed=1000 + i, auto_ack=False)
-    loop = asyncio.get_running_loop()
-
-    async def feed() -> None:
-        if rate <= 0:
-            stream.push_text(text)
-        else:
-            step = 4  # characters per delta, like LLM tokens
-            for k in range(0, len(text), step):
-                stream.push_text(text[k : k + step])
-                await asyncio.sleep(step / rate)
-        stream.end_text()
-
-    async def ack() -> None:
-        while True:
-            await asyncio.sleep(ACK_PERIOD_S)
-            stream.ack(lis.played(loop.time()))
-
-    lis.t_text = loop.time()
-    feeder = asyncio.create_task(feed())
-    acker = asyncio.create_task(ack())
-    try:
-        async for chunk in stream:
-            lis.on_chunk(loop.time(), chunk.start_sample, len(chunk.pcm))
-        lis.t_done = loop.time()
-    finally:
-        acker.cancel()
-        await feeder
-    return lis
 
 
 async def bench(engine: Engine, args: argparse.Namespace, stats_out: dict[str, float]) -> list[Listener]:

@@ -1,0 +1,1 @@
+"""The benchmark suite, ``voice-out bench`` (see docs/benchmarks.md)."""
