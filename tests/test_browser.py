@@ -31,6 +31,7 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import chromium_path
+from tests.fakes import FakeEngine, FakeVoiceStore
 from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig
 from voice_out.server.app import create_app, load_runtime
 
@@ -265,19 +266,25 @@ async def chromium(profile_dir: Path) -> AsyncIterator[Page]:
 
 
 @contextlib.asynccontextmanager
-async def running_server(config: Config) -> AsyncIterator[str]:
-    """The real voice_out server (engine, voice store, app) on a free loopback port; yields its
-    base URL."""
-    engine, store = await asyncio.get_running_loop().run_in_executor(None, load_runtime, config)
-    runner = web.AppRunner(create_app(config, engine, store))
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """Serve ``app`` on a free port of 127.0.0.1; yield its base URL."""
+    runner = web.AppRunner(app)
     await runner.setup()  # enters the engine: worker started, model loaded, warmed up
     try:
-        site = web.TCPSite(runner, config.server.host, 0)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         host, port = runner.addresses[0][:2]
         yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def running_server(config: Config) -> AsyncIterator[str]:
+    """The real voice_out server (engine, voice store, app) as ``voice-out serve`` builds it."""
+    engine, store = await asyncio.get_running_loop().run_in_executor(None, load_runtime, config)
+    async with serving(create_app(config, engine, store)) as base_url:
+        yield base_url
 
 
 async def browser_session(config: Config, profile: Path, out: dict[str, Any]) -> None:
@@ -437,3 +444,52 @@ def check_measurements(m: dict[str, Any]) -> None:
     assert "micBargeIn" in m["marks"]
     assert by_voice["ms"] is not None and by_voice["ms"] < MAX_BARGE_IN_MS, by_voice
     assert [o for o in audio["onsets"] if o["t"] > by_voice["silenceAt"]] == []
+
+
+TOKEN = "browser-test-token"
+
+
+async def token_and_errors(profile: Path) -> dict[str, Any]:
+    engine = FakeEngine(voices=("alice",))
+    app = create_app(Config(server=ServerConfig(auth_token=TOKEN)), engine, FakeVoiceStore(engine))
+    async with serving(app) as base_url, chromium(profile) as page:
+        await page.send("Page.navigate", {"url": base_url + "/"})
+        await page.wait_for("window.voiceOut && window.voiceOut.loaded", 15, "the demo page to load")
+        result: dict[str, Any] = {}
+        result["without_token"] = await page.evaluate("voiceOut.connect().then(() => 'connected', (e) => e.message)")
+        result["status_after_failure"] = await page.evaluate("document.getElementById('status').textContent")
+        await page.evaluate(f"document.getElementById('token').value = {json.dumps(TOKEN)}")
+        result["session_id"] = await page.evaluate("voiceOut.connect()")
+        result["voices"] = await page.evaluate("voiceOut.listVoices()")
+        bad = await page.evaluate("voiceOut.speak('Hello', {voice: 'nobody'})")
+        await page.wait_for(f"voiceOut.utterances[{json.dumps(bad)}].status === 'error'", 10, "the error")
+        good = await page.evaluate("voiceOut.speak('Hello there, again.', {voice: 'alice'})")
+        await page.wait_for(f"voiceOut.utterances[{json.dumps(good)}].status === 'done'", 10, "audio.done")
+        await page.evaluate("voiceOut.ping()")
+        await page.wait_for("voiceOut.log.some((e) => e.type === 'pong')", 5, "the pong")
+        result["rtt_shown"] = await page.evaluate("document.getElementById('stat-rtt').textContent")
+        result["summary"] = await page.evaluate("voiceOut.summary()")
+        result["ids"] = (bad, good)
+        return result
+
+
+def test_demo_page_bearer_token_and_errors(tmp_path: Path) -> None:
+    """The page's auth and error paths, against the server app with the fake engine (a tone)."""
+    r = asyncio.run(asyncio.wait_for(token_and_errors(tmp_path / "profile"), TEST_TIMEOUT_S))
+    assert "HTTP 401" in r["without_token"] and "bearer token" in r["without_token"], r["without_token"]
+    assert r["status_after_failure"] == "error"
+    assert r["session_id"] and r["voices"] == ["alice"], r
+    bad, good = r["ids"]
+    events = r["summary"]["events"]
+    errors = [e for e in events if e["type"] == "error"]
+    # The delta is refused, so the text.done that follows names an utterance never started.
+    assert [(e["id"], e["code"]) for e in errors] == [(bad, "unknown_voice"), (bad, "unknown_id")], errors
+    assert [(e["type"], e.get("id")) for e in events if e["type"].startswith("audio.")] == [
+        ("audio.started", good),
+        ("audio.done", good),
+    ]
+    heard = r["summary"]["utterances"][good]
+    assert heard["pageTtfaMs"] is not None and heard["pageTtfaMs"] < MAX_PAGE_TTFA_MS, heard
+    pongs = [e for e in events if e["type"] == "pong"]
+    assert len(pongs) == 1 and isinstance(pongs[0]["t"], int | float)
+    assert r["rtt_shown"].endswith("ms"), r["rtt_shown"]

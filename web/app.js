@@ -17,6 +17,15 @@ const CLOCK_WINDOW_REPORTS = 50; // level reports (~10 ms each) that set the aud
 const LEVEL_HISTORY_BLOCKS = 8192; // ~20 s of 128-frame blocks, for voiceOut.levels()
 const MAX_LOG_ROWS = 400; // rows kept in the DOM; voiceOut.log keeps everything
 const TERMINAL = new Set(["done", "cancelled", "error"]);
+const ERRORS_ENDING_UTTERANCE = new Set([
+  "unknown_voice",
+  "no_voice",
+  "voice_unusable",
+  "too_many_utterances",
+  "overloaded",
+  "not_ready",
+  "internal",
+]);
 
 const $ = (id) => document.getElementById(id);
 const now = () => performance.now();
@@ -34,7 +43,7 @@ const audio = {
   maxRms: 0,
   level: 0,
   audibleMs: 0, // total audible time received
-  blocks: 0, // level reports received (the audio clock is running when this grows)
+  blocks: 0, // audio blocks measured (the audio clock is running while this grows)
   meter: "none", // "worklet" | "analyser" | "none"
   trackReceived: false,
 };
@@ -368,10 +377,18 @@ function onOnset(t, rms) {
   audio.onsets.push({ t, rms });
   mark("firstAudible", t);
   // The first audible sound after an utterance's first delta, while no earlier utterance is
-  // waiting for its own, is that utterance's first audio.
+  // waiting for its own, is that utterance's first audio. Refused and cut ones never wait.
   const u = state.utteranceOrder
     .map((id) => voiceOut.utterances[id])
-    .find((x) => x.firstDeltaAt !== null && x.firstDeltaAt <= t && x.firstAudibleAt === null && !x.cancelSentAt);
+    .find(
+      (x) =>
+        x.firstDeltaAt !== null &&
+        x.firstDeltaAt <= t &&
+        x.firstAudibleAt === null &&
+        !x.cancelSentAt &&
+        x.status !== "error" &&
+        x.status !== "cancelled",
+    );
   const detail = { rms: Number(rms.toFixed(4)) };
   if (u) {
     u.firstAudibleAt = t;
@@ -578,8 +595,10 @@ function onServerMessage(data) {
       break;
     case "error":
       if (u) {
-        u.status = "error";
         u.error = msg.code;
+        // Some errors refuse one delta and the utterance goes on (text_too_long, ...); these
+        // mean it never started or has ended. Either way, stop streaming text into it.
+        if (ERRORS_ENDING_UTTERANCE.has(msg.code) && !TERMINAL.has(u.status)) u.status = "error";
         stopStreamers((s) => s.id === u.id);
       }
       break;
