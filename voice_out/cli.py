@@ -160,8 +160,20 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     _model_flags(p)
     p.add_argument("--mode", choices=["engine", "webrtc"], default="engine")
-    p.add_argument("--streams", default="1,8,16", help="comma-separated stream counts")
+    p.add_argument("--streams", help="comma-separated stream counts (default 1,2,4,8,16,32,48,64)")
     p.add_argument("--out", help="write JSON results here")
+    p.add_argument("--quick", action="store_true", help="small repetitions and short texts (a CPU smoke run)")
+    p.add_argument("--reps", type=int, help="repetitions of each TTFA measurement (default 30; webrtc 10)")
+    p.add_argument("--tokens-per-text-token", type=int, help="forced speech tokens per text token (default 3)")
+    p.add_argument("--ttfa-target-ms", type=float, help="p95 TTFA target of the capacity sweep (default 150)")
+    p.add_argument("--text-rates", help="text arrival rates in text tokens/s (default 20,60)")
+    p.add_argument("--scenarios", help="engine scenarios (default cold,ttfa,stream,capacity,rtf,memory)")
+    p.add_argument("--ramp-s", type=float, help="capacity streams start spread over this many seconds (default 1)")
+    p.add_argument("--flow-path", choices=["rerun", "cached"], help="token2wav flow path (default rerun)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--url", help="webrtc mode: measure this running server instead of starting one")
+    p.add_argument("--update-docs", action="store_true", help="append to docs/benchmarks.md, rewrite benchmarks.json")
+    p.add_argument("--docs-dir", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("download", help="fetch a model from the hub into the cache")
@@ -177,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the exact command, for reports
     func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
     if func is None:
         parser.print_help()

@@ -1,1 +1,139 @@
-"""The benchmark suite, ``voice-out bench`` (see docs/benchmarks.md)."""
+"""The benchmark suite, ``voice-out bench`` (what each figure means: docs/benchmarks.md).
+
+``--mode engine`` (default) measures the in-process engine: TTFA with the whole text and with
+text arriving at set rates, a capacity sweep over stream counts with simulated real-time
+listeners, RTF, memory and cold start (:mod:`voice_out.bench.engine_bench`). ``--mode webrtc``
+measures end-to-end TTFA and barge-in latency through the real server and an aiortc client
+(:mod:`voice_out.bench.webrtc_bench`; only this mode imports aiortc and av).
+
+Results: a markdown table on stdout, a JSON document with ``--out FILE``, and with
+``--update-docs`` a dated section in docs/benchmarks.md and the latest records in
+docs/benchmarks.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from voice_out.bench.report import Report, update_docs, write_json
+from voice_out.config import DEFAULT_MODEL, Config
+from voice_out.config import replace as replace_config
+
+#: The model ``voice-out bench`` measures unless one is named: the full-size architecture
+#: with random weights, built on the device.
+BENCH_MODEL = "random:0.5b"
+DOCS_DIR = Path(__file__).resolve().parent.parent.parent / "docs"
+
+
+def _ints(spec: str | None) -> tuple[int, ...] | None:
+    if spec is None or spec == "":
+        return None
+    try:
+        return tuple(int(x) for x in str(spec).split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {spec!r}") from None
+
+
+def _floats(spec: str | None) -> tuple[float, ...] | None:
+    if spec is None or spec == "":
+        return None
+    try:
+        return tuple(float(x) for x in str(spec).split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated numbers, got {spec!r}") from None
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The exact command: ``voice-out`` and the arguments it was given."""
+    argv = getattr(args, "argv", None)
+    return shlex.join(["voice-out", *(argv if argv is not None else sys.argv[1:])])
+
+
+def bench_model_config(cfg: Config, args: argparse.Namespace) -> Config:
+    """The configured model, or random:0.5b when none was chosen."""
+    if getattr(args, "model", None) is None and cfg.model.model == DEFAULT_MODEL:
+        return replace_config(cfg, "model", model=BENCH_MODEL)
+    return cfg
+
+
+def _engine_options(args: argparse.Namespace) -> Any:
+    from voice_out.bench.engine_bench import DEFAULT_STREAMS, SCENARIOS, EngineBenchOptions
+
+    over: dict[str, Any] = {"streams": _ints(getattr(args, "streams", None)) or DEFAULT_STREAMS}
+    for name in ("reps", "tokens_per_text_token", "ttfa_target_ms", "ramp_s", "flow_path", "threads"):
+        value = getattr(args, name, None)
+        if value is not None:
+            over[name] = value
+    rates = _floats(getattr(args, "text_rates", None))
+    if rates is not None:
+        over["text_rates"] = rates
+    scenarios = getattr(args, "scenarios", None)
+    if scenarios:
+        over["scenarios"] = tuple(s.strip() for s in scenarios.split(",") if s.strip())
+    else:
+        over["scenarios"] = SCENARIOS
+    if getattr(args, "quick", False):
+        return EngineBenchOptions.quick(**over)
+    return EngineBenchOptions(**over)
+
+
+def _webrtc_options(args: argparse.Namespace) -> Any:
+    from voice_out.bench.webrtc_bench import WebrtcBenchOptions
+
+    over: dict[str, Any] = {}
+    for name in ("reps", "tokens_per_text_token", "threads", "url"):
+        value = getattr(args, name, None)
+        if value is not None:
+            over[name] = value
+    if getattr(args, "quick", False):
+        return WebrtcBenchOptions.quick(**over)
+    return WebrtcBenchOptions(**over)
+
+
+def _log(msg: str) -> None:
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def bench(cfg: Config, args: argparse.Namespace) -> int:
+    """``voice-out bench``: run the mode's scenarios, print the table, write the results."""
+    from voice_out.cli import UserError
+
+    mode = getattr(args, "mode", None) or "engine"
+    cfg = bench_model_config(cfg, args)
+    command = command_line(args)
+    if mode not in ("engine", "webrtc"):
+        raise UserError(f"unknown bench mode {mode!r} (engine or webrtc)")
+    if mode == "engine":
+        from voice_out.bench.engine_bench import gpu_name, run_engine_bench
+
+        try:
+            opts = _engine_options(args)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        report = Report("engine", gpu_name(cfg), command)
+        run_engine_bench(cfg, opts, report, _log)
+    else:
+        from voice_out.bench.webrtc_bench import run_webrtc_bench
+
+        try:
+            wopts = _webrtc_options(args)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        report = run_webrtc_bench(cfg, wopts, command, _log)
+
+    print(report.markdown(), flush=True)
+    out = getattr(args, "out", None)
+    if out:
+        write_json(report, out)
+        _log(f"wrote {out}")
+    if getattr(args, "update_docs", False):
+        docs = Path(getattr(args, "docs_dir", None) or DOCS_DIR)
+        if not docs.is_dir():
+            raise UserError(f"--update-docs: no docs directory at {docs}")
+        md, js = update_docs(report, docs)
+        _log(f"appended to {md}, rewrote {js}")
+    return 0

@@ -1,0 +1,439 @@
+"""Engine mode of ``voice-out bench``: the in-process engine, no transport.
+
+Scenarios (``EngineBenchOptions.scenarios``), in the order they run:
+
+``cold``      process start -> engine ready, in a fresh ``python -c`` process with the same
+              options (weights built or loaded, warm-up and any graph capture included).
+``ttfa``      engine TTFA with the whole text known: 1 stream, ``reps`` times; first text in ->
+              first PCM chunk out (the stream is cancelled at its first chunk).
+``stream``    engine TTFA with text arriving at each of ``text_rates`` text tokens/s, in deltas
+              of about one text token each, paced by the clock.
+``capacity``  for each stream count: that many streams (started over ``ramp_s``), each with a
+              simulated real-time listener that acknowledges what it has played; TTFA, underruns,
+              RTF per stream; capacity = the largest count with zero underruns, no failed
+              stream, and p95 TTFA within ``ttfa_target_ms``.
+``rtf``       one stream, one long text, consumed as fast as it comes: synthesis time / audio time.
+``memory``    peak GPU memory (allocated and reserved by torch) on CUDA; peak host RSS.
+
+Random weights (``random:*``) never say EOS sensibly: the LLM is made to emit
+``tokens_per_text_token`` speech tokens per text token (forced tokens: same compute, scripted
+token ids). Text tokens are the engine's own: bytes for ``random:*`` models (they have no BPE
+tokenizer), Qwen2 BPE tokens for a real model directory.
+
+This module imports torch and the engine, never aiortc or av.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import voice_out
+from voice_out.bench.listener import Listener, percentile, run_stream
+from voice_out.bench.report import Report
+from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig
+from voice_out.engine.api import StreamClosedError
+from voice_out.engine.engine import Engine
+from voice_out.engine.loading import resolve_device
+from voice_out.engine.scheduler import ForcedTokens
+
+#: What an agent says: the benchmark's text, repeated to any length.
+TEXT = (
+    "Sure! I can help with that. Your order shipped this morning, and it should arrive on Thursday "
+    "before noon. Would you like me to send the tracking link to your phone, or to your email address? "
+    "I can also set a reminder for the delivery window if that helps. "
+)
+SCENARIOS = ("cold", "ttfa", "stream", "capacity", "rtf", "memory")
+DEFAULT_STREAMS = (1, 2, 4, 8, 16, 32, 48, 64)
+QUANTILES = (0.5, 0.95, 0.99)
+GIB = 2**30
+
+
+def text_of(chars: int) -> str:
+    return (TEXT * (chars // len(TEXT) + 1))[:chars]
+
+
+@dataclass(frozen=True)
+class EngineBenchOptions:
+    """What the engine benchmark runs (defaults: the full GPU run)."""
+
+    streams: tuple[int, ...] = DEFAULT_STREAMS
+    #: Repetitions of each single-stream TTFA measurement.
+    reps: int = 30
+    #: Speech tokens per text token (forced; 0: let the model say EOS, real weights only).
+    tokens_per_text_token: int = 3
+    ttfa_target_ms: float = 150.0
+    #: Text arrival rates (text tokens/s) of the ``stream`` scenario.
+    text_rates: tuple[float, ...] = (20.0, 60.0)
+    ttfa_chars: int = 100
+    capacity_chars: int = 100
+    long_chars: int = 400
+    #: The capacity streams start evenly spread over this many seconds.
+    ramp_s: float = 1.0
+    #: Speech tokens of the synthetic voice prompt of random models.
+    prompt_tokens: int = 150
+    flow_path: str = "rerun"
+    #: torch CPU threads (0: torch's default).
+    threads: int = 0
+    scenarios: tuple[str, ...] = SCENARIOS
+    #: Longest wait for one measurement (a stream that never speaks fails the run).
+    timeout_s: float = 600.0
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> EngineBenchOptions:
+        """Small repetitions and short texts: a smoke run that finishes in seconds on a CPU."""
+        base = cls(reps=2, ttfa_chars=12, capacity_chars=10, long_chars=24, ramp_s=0.0, prompt_tokens=25)
+        return dataclasses.replace(base, **overrides)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.scenarios) - set(SCENARIOS)
+        if unknown:
+            raise ValueError(f"unknown scenarios {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
+        if not self.streams or min(self.streams) < 1:
+            raise ValueError(f"stream counts must be positive integers, got {self.streams}")
+        if self.reps < 1:
+            raise ValueError("reps must be >= 1")
+        if min(self.text_rates, default=1.0) <= 0:
+            raise ValueError("text rates must be positive")
+
+    def kv_len(self) -> int:
+        """KV positions per stream for the longest text: voice prompt + text + speech tokens."""
+        per_text = 1 + (max(self.tokens_per_text_token, 3) if self.tokens_per_text_token else 20)
+        longest = max(self.ttfa_chars, self.capacity_chars, self.long_chars)
+        need = self.prompt_tokens + self.prompt_tokens // 3 + longest * per_text + 128
+        return -(-need // 256) * 256
+
+
+def bench_config(cfg: Config, opts: EngineBenchOptions) -> Config:
+    """``cfg`` with KV slots for the largest stream count and room for the long text; random
+    models use their built-in voice only (no voice store is read)."""
+    engine = dataclasses.replace(
+        cfg.engine,
+        max_streams=max(opts.streams),
+        max_text_chars=max(cfg.engine.max_text_chars, opts.long_chars, opts.ttfa_chars, opts.capacity_chars),
+    )
+    server = cfg.server
+    if cfg.model.model.startswith("random:"):
+        server = dataclasses.replace(server, voices_dir=str(Path(os.devnull) / "none"), default_voice=None)
+    return Config(model=cfg.model, engine=engine, server=server)
+
+
+def load_engine(cfg: Config, opts: EngineBenchOptions) -> Engine:
+    forced = ForcedTokens(opts.tokens_per_text_token) if opts.tokens_per_text_token > 0 else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the loud random-weights warning (logged as well)
+        return Engine.load(
+            cfg,
+            forced=forced,
+            kv_len=opts.kv_len(),
+            flow_path=opts.flow_path,
+            noise_prompt_tokens=opts.prompt_tokens,
+            text_normalizer="none",
+        )
+
+
+def gpu_name(cfg: Config) -> str:
+    device = resolve_device(cfg.model.device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return str(torch.cuda.get_device_name(device))
+    return "cpu"
+
+
+# --------------------------------------------------------------------------------------------
+# cold start: a fresh process
+
+
+def _config_to_json(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _config_from_json(d: dict[str, Any]) -> Config:
+    engine = dict(d["engine"])
+    engine["graph_batch_buckets"] = tuple(engine["graph_batch_buckets"])
+    return Config(model=ModelConfig(**d["model"]), engine=EngineConfig(**engine), server=ServerConfig(**d["server"]))
+
+
+def cold_start_child(spec_json: str) -> None:
+    """Run in the fresh process: load and start the engine, print ``READY {json}``, close."""
+    t0 = time.perf_counter()
+    spec = json.loads(spec_json)
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
+    opts = EngineBenchOptions(**fields)
+    if opts.threads > 0:
+        torch.set_num_threads(opts.threads)
+    engine = load_engine(_config_from_json(spec["config"]), opts)
+    t1 = time.perf_counter()
+    engine.start(timeout=opts.timeout_s)
+    t2 = time.perf_counter()
+    print("READY " + json.dumps({"load_s": t1 - t0, "start_s": t2 - t1}), flush=True)
+    engine.close()
+
+
+def measure_cold_start(cfg: Config, opts: EngineBenchOptions) -> tuple[float, dict[str, float]]:
+    """Seconds from spawning ``python -c`` to its engine being ready, and the child's breakdown."""
+    spec = json.dumps({"config": _config_to_json(cfg), "options": dataclasses.asdict(opts)})
+    code = "import sys; from voice_out.bench.engine_bench import cold_start_child; cold_start_child(sys.argv[1])"
+    env = dict(os.environ)
+    root = str(Path(voice_out.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, spec], stdout=subprocess.PIPE, stderr=err, text=True, env=env
+        )
+        assert proc.stdout is not None
+        ready: dict[str, float] | None = None
+        elapsed = 0.0
+        for line in proc.stdout:
+            if line.startswith("READY "):
+                elapsed = time.perf_counter() - t0
+                ready = json.loads(line[6:])
+                break
+        proc.stdout.read()
+        rc = proc.wait(timeout=opts.timeout_s)
+        if ready is None or rc != 0:
+            err.seek(0)
+            tail = err.read()[-2000:]
+            raise RuntimeError(f"the cold-start process failed (exit {rc}):\n{tail}")
+    return elapsed, ready
+
+
+# --------------------------------------------------------------------------------------------
+# single-stream TTFA
+
+
+async def first_chunk_s(engine: Engine, seed: int, deltas: list[str], interval_s: float, timeout_s: float) -> float:
+    """Feed ``deltas`` (one every ``interval_s``, by the clock), then ``end_text``; seconds from
+    the first delta to the first chunk; the stream is cancelled there and the engine drained."""
+    loop = asyncio.get_running_loop()
+    stream = engine.open_stream(seed=seed)
+    t_sent: list[float] = []
+
+    async def feed() -> None:
+        with contextlib.suppress(StreamClosedError):
+            for n, delta in enumerate(deltas):
+                if n:
+                    await asyncio.sleep(max(0.0, t_sent[0] + n * interval_s - loop.time()))
+                else:
+                    t_sent.append(loop.time())
+                stream.push_text(delta)
+            stream.end_text()
+
+    feeder = asyncio.create_task(feed())
+
+    async def first() -> float:
+        async for _chunk in stream:
+            return loop.time()
+        raise RuntimeError(f"the stream ended without audio ({stream.state.value})")
+
+    try:
+        t_first = await asyncio.wait_for(first(), timeout_s)
+    finally:
+        stream.cancel()
+        feeder.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await feeder
+    await engine.await_idle()
+    return t_first - t_sent[0]
+
+
+def token_deltas(engine: Engine, text: str) -> tuple[list[str], float]:
+    """``text`` cut into deltas of about one of the engine's text tokens; characters per token."""
+    n_tokens = max(1, len(engine.voices.encode(text)))
+    chars_per_token = len(text) / n_tokens
+    step = max(1, round(chars_per_token))
+    return [text[k : k + step] for k in range(0, len(text), step)], chars_per_token
+
+
+# --------------------------------------------------------------------------------------------
+# capacity
+
+
+@dataclass
+class CapacityRound:
+    streams: int
+    listeners: list[Listener]
+    failures: int
+    mean_step_ms: float
+    gpu_max_allocated_gib: float | None
+
+
+async def capacity_round(
+    engine: Engine, n: int, text: str, opts: EngineBenchOptions, device: torch.device
+) -> CapacityRound:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    before = engine.stats()
+    tasks = [run_stream(engine, i, text, 0.0, opts.ramp_s * i / n) for i in range(n)]
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), opts.timeout_s)
+    after = engine.stats()
+    await engine.await_idle()
+    listeners = [r for r in results if isinstance(r, Listener)]
+    steps = after.steps - before.steps
+    return CapacityRound(
+        streams=n,
+        listeners=listeners,
+        failures=n - len(listeners),
+        mean_step_ms=1000 * (after.busy_s - before.busy_s) / max(steps, 1),
+        gpu_max_allocated_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+    )
+
+
+def report_capacity(report: Report, rounds: list[CapacityRound], target_ms: float) -> int:
+    """Add each round's figures; returns the capacity (0: no count met the target)."""
+    best = 0
+    for r in rounds:
+        n = r.streams
+        ttfa = [1000 * t for lis in r.listeners if (t := lis.ttfa_s) is not None]
+        rtf = [x for lis in r.listeners if (x := lis.rtf) is not None]
+        underruns = sum(lis.underruns for lis in r.listeners)
+        report.add_quantiles("capacity.ttfa", ttfa, "ms", n, QUANTILES)
+        report.add("capacity.underruns", underruns, "count", n)
+        report.add("capacity.streams_with_underruns", sum(1 for lis in r.listeners if lis.underruns), "streams", n)
+        report.add("capacity.stall_ms.max", 1000 * max((lis.stall_s for lis in r.listeners), default=0.0), "ms", n)
+        report.add("capacity.failed_streams", r.failures, "streams", n)
+        if rtf:
+            report.add("capacity.rtf.p50", percentile(rtf, 0.5), "x", n)
+            report.add("capacity.rtf.max", max(rtf), "x", n)
+        audio = [lis.audio_s for lis in r.listeners]
+        report.add("capacity.audio_s_per_stream", sum(audio) / max(len(audio), 1), "s", n)
+        report.add("capacity.step_ms.mean", r.mean_step_ms, "ms", n)
+        if r.gpu_max_allocated_gib is not None:
+            report.add("capacity.gpu_mem.max_allocated", r.gpu_max_allocated_gib, "GiB", n)
+        ok = r.failures == 0 and underruns == 0 and len(ttfa) == n and percentile(ttfa, 0.95) <= target_ms
+        if ok:
+            best = max(best, n)
+    report.add("capacity.max_streams", best, "streams", max(r.streams for r in rounds))
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# the whole run
+
+
+async def _run_engine(
+    engine: Engine, opts: EngineBenchOptions, report: Report, device: torch.device, log: Callable[[str], None]
+) -> None:
+    loop = asyncio.get_running_loop()
+    scen = set(opts.scenarios)
+    peaks = {"allocated": 0.0, "reserved": 0.0}
+
+    def note_peaks() -> None:
+        if device.type == "cuda":
+            peaks["allocated"] = max(peaks["allocated"], torch.cuda.max_memory_allocated(device) / GIB)
+            peaks["reserved"] = max(peaks["reserved"], torch.cuda.max_memory_reserved(device) / GIB)
+
+    # one untimed utterance: the first use of each kernel is not a benchmark
+    await asyncio.wait_for(first_chunk_s(engine, 1, [text_of(opts.ttfa_chars)], 0.0, opts.timeout_s), opts.timeout_s)
+
+    ttfa_text = text_of(opts.ttfa_chars)
+    if "ttfa" in scen:
+        log(f"ttfa: whole text ({opts.ttfa_chars} chars), {opts.reps} reps")
+        values = [
+            1000 * await first_chunk_s(engine, 10 + i, [ttfa_text], 0.0, opts.timeout_s) for i in range(opts.reps)
+        ]
+        report.add_quantiles("engine.ttfa.whole_text", values, "ms", 1, QUANTILES)
+
+    if "stream" in scen:
+        deltas, chars_per_token = token_deltas(engine, ttfa_text)
+        report.settings["chars_per_text_token"] = round(chars_per_token, 3)
+        for rate in opts.text_rates:
+            log(f"ttfa: text at {rate:g} text tokens/s, {opts.reps} reps")
+            interval = len(deltas[0]) / chars_per_token / rate
+            values = [
+                1000 * await first_chunk_s(engine, 100 + i, deltas, interval, opts.timeout_s) for i in range(opts.reps)
+            ]
+            report.add_quantiles(f"engine.ttfa.text_{rate:g}tps", values, "ms", 1, QUANTILES)
+
+    if "capacity" in scen:
+        note_peaks()
+        rounds = []
+        text = text_of(opts.capacity_chars)
+        for n in opts.streams:
+            log(f"capacity: {n} streams")
+            rounds.append(await capacity_round(engine, n, text, opts, device))
+            note_peaks()
+        best = report_capacity(report, rounds, opts.ttfa_target_ms)
+        log(f"capacity: {best} streams (zero underruns, p95 TTFA <= {opts.ttfa_target_ms:g} ms)")
+
+    if "rtf" in scen:
+        log(f"rtf: 1 stream, {opts.long_chars} chars")
+        lis = Listener()
+        stream = engine.open_stream(seed=7)
+        lis.t_text = loop.time()
+        stream.push_text(text_of(opts.long_chars))
+        stream.end_text()
+
+        async def drain() -> None:
+            async for chunk in stream:
+                lis.on_chunk(loop.time(), chunk.start_sample, len(chunk.pcm))
+
+        await asyncio.wait_for(drain(), opts.timeout_s)
+        if lis.rtf is None:
+            raise RuntimeError(f"the long utterance gave no audio ({stream.state.value})")
+        report.add("rtf.long_text", lis.rtf, "x", 1)
+        report.add("rtf.long_text.audio_s", lis.audio_s, "s", 1)
+
+    if "memory" in scen:
+        note_peaks()
+        n = max(opts.streams) if "capacity" in scen else 1
+        if device.type == "cuda":
+            report.add("gpu.mem.max_allocated", peaks["allocated"], "GiB", n)
+            report.add("gpu.mem.max_reserved", peaks["reserved"], "GiB", n)
+        # ru_maxrss: KiB on Linux
+        report.add("host.mem.max_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "GiB", n)
+
+
+def run_engine_bench(cfg: Config, opts: EngineBenchOptions, report: Report, log: Callable[[str], None]) -> None:
+    """Run the scenarios of ``opts`` on the engine of ``cfg``; figures go into ``report``."""
+    if opts.threads > 0:
+        torch.set_num_threads(opts.threads)
+    cfg = bench_config(cfg, opts)
+    device = resolve_device(cfg.model.device)
+    report.settings.update(
+        model=cfg.model.model,
+        device=str(device),
+        dtype=cfg.model.dtype if device.type == "cuda" else "float32",
+        tokens_per_text_token=opts.tokens_per_text_token,
+        prompt_tokens=opts.prompt_tokens,
+        flow_path=opts.flow_path,
+        max_ahead_s=cfg.engine.max_ahead_s,
+        kv_len=opts.kv_len(),
+        reps=opts.reps,
+        ttfa_chars=opts.ttfa_chars,
+        capacity_chars=opts.capacity_chars,
+        long_chars=opts.long_chars,
+        ramp_s=opts.ramp_s,
+        ttfa_target_ms=opts.ttfa_target_ms,
+        torch=torch.__version__,
+    )
+    if "cold" in opts.scenarios:  # first, while this process holds no device memory
+        log("cold start: a fresh process loads and starts the engine")
+        elapsed, parts = measure_cold_start(cfg, opts)
+        report.add("startup.cold_start_s", elapsed, "s", 0)
+        report.add("startup.cold_engine_load_start_s", parts["load_s"] + parts["start_s"], "s", 0)
+
+    t0 = time.perf_counter()
+    engine = load_engine(cfg, opts)
+
+    async def main() -> None:
+        async with engine:
+            report.add("startup.engine_ready_in_process_s", time.perf_counter() - t0, "s", 0)
+            await _run_engine(engine, opts, report, device, log)
+
+    asyncio.run(main())

@@ -1,0 +1,144 @@
+"""Benchmark results: metric records, the JSON document, the markdown table, docs/benchmarks.*.
+
+Every figure is one :class:`Metric` record ``{name, value, unit, streams, gpu, command, date}``
+(plus ``mode``): what was measured, with how many concurrent streams, on which GPU (``"cpu"``
+for CPU runs), by which exact command line, when (UTC, ISO 8601).
+
+No torch here: the GPU name is passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+#: The figures on the machines that run CI say nothing about the GPU: their docs section says so.
+CPU_LABEL = "CPU smoke figures (random weights on a CPU: they say nothing about GPU speed)"
+
+
+def utc_now() -> str:
+    """The current UTC time, ISO 8601, to the second."""
+    return datetime.now(UTC).replace(microsecond=0).isoformat()
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One measured figure."""
+
+    name: str
+    value: float
+    unit: str
+    streams: int
+    gpu: str
+    command: str
+    date: str
+    mode: str = "engine"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Report:
+    """The figures of one benchmark run, with what they were measured with."""
+
+    mode: str
+    gpu: str
+    command: str
+    date: str = field(default_factory=utc_now)
+    settings: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    metrics: list[Metric] = field(default_factory=list)
+
+    def add(self, name: str, value: float, unit: str, streams: int) -> None:
+        self.metrics.append(
+            Metric(name, float(value), unit, int(streams), self.gpu, self.command, self.date, self.mode)
+        )
+
+    def add_quantiles(self, name: str, values: list[float], unit: str, streams: int, qs: Iterable[float]) -> None:
+        """``name.pNN`` for each quantile of ``values`` (nothing when there are no values)."""
+        from voice_out.bench.listener import percentile
+
+        if not values:
+            return
+        for q in qs:
+            self.add(f"{name}.p{round(q * 100)}", percentile(values, q), unit, streams)
+
+    def get(self, name: str, streams: int | None = None) -> Metric:
+        for m in self.metrics:
+            if m.name == name and (streams is None or m.streams == streams):
+                return m
+        raise KeyError(f"{name} (streams {streams})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "gpu": self.gpu,
+            "command": self.command,
+            "date": self.date,
+            "settings": self.settings,
+            "notes": self.notes,
+            "metrics": [m.as_dict() for m in self.metrics],
+        }
+
+    def markdown(self) -> str:
+        """The metrics as a markdown table, with the command, GPU, date and notes above it."""
+        lines = [
+            f"- command: `{self.command}`",
+            f"- gpu: {self.gpu}" + (f" ({CPU_LABEL})" if self.gpu == "cpu" else ""),
+            f"- date: {self.date}",
+        ]
+        if self.settings:
+            lines.append("- settings: " + ", ".join(f"{k}={_fmt_setting(v)}" for k, v in self.settings.items()))
+        lines += [f"- note: {n}" for n in self.notes]
+        lines += ["", "| metric | streams | value | unit |", "|---|---:|---:|---|"]
+        lines += [f"| {m.name} | {m.streams} | {_fmt(m.value)} | {m.unit} |" for m in self.metrics]
+        return "\n".join(lines) + "\n"
+
+
+def _fmt(v: float) -> str:
+    if math.isnan(v):
+        return "n/a"
+    if v == int(v) and abs(v) < 1e9:
+        return str(int(v))
+    return f"{v:.4g}" if abs(v) < 10 else f"{v:.1f}"
+
+
+def _fmt_setting(v: object) -> str:
+    if isinstance(v, list | tuple):
+        return ",".join(str(x) for x in v)
+    return str(v)
+
+
+def write_json(report: Report, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+
+
+def update_docs(report: Report, docs_dir: str | Path) -> tuple[Path, Path]:
+    """Append a dated section (command + table) to ``benchmarks.md`` and rewrite
+    ``benchmarks.json``: the latest figures, one list of metric records, where this run's
+    records replace every earlier record of the same GPU and mode."""
+    docs = Path(docs_dir)
+    md, js = docs / "benchmarks.md", docs / "benchmarks.json"
+    if not md.exists():
+        md.write_text("# Benchmarks\n")
+    title = f"{report.date[:16].replace('T', ' ')} UTC, {report.mode} mode, {report.gpu}"
+    if report.gpu == "cpu":
+        title += " — " + CPU_LABEL
+    section = f"\n## {title}\n\n```\n{report.command}\n```\n\n{report.markdown()}"
+    with md.open("a") as f:
+        f.write(section)
+    old: list[dict[str, Any]] = []
+    if js.exists():
+        loaded = json.loads(js.read_text())
+        old = loaded if isinstance(loaded, list) else []
+    kept = [r for r in old if not (r.get("gpu") == report.gpu and r.get("mode") == report.mode)]
+    records = kept + [m.as_dict() for m in report.metrics]
+    records.sort(key=lambda r: (str(r.get("gpu")), str(r.get("mode")), str(r.get("name")), int(r.get("streams", 0))))
+    js.write_text(json.dumps(records, indent=2) + "\n")
+    return md, js
