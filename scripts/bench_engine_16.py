@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flow-path", default="rerun", choices=["rerun", "cached"])
     p.add_argument("--kv-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--cuda-graphs", action="store_true", help="graph the LLM step (default: eager)")
     p.add_argument("--json", help="also write the JSON result here")
     args = p.parse_args(argv)
     args.text = (TEXT * (args.chars // len(TEXT) + 1))[: args.chars]
@@ -90,7 +91,12 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = Config(
         model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype),
-        engine=EngineConfig(max_streams=max(args.streams, 1), max_ahead_s=args.max_ahead_s, max_text_chars=100_000),
+        engine=EngineConfig(
+            max_streams=max(args.streams, 1),
+            max_ahead_s=args.max_ahead_s,
+            max_text_chars=100_000,
+            cuda_graphs=args.cuda_graphs,
+        ),
         server=ServerConfig(voices_dir=str(Path(os.devnull) / "none")),
     )
     t0 = time.perf_counter()
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(args.device),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and "cuda" in args.device else None,
         "dtype": args.dtype,
-        "eager": True,
+        "eager": not args.cuda_graphs,
         "torch": torch.__version__,
         "host": platform.node(),
         "streams": args.streams,

@@ -532,3 +532,29 @@ def test_a_real_model_directory_speaks_in_a_registered_voice(parity_dir: Path, t
     n_tokens = sum(len(c.pcm) for c in chunks) // SAMPLES_PER_TOKEN
     assert n_tokens >= 3 * 5  # "two friends" is read out: several BPE tokens, 3 speech tokens each
     assert voice.flow_prompt_tokens.shape[0] % 25 == 0
+
+
+def test_the_graphed_llm_path_speaks_like_the_eager_one(engine: Engine) -> None:
+    """``voice_out.model.llm_graphs`` (its eager code on the CPU): same audio as the plain path,
+    and real sampling (no forced tokens) runs through its decode+sample step."""
+    pytest.importorskip("voice_out.model.llm_graphs")
+    texts = [["graphs ", "or not"], ["x"]]
+    eager = [solo(engine, 60 + i, t) for i, t in enumerate(texts)]
+    kw: dict[str, object] = {"warmup": True, "text_normalizer": "none", "noise_prompt_tokens": 0, "kv_len": 512}
+    eng = Engine.load(engine.config, forced=ForcedTokens(3), llm_graphs=True, **kw)  # type: ignore[arg-type]
+    eng.start(timeout=120)
+    try:
+        graphed = [solo(eng, 60 + i, t) for i, t in enumerate(texts)]
+    finally:
+        eng.close()
+    for a, b in zip(graphed, eager, strict=True):
+        assert signature(a) == signature(b)
+        np.testing.assert_array_equal(np.concatenate([c.pcm for c in a]), np.concatenate([c.pcm for c in b]))
+    sampled = Engine.load(engine.config, llm_graphs=True, **kw)  # type: ignore[arg-type]
+    sampled.start(timeout=120)
+    try:
+        chunks = solo(sampled, 1, ["ab"])
+    finally:
+        sampled.close()
+    assert chunks and chunks[-1].final  # stopped by EOS or by the length guard (<= 20 per text id)
+    assert sum(len(c.pcm) for c in chunks) <= 20 * 2 * SAMPLES_PER_TOKEN

@@ -473,6 +473,7 @@ class Engine:
         max_chunks_per_step: int = 4,
         noise_prompt_tokens: int = 25,
         text_normalizer: str = "auto",
+        llm_graphs: bool | None = None,
         engine: EngineConfig | None = None,
     ) -> Engine:
         """Resolve the model and build an engine (the weights load on the worker at start).
@@ -483,7 +484,9 @@ class Engine:
         read-only store at ``server.voices_dir``). ``forced``: forced-tokens mode for tests and
         benchmarks. ``kv_len``: KV-cache positions per stream. ``text_normalizer``: ``auto``,
         ``wetext``, ``rules`` or ``none``. ``flow_path``: token2wav's ``rerun`` (upstream) or
-        ``cached`` flow. ``fault_hook``: a test hook (see ``Runner``).
+        ``cached`` flow. ``fault_hook``: a test hook (see ``Runner``). ``llm_graphs``: run the
+        LLM through ``voice_out.model.llm_graphs`` (CUDA graphs per batch bucket; eager code
+        off the GPU); None = ``engine.cuda_graphs`` on a CUDA device.
         """
         from voice_out.engine import loading
 
@@ -506,6 +509,7 @@ class Engine:
             max_chunks_per_step=max_chunks_per_step,
             noise_prompt_tokens=noise_prompt_tokens,
             text_normalizer=text_normalizer,
+            llm_graphs=llm_graphs,
         )
 
     # ---- EngineLike --------------------------------------------------------------------------

@@ -78,6 +78,7 @@ def build_engine(
     max_chunks_per_step: int,
     noise_prompt_tokens: int,
     text_normalizer: str = "auto",
+    llm_graphs: bool | None = None,
 ) -> Engine:
     from voice_out.model.checkpoint import flow_dims, llm_dims, load_yaml
     from voice_out.text.tokenizer import load_tokenizer
@@ -119,6 +120,7 @@ def build_engine(
     book = VoiceBook(store, tokenizer.encode, builtin=builtin, default=default)
 
     ec = cfg.engine
+    graphs = ec.cuda_graphs and device.type == "cuda" if llm_graphs is None else llm_graphs
 
     def runner_factory() -> StepRunner:
         from voice_out.model.checkpoint import load_flow, load_hift, load_llm, random_flow, random_hift, random_llm
@@ -152,6 +154,8 @@ def build_engine(
             max_hop=ec.max_hop_tokens,
             flow_path=flow_path,
             fault_hook=fault_hook,
+            graphs=graphs,
+            graph_buckets=ec.graph_batch_buckets,
         )
 
     def warm(runner: StepRunner) -> None:

@@ -13,6 +13,7 @@ GPU worker thread only: every method, the constructor excepted.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,6 +34,8 @@ from voice_out.model.sampling import (
     stream_generator,
 )
 from voice_out.model.token2wav import FlowPath, Token2Wav, Token2WavStream
+
+log = logging.getLogger(__name__)
 
 _KIND = {LlmInputKind.SOS: KIND_LLM, LlmInputKind.TASK: KIND_LLM, LlmInputKind.TEXT: KIND_TEXT}
 _KIND[LlmInputKind.SPEECH] = KIND_SPEECH
@@ -57,6 +60,18 @@ class FaultHook(Protocol):
     def __call__(self, request_id: str, phase: str) -> None: ...
 
 
+class _GraphedLLM(Protocol):
+    """What the runner uses of ``voice_out.model.llm_graphs.GraphedLLM``."""
+
+    def prefill(self, slot: int, embeds: Tensor, start: int) -> Tensor: ...
+
+    def decode_sample(
+        self, slots: Sequence[int], embeds: Tensor, history: Tensor, uniforms: Tensor, eos_masked: Tensor
+    ) -> Tensor: ...
+
+    def capture_all(self) -> None: ...
+
+
 @dataclass
 class _Live:
     slot: int | None
@@ -79,6 +94,8 @@ class Runner:
         max_hop: int = 100,
         flow_path: str = "rerun",
         fault_hook: FaultHook | None = None,
+        graphs: bool = False,
+        graph_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 48, 64),
     ) -> None:
         self.llm = llm
         self.t2w = t2w
@@ -88,7 +105,21 @@ class Runner:
         self.max_hop = max_hop
         self.flow_path: FlowPath = "cached" if flow_path == "cached" else "rerun"
         self.fault_hook = fault_hook
-        self.cache = KVCache.allocate(llm.dims, n_slots, max_len, self.device, llm.llm_decoder.weight.dtype)
+        # with graphs, one extra slot takes the padding rows of a batch bucket
+        n_cache = n_slots + 1 if graphs else n_slots
+        self.cache = KVCache.allocate(llm.dims, n_cache, max_len, self.device, llm.llm_decoder.weight.dtype)
+        self.graphed: _GraphedLLM | None = None
+        if graphs:
+            try:
+                from voice_out.model.llm_graphs import GraphedLLM
+            except ImportError:  # a build without the graphed LLM: eager is correct, only slower
+                log.warning("voice_out.model.llm_graphs is not available; the LLM runs eagerly")
+                graphs = False
+        if graphs:
+            buckets = [b for b in graph_buckets if b <= n_slots] or [1]
+            if buckets[-1] < n_slots:
+                buckets.append(n_slots)
+            self.graphed = GraphedLLM(llm, self.cache, self.sampling, decode_buckets=buckets, scratch_slot=n_slots)
         #: Host copy of the cache lengths: no sync is needed to place rows or bound attention.
         self.slot_len = [0] * n_slots
         self.live: dict[str, _Live] = {}
@@ -214,42 +245,39 @@ class Runner:
             self._t2w_pool.append(stream)
             self.cache.reset()
             self._voice_cache.clear()
+        if self.graphed is not None:
+            self.graphed.capture_all()  # before any stream holds a slot (capture runs the step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     # ---- LLM ---------------------------------------------------------------------------------
 
     def _llm_step(self, work: Sequence[LlmWork], result: StepResult) -> None:
-        """Feed every item, then pick one token per item (batched sampling)."""
+        """Feed every item, then pick one token per item; one host sync for the whole step."""
+        prefilled: list[LlmWork] = []
         hidden: list[Tensor] = []
-        items: list[LlmWork] = []
-        singles = [w for w in work if len(w.step.inputs) == 1]
+        singles: list[LlmWork] = []
         for w in work:
-            if len(w.step.inputs) == 1:
-                continue
             try:
                 self._hook(w.request_id, "llm")
-                hidden.append(self._prefill(w))
-                items.append(w)
-            except Exception as e:  # noqa: BLE001
+                if len(w.step.inputs) == 1:
+                    self._check_room(w.slot, 1)
+                    singles.append(w)
+                else:
+                    hidden.append(self._prefill(w))
+                    prefilled.append(w)
+            except Exception as e:  # noqa: BLE001 - one request's input fails alone
                 result.failed[w.request_id] = _describe(e)
-        ok_singles = []
-        for w in singles:
-            try:
-                self._hook(w.request_id, "llm")
-                self._check_room(w.slot, 1)
-                ok_singles.append(w)
-            except Exception as e:  # noqa: BLE001
-                result.failed[w.request_id] = _describe(e)
-        if ok_singles:
-            hidden.append(self._decode(ok_singles))
-            items.extend(ok_singles)
-        if not items:
+        parts: list[Tensor] = []
+        if prefilled:
+            parts.append(self._sample(prefilled, self.llm.logprobs(torch.stack(hidden))))
+        if singles:
+            parts.append(self._decode_sample(singles))
+        if not parts:
             return
-        h = torch.cat([x.reshape(-1, x.shape[-1]) for x in hidden])  # [N, H]
-        tokens = self._sample(items, self.llm.logprobs(h))
-        for w, tok in zip(items, tokens, strict=True):
-            result.tokens[w.request_id] = w.step.force if w.step.force is not None else tok
+        tokens = torch.cat(parts).tolist()
+        for w, tok in zip([*prefilled, *singles], tokens, strict=True):
+            result.tokens[w.request_id] = w.step.force if w.step.force is not None else int(tok)
 
     def _check_room(self, slot: int, n: int) -> None:
         if self.slot_len[slot] + n > self.cache.max_len:
@@ -265,9 +293,24 @@ class Runner:
         n = len(w.step.inputs)
         self._check_room(w.slot, n)
         embeds = self.llm.embed_rows(self._rows(w))  # [L, H]
-        h = self.llm.prefill(self.cache, w.slot, embeds, start_pos=self.slot_len[w.slot])
+        start = self.slot_len[w.slot]
+        if self.graphed is not None:
+            h = self.graphed.prefill(w.slot, embeds, start)
+        else:
+            h = self.llm.prefill(self.cache, w.slot, embeds, start_pos=start)
         self.slot_len[w.slot] += n
         return h  # [H]
+
+    def _decode_sample(self, work: Sequence[LlmWork]) -> Tensor:
+        """One batched decode step for single-row inputs and their tokens, int64 ``[B]``."""
+        if self.graphed is None:
+            return self._sample(work, self.llm.logprobs(self._decode(work)))
+        embeds = self.llm.embed_rows([self._rows(w)[0] for w in work])  # [B, H]
+        history, uniforms, masked = self._sampling_inputs(work)
+        tokens = self.graphed.decode_sample([w.slot for w in work], embeds, history, uniforms, masked)
+        for w in work:
+            self.slot_len[w.slot] += 1
+        return tokens
 
     def _decode(self, work: Sequence[LlmWork]) -> Tensor:
         rows = [self._rows(w)[0] for w in work]
@@ -282,8 +325,9 @@ class Runner:
             self.slot_len[s] += 1
         return h
 
-    def _sample(self, items: Sequence[LlmWork], logp: Tensor) -> list[int]:
-        """RAS over ``logp`` ``[N, V]`` with each request's generator and repetition window."""
+    def _sampling_inputs(self, items: Sequence[LlmWork]) -> tuple[Tensor, Tensor, Tensor]:
+        """Repetition windows int64 ``[N, W]``, uniforms ``[N, 2]`` (two per request per step,
+        from its own generator) and the EOS mask bool ``[N]``."""
         win = self.sampling.win_size
         hist_rows = []
         for w in items:
@@ -291,9 +335,14 @@ class Runner:
             hist_rows.append([NO_TOKEN] * (win - len(recent)) + recent)
         history = torch.tensor(hist_rows, dtype=torch.long, device=self.device)
         masked = torch.tensor([not w.step.allow_eos for w in items], device=self.device)
-        mask_eos_(logp, masked, EOS_TOKEN)
         uniforms = draw_uniforms([self.live[w.request_id].generator for w in items], self.device)
-        return [int(t) for t in ras_sample_batch(logp, history, uniforms, self.sampling).tolist()]
+        return history, uniforms, masked
+
+    def _sample(self, items: Sequence[LlmWork], logp: Tensor) -> Tensor:
+        """RAS over ``logp`` ``[N, V]``: int64 token ids ``[N]`` on the device (no sync)."""
+        history, uniforms, masked = self._sampling_inputs(items)
+        mask_eos_(logp, masked, EOS_TOKEN)
+        return ras_sample_batch(logp, history, uniforms, self.sampling)
 
     # ---- token2wav ---------------------------------------------------------------------------
 
