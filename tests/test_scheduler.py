@@ -248,13 +248,42 @@ def test_first_chunks_go_first_then_earliest_deadline() -> None:
             continue
         (chosen,) = plan.vocode
         index, deadline = ready[chosen.request_id]
-        if any(i == 0 for i, _ in ready.values()):
+        urgent = [d for i, d in ready.values() if i > 0 and d - clock.t < sched.urgent_s]
+        if urgent:
+            assert index > 0 and deadline == min(urgent)
+        elif any(i == 0 for i, _ in ready.values()):
             assert index == 0
             checked_first += 1
         else:
             assert deadline == min(d for _, d in ready.values())
             checked_edf += int(len(ready) > 1)
     assert checked_first >= 4 and checked_edf >= 3
+
+
+def test_a_stream_about_to_run_dry_goes_before_new_first_chunks() -> None:
+    clock = FakeClock()
+    sched = create_scheduler(max_chunks_per_step=1, clock=clock)
+    (old,) = create_requests(sched, 1, text="a" * 60, prefix="old")
+    while sched.requests[old].chunks_produced < 1:
+        step(sched)
+    first_audio = clock.t
+    fresh = create_requests(sched, 3, text="b" * 20, prefix="new")
+    # make the old stream's next chunk ready and every new stream's first chunk ready too
+    while True:
+        plan = dataclasses.replace(sched.plan(), vocode=())
+        sched.update(plan, fake_result(plan))
+        req = sched.requests[old]
+        if req.schedule.ready(len(req.speech_tokens), False) and all(
+            sched.requests[r].schedule.ready(len(sched.requests[r].speech_tokens), False) for r in fresh
+        ):
+            break
+    deadline = sched.requests[old].playout_deadline()
+    assert deadline == first_audio + sched.requests[old].samples_produced / SAMPLE_RATE
+    clock.t = deadline - 2.0  # plenty of audio left: the new streams' first chunks go first
+    assert sched.plan().vocode[0].request_id == fresh[0]
+    clock.t = deadline - 0.2  # about to run dry: it goes first
+    plan = sched.plan()
+    assert plan.vocode[0].request_id == old and plan.vocode[0].chunk.index == 1
 
 
 def test_back_pressure_stops_a_stream_that_is_far_ahead_of_its_consumer() -> None:

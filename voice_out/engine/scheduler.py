@@ -11,7 +11,8 @@ Each worker iteration is ``plan = scheduler.plan()``, ``result = runner.execute(
    input (text or its last speech token) and is not too far ahead of its consumer. A request
    waiting for text (the model asked for FILL) is simply left out, holding nobody up;
 4. ``vocode``: token2wav chunks, first chunks first, then by playout deadline (earliest
-   first), at most ``max_chunks_per_step``; a request whose delivered audio exceeds
+   first), except that a stream whose listener runs dry within ``urgent_s`` goes before the
+   first chunks; at most ``max_chunks_per_step``; a request whose delivered audio exceeds
    ``max_ahead_s`` ahead of its consumer is not vocoded (back-pressure).
 
 Cancellation is ``finish(ids, ABORTED)``: the request leaves at once and its slot is released
@@ -184,6 +185,7 @@ class Scheduler:
         clock: Clock,
         forced: ForcedTokens | None = None,
         max_chunks_per_step: int = 4,
+        urgent_s: float = 0.5,
     ) -> None:
         if max_chunks_per_step < 1:
             raise ValueError("max_chunks_per_step must be >= 1")
@@ -191,6 +193,7 @@ class Scheduler:
         self.clock = clock
         self.forced = forced
         self.max_chunks_per_step = max_chunks_per_step
+        self.urgent_s = urgent_s
         self._pipeline_factory = pipeline_factory
         self._feed_factory = feed_factory
         self.requests: dict[str, Request] = {}
@@ -362,7 +365,18 @@ class Scheduler:
             chunk = self._vocode_candidate(req)
             if chunk is not None:
                 ready.append((req, chunk))
-        ready.sort(key=lambda rc: (rc[1].index > 0, rc[0].playout_deadline(), self._order[rc[0].request_id]))
+        now = self.clock()
+
+        def priority(rc: tuple[Request, ChunkPlan]) -> tuple[int, float, int]:
+            req, chunk = rc
+            order = self._order[req.request_id]
+            if chunk.index == 0:
+                return (1, 0.0, order)  # first chunks: time to first audio, in arrival order
+            deadline = req.playout_deadline()
+            # a stream about to run dry goes before new streams' first chunks
+            return (0 if deadline - now < self.urgent_s else 2, deadline, order)
+
+        ready.sort(key=priority)
         vocode = tuple(VocodeWork(r.request_id, c, r.speech_tokens) for r, c in ready[: self.max_chunks_per_step])
         return StepPlan(releases, tuple(admits), tuple(llm), vocode)
 
