@@ -157,9 +157,9 @@ class FlowDims:
             raise ValueError("flow.decoder.cfm_params: only the euler solver with the cosine scheduler is supported")
         if str(est.get("act_fn", "gelu")) != "gelu":
             raise ValueError(f"flow.decoder.estimator.act_fn = {est.get('act_fn')!r}: only 'gelu' is supported")
-        for where, left in (("estimator", est.get("num_decoding_left_chunks", -1)),):
-            if int(left) >= 0:
-                raise ValueError(f"flow.decoder.{where}.num_decoding_left_chunks = {left}: only -1 (all) is supported")
+        left = est.get("num_decoding_left_chunks", -1)
+        if int(left) >= 0:
+            raise ValueError(f"flow.decoder.estimator.num_decoding_left_chunks = {left}: only -1 (all) is supported")
         return FlowDims(
             vocab_size=int(need(flow, "vocab_size", "flow")),
             input_size=int(need(flow, "input_size", "flow")),
