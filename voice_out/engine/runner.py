@@ -295,7 +295,9 @@ class Runner:
         embeds = self.llm.embed_rows(self._rows(w))  # [L, H]
         start = self.slot_len[w.slot]
         if self.graphed is not None:
-            h = self.graphed.prefill(w.slot, embeds, start)
+            # a graph returns its static output buffer: the next prefill of the same length
+            # bucket in this step would overwrite it
+            h = self.graphed.prefill(w.slot, embeds, start).clone()
         else:
             h = self.llm.prefill(self.cache, w.slot, embeds, start_pos=start)
         self.slot_len[w.slot] += n
@@ -307,7 +309,7 @@ class Runner:
             return self._sample(work, self.llm.logprobs(self._decode(work)))
         embeds = self.llm.embed_rows([self._rows(w)[0] for w in work])  # [B, H]
         history, uniforms, masked = self._sampling_inputs(work)
-        tokens = self.graphed.decode_sample([w.slot for w in work], embeds, history, uniforms, masked)
+        tokens = self.graphed.decode_sample([w.slot for w in work], embeds, history, uniforms, masked).clone()
         for w in work:
             self.slot_len[w.slot] += 1
         return tokens
