@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +96,13 @@ def _webrtc_options(args: argparse.Namespace) -> Any:
     return WebrtcBenchOptions(**over)
 
 
-def _log(msg: str) -> None:
-    print(f"bench: {msg}", file=sys.stderr, flush=True)
+def _logger() -> Callable[[str], None]:
+    t0 = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"bench [{time.monotonic() - t0:6.1f} s]: {msg}", file=sys.stderr, flush=True)
+
+    return log
 
 
 def bench(cfg: Config, args: argparse.Namespace) -> int:
@@ -105,6 +112,7 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
     mode = getattr(args, "mode", None) or "engine"
     cfg = bench_model_config(cfg, args)
     command = command_line(args)
+    log = _logger()
     if mode not in ("engine", "webrtc"):
         raise UserError(f"unknown bench mode {mode!r} (engine or webrtc)")
     if mode == "engine":
@@ -115,7 +123,7 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UserError(str(e)) from None
         report = Report("engine", gpu_name(cfg), command)
-        run_engine_bench(cfg, opts, report, _log)
+        run_engine_bench(cfg, opts, report, log)
     else:
         from voice_out.bench.webrtc_bench import run_webrtc_bench
 
@@ -123,17 +131,17 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
             wopts = _webrtc_options(args)
         except ValueError as e:
             raise UserError(str(e)) from None
-        report = run_webrtc_bench(cfg, wopts, command, _log)
+        report = run_webrtc_bench(cfg, wopts, command, log)
 
     print(report.markdown(), flush=True)
     out = getattr(args, "out", None)
     if out:
         write_json(report, out)
-        _log(f"wrote {out}")
+        log(f"wrote {out}")
     if getattr(args, "update_docs", False):
         docs = Path(getattr(args, "docs_dir", None) or DOCS_DIR)
         if not docs.is_dir():
             raise UserError(f"--update-docs: no docs directory at {docs}")
         md, js = update_docs(report, docs)
-        _log(f"appended to {md}, rewrote {js}")
+        log(f"appended to {md}, rewrote {js}")
     return 0

@@ -270,6 +270,9 @@ class CapacityRound:
     listeners: list[Listener]
     failures: int
     mean_step_ms: float
+    #: Seconds the worker spent in steps, and the round's wall time.
+    busy_s: float
+    wall_s: float
     gpu_max_allocated_gib: float | None
 
 
@@ -279,8 +282,10 @@ async def capacity_round(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     before = engine.stats()
+    t0 = time.perf_counter()
     tasks = [run_stream(engine, i, text, 0.0, opts.ramp_s * i / n) for i in range(n)]
     results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), opts.timeout_s)
+    wall = time.perf_counter() - t0
     after = engine.stats()
     await engine.await_idle()
     listeners = [r for r in results if isinstance(r, Listener)]
@@ -290,6 +295,8 @@ async def capacity_round(
         listeners=listeners,
         failures=n - len(listeners),
         mean_step_ms=1000 * (after.busy_s - before.busy_s) / max(steps, 1),
+        busy_s=after.busy_s - before.busy_s,
+        wall_s=wall,
         gpu_max_allocated_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
     )
 
@@ -312,6 +319,10 @@ def report_capacity(report: Report, rounds: list[CapacityRound], target_ms: floa
             report.add("capacity.rtf.max", max(rtf), "x", n)
         audio = [lis.audio_s for lis in r.listeners]
         report.add("capacity.audio_s_per_stream", sum(audio) / max(len(audio), 1), "s", n)
+        if sum(audio) > 0:
+            # worker seconds per second of audio, per stream: the batched compute each stream costs
+            report.add("capacity.compute_rtf", r.busy_s / sum(audio), "x", n)
+        report.add("capacity.worker_busy", r.busy_s / max(r.wall_s, 1e-9), "fraction", n)
         report.add("capacity.step_ms.mean", r.mean_step_ms, "ms", n)
         if r.gpu_max_allocated_gib is not None:
             report.add("capacity.gpu_mem.max_allocated", r.gpu_max_allocated_gib, "GiB", n)

@@ -6,7 +6,8 @@ The server runs in this process on a free loopback port with the engine of the c
 * **end-to-end TTFA**: the first ``text.delta`` sent -> the first audible (non-silent) frame
   decoded by the client;
 * **barge-in latency**: once the utterance has been audible for ``barge_after_s``, ``cancel``
-  is sent -> the last audible frame decoded after it (0 when nothing audible follows).
+  is sent -> the last audible frame decoded after it (0 when nothing audible follows; the
+  utterance is over once ``quiet_s`` of silent frames follow).
 
 The client is :mod:`voice_out.client` (aiortc): a frame's time is when aiortc handed it over
 decoded, and aiortc's receiver holds about 4 frames (80 ms) in its jitter buffer before it
@@ -55,8 +56,9 @@ class WebrtcBenchOptions:
     delta_chars: int = 4
     #: How long the utterance is audible before the benchmark barges in.
     barge_after_s: float = 0.5
-    #: Wait after the cancel (and between utterances) for the last frames to arrive.
-    settle_s: float = 0.6
+    #: After a cancel, the utterance counts as over once this much silence follows its last
+    #: audible frame at the client.
+    quiet_s: float = 0.5
     prompt_tokens: int = 150
     timeout_s: float = 120.0
 
@@ -64,7 +66,7 @@ class WebrtcBenchOptions:
     def quick(cls, **overrides: object) -> WebrtcBenchOptions:
         import dataclasses
 
-        base = cls(reps=1, warmup_reps=0, text_chars=40, barge_after_s=0.2, settle_s=0.4, prompt_tokens=25)
+        base = cls(reps=1, warmup_reps=0, text_chars=40, barge_after_s=0.2, quiet_s=0.3, prompt_tokens=25)
         return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
@@ -105,10 +107,19 @@ async def speak_and_barge_in(client: VoiceOutClient, uid: str, opts: WebrtcBench
         lambda m: isinstance(m, p.Cancelled | p.AudioDone) and getattr(m, "id", None) == uid,
         timeout_s=opts.timeout_s,
     )
-    await asyncio.sleep(opts.settle_s)
-    after = [f for f in client.frames_since(t_cancel) if f.audible]
-    barge = (max(f.t for f in after) - t_cancel) if after else 0.0
-    return Utterance(1000 * (first.t - t_send), started.ttfa_ms, 1000 * barge)
+    # the track goes on sending frames (silence): wait until ``quiet_s`` of them follow the last
+    # audible one, so that a long tail is measured, not cut off
+    deadline = time.monotonic() + opts.timeout_s
+    while True:
+        frames = client.frames_since(t_cancel)
+        audible = [f.t for f in frames if f.audible]
+        last = max(audible, default=t_cancel)
+        if frames and frames[-1].t - last >= opts.quiet_s:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError("the audio did not fall silent after the cancel")
+        await asyncio.sleep(0.02)
+    return Utterance(1000 * (first.t - t_send), started.ttfa_ms, 1000 * (last - t_cancel))
 
 
 async def _measure(url: str, opts: WebrtcBenchOptions, log: Callable[[str], None]) -> list[Utterance]:

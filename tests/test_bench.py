@@ -1,0 +1,202 @@
+"""``voice-out bench`` on random:tiny on the CPU: the smoke run of every scenario.
+
+The figures themselves say nothing about speed here; what is asserted is that every metric is
+there, well-formed and consistent (quantiles ordered, capacity agreeing with its own per-count
+figures, paced text arriving no faster than its rate), that the engine mode never imports the
+WebRTC stack (the GPU machine has no aiortc or av), and that --update-docs writes the docs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from voice_out.bench.report import CPU_LABEL, Report, update_docs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: The engine mode runs in a fresh interpreter where importing these fails.
+BLOCKED = ("aiortc", "av")
+RUNNER = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] in {blocked!r}:
+                raise ImportError("blocked: " + name)
+            return None
+
+    sys.meta_path.insert(0, Block())
+    from voice_out.cli import main
+    rc = main(sys.argv[1:])
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in {blocked!r})
+    print("LOADED", ",".join(loaded))
+    sys.exit(rc)
+    """
+).format(blocked=set(BLOCKED))
+
+ENGINE_ARGV = ["bench", "--model", "random:tiny", "--device", "cpu", "--streams", "1,2", "--quick", "--threads", "1"]
+SINGLE = ("engine.ttfa.whole_text", "engine.ttfa.text_20tps", "engine.ttfa.text_60tps")
+PER_COUNT = (
+    "capacity.ttfa.p50",
+    "capacity.ttfa.p95",
+    "capacity.ttfa.p99",
+    "capacity.underruns",
+    "capacity.streams_with_underruns",
+    "capacity.stall_ms.max",
+    "capacity.failed_streams",
+    "capacity.rtf.p50",
+    "capacity.rtf.max",
+    "capacity.compute_rtf",
+    "capacity.worker_busy",
+    "capacity.audio_s_per_stream",
+    "capacity.step_ms.mean",
+)
+OTHER = (
+    "startup.cold_start_s",
+    "startup.cold_engine_load_start_s",
+    "startup.engine_ready_in_process_s",
+    "capacity.max_streams",
+    "rtf.long_text",
+    "rtf.long_text.audio_s",
+    "host.mem.max_rss",
+)
+
+
+def by_key(doc: dict[str, Any]) -> dict[tuple[str, int], float]:
+    out: dict[tuple[str, int], float] = {}
+    for m in doc["metrics"]:
+        key = (m["name"], m["streams"])
+        assert key not in out, f"duplicate metric {key}"
+        out[key] = m["value"]
+    return out
+
+
+def check_records(doc: dict[str, Any], mode: str, command: str) -> None:
+    now = datetime.now(UTC)
+    assert doc["mode"] == mode and doc["gpu"] == "cpu" and doc["command"] == command
+    for m in doc["metrics"]:
+        assert set(m) == {"name", "value", "unit", "streams", "gpu", "command", "date", "mode"}, m
+        assert m["gpu"] == "cpu" and m["command"] == command and m["mode"] == mode
+        date = datetime.fromisoformat(m["date"])
+        assert date.utcoffset() == timedelta(0) and now - timedelta(minutes=10) < date <= now
+        assert isinstance(m["value"], float) and math.isfinite(m["value"]) and m["value"] >= 0, m
+        assert m["unit"] in {"ms", "s", "x", "count", "streams", "GiB", "fraction"}, m
+
+
+def check_quantiles(v: dict[tuple[str, int], float], name: str, streams: int) -> None:
+    p50, p95, p99 = (v[(f"{name}.{q}", streams)] for q in ("p50", "p95", "p99"))
+    assert 0 < p50 <= p95 <= p99, (name, p50, p95, p99)
+
+
+def test_engine_mode_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "engine.json"
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    argv = [*ENGINE_ARGV, "--out", str(out), "--update-docs", "--docs-dir", str(docs)]
+    proc = subprocess.run([sys.executable, "-c", RUNNER, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOADED \n" in proc.stdout, "the engine mode imported the WebRTC stack"
+
+    doc = json.loads(out.read_text())
+    command = "voice-out " + " ".join(argv)
+    check_records(doc, "engine", command)
+    v = by_key(doc)
+    # every metric, and nothing for counts that were not asked for
+    for name in SINGLE:
+        check_quantiles(v, name, 1)
+    for n in (1, 2):
+        for name in PER_COUNT:
+            assert (name, n) in v, (name, n)
+        check_quantiles(v, "capacity.ttfa", n)
+    assert {n for (name, n) in v if name.startswith("capacity.") and name != "capacity.max_streams"} == {1, 2}
+    for name in OTHER:
+        assert any(k[0] == name for k in v), name
+    assert not any(name.startswith("gpu.") for name, _ in v)  # CPU: no GPU memory figures
+
+    # consistency of the figures with each other
+    for n in (1, 2):
+        assert v[("capacity.failed_streams", n)] == 0
+        assert v[("capacity.streams_with_underruns", n)] <= min(n, v[("capacity.underruns", n)])
+        assert v[("capacity.audio_s_per_stream", n)] > 0.5  # 10 chars x 3 speech tokens at 25 Hz: 1.2 s
+        assert v[("capacity.rtf.p50", n)] <= v[("capacity.rtf.max", n)]
+        assert 0 < v[("capacity.worker_busy", n)] <= 1
+    target = doc["settings"]["ttfa_target_ms"]
+    qualifying = [n for n in (1, 2) if v[("capacity.underruns", n)] == 0 and v[("capacity.ttfa.p95", n)] <= target]
+    assert v[("capacity.max_streams", 2)] == max(qualifying, default=0)
+    # paced text: the first chunk needs 28 speech tokens, that is 10 text tokens (bytes here) of
+    # which the 10th arrives 9 / rate seconds after the first
+    assert doc["settings"]["chars_per_text_token"] == 1.0
+    assert v[("engine.ttfa.text_20tps.p50", 1)] >= 1000 * 9 / 20
+    assert v[("engine.ttfa.text_60tps.p50", 1)] >= 1000 * 9 / 60
+    assert v[("startup.cold_start_s", 0)] > v[("startup.cold_engine_load_start_s", 0)] > 0
+    assert v[("rtf.long_text.audio_s", 1)] == pytest.approx(24 * 3 / 25, rel=0.1)  # 24 chars x 3 tokens
+
+    # the table on stdout, and the docs
+    assert "| metric | streams | value | unit |" in proc.stdout
+    assert "| capacity.max_streams | 2 |" in proc.stdout
+    md = (docs / "benchmarks.md").read_text()
+    assert md.startswith("# Benchmarks") and CPU_LABEL in md and f"```\n{command}\n```" in md
+    assert json.loads((docs / "benchmarks.json").read_text()) == sorted(
+        doc["metrics"], key=lambda r: (r["gpu"], r["mode"], r["name"], r["streams"])
+    )
+
+
+def test_webrtc_mode_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from voice_out.cli import main
+
+    out = tmp_path / "webrtc.json"
+    argv = ["bench", "--mode", "webrtc", "--model", "random:tiny", "--device", "cpu", "--quick", "--threads", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    check_records(doc, "webrtc", "voice-out " + " ".join([*argv, "--out", str(out)]))
+    v = by_key(doc)
+    for name in ("e2e.ttfa", "e2e.server_ttfa", "e2e.barge_in"):
+        p50, p95, p99 = (v[(f"{name}.{q}", 1)] for q in ("p50", "p95", "p99"))
+        assert p50 <= p95 <= p99
+    assert {n for _, n in v} == {1}
+    # the client hears the first audio after the server put it on the track
+    assert v[("e2e.ttfa.p50", 1)] >= v[("e2e.server_ttfa.p50", 1)] > 0
+    assert v[("e2e.barge_in.p50", 1)] < 1000
+    assert any("80 ms" in n for n in doc["notes"])
+    assert "| e2e.barge_in.p50 | 1 |" in capsys.readouterr().out
+
+
+def test_update_docs_keeps_other_modes_and_gpus(tmp_path: Path) -> None:
+    def report(mode: str, gpu: str, value: float) -> Report:
+        r = Report(mode, gpu, f"voice-out bench --mode {mode}", date="2026-01-01T00:00:00+00:00")
+        r.add("x.p50", value, "ms", 1)
+        return r
+
+    update_docs(report("engine", "cpu", 1.0), tmp_path)
+    update_docs(report("webrtc", "cpu", 2.0), tmp_path)
+    update_docs(report("engine", "NVIDIA H100", 3.0), tmp_path)
+    update_docs(report("engine", "cpu", 4.0), tmp_path)  # replaces the first
+    records = json.loads((tmp_path / "benchmarks.json").read_text())
+    assert [(r["gpu"], r["mode"], r["value"]) for r in records] == [
+        ("NVIDIA H100", "engine", 3.0),
+        ("cpu", "engine", 4.0),
+        ("cpu", "webrtc", 2.0),
+    ]
+    md = (tmp_path / "benchmarks.md").read_text()
+    assert md.count("\n## ") == 4 and md.count(CPU_LABEL) == 6  # heading + gpu line of each CPU run
+    assert "## 2026-01-01 00:00 UTC, engine mode, NVIDIA H100\n" in md
+
+
+def test_bad_options_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from voice_out.cli import main
+
+    assert main(["bench", "--model", "random:tiny", "--device", "cpu", "--streams", "1,x"]) == 2
+    assert main(["bench", "--model", "random:tiny", "--device", "cpu", "--scenarios", "ttfa,nope"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith("voice-out: error: ") for line in err)
+    assert "1,x" in err[0] and "nope" in err[1]
