@@ -14,15 +14,16 @@ from collections.abc import Callable, Sequence
 from voice_out.engine.request import FILL_TOKEN, LlmInputKind, LlmStep, TextPiece, TokenOutcome
 from voice_out.text import bistream as bs
 
-_KINDS = {bs.KIND_LLM: None, bs.KIND_TEXT: LlmInputKind.TEXT, bs.KIND_SPEECH: LlmInputKind.SPEECH}
-
 
 def _row(kind: int, ident: int) -> tuple[LlmInputKind, int]:
+    """A bistream feed row ``(kind, id)`` as the scheduler's typed input."""
     if kind == bs.KIND_LLM:
         return (LlmInputKind.SOS if ident == 0 else LlmInputKind.TASK, ident)
-    mapped = _KINDS[kind]
-    assert mapped is not None
-    return (mapped, ident)
+    if kind == bs.KIND_TEXT:
+        return (LlmInputKind.TEXT, ident)
+    if kind == bs.KIND_SPEECH:
+        return (LlmInputKind.SPEECH, ident)
+    raise ValueError(f"unknown feed row kind {kind}")
 
 
 class BistreamFeed:
