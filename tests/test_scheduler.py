@@ -529,3 +529,22 @@ def test_many_requests_with_random_cancels_leak_nothing() -> None:
     run_until_idle(sched)
     assert sched.n_live == 0 and sched.n_used_slots == 0 and not sched.waiting
     assert sorted(sched.free_slots) == list(range(8))
+
+
+def test_tokenizer_pipeline_releases_whole_words_with_their_input_offsets() -> None:
+    from voice_out.engine.textfeed import TokenizerPipeline
+
+    seen: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        seen.append(text)
+        return [len(w) for w in text.split()]
+
+    pipe = TokenizerPipeline(encode)
+    assert pipe.push("Hel") == []  # half a word is held back
+    pieces = pipe.push("lo wor")
+    assert [(p.ids, p.char_end) for p in pieces] == [((5,), 6)]
+    pieces = pipe.push("ld, you")
+    assert [(p.ids, p.char_end) for p in pieces] == [((6,), 13)]  # "world, " up to the last space
+    assert [(p.ids, p.char_end) for p in pipe.finish()] == [((3,), 16)]
+    assert "".join(seen) == "Hello world, you"
