@@ -61,6 +61,7 @@ ENC_LN_EPS = 1e-5  # embed / up_embed / after_norm
 BLOCK_LN_EPS = 1e-12  # conformer blocks (norm_mha, norm_ff)
 LOOKAHEAD_CONV2_KERNEL = 3
 LEAKY_SLOPE = 0.01
+DEFAULT_STREAM_TOKENS = 500  # default cache room after the prompt: 20 s of 25 Hz tokens
 
 
 @dataclass(frozen=True)
@@ -791,8 +792,7 @@ class Flow(nn.Module):
 
     def new_stream_cache(self, prompt: FlowPrompt, capacity: int | None = None) -> FlowStreamCache:
         """A request cache for ``capacity`` tokens (default: the prompt + 20 s), reset to ``prompt``."""
-        d = self.dims
-        default = prompt.n_prompt + 20 * d.enc_chunk * 2  # 500 tokens = 20 s at 25 Hz
+        default = prompt.n_prompt + DEFAULT_STREAM_TOKENS
         cache = self.allocate_stream_cache(capacity if capacity is not None else default)
         self.reset_stream_cache(cache, prompt)
         return cache
