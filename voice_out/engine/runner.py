@@ -14,6 +14,7 @@ GPU worker thread only: every method, the constructor excepted.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 _KIND = {LlmInputKind.SOS: KIND_LLM, LlmInputKind.TASK: KIND_LLM, LlmInputKind.TEXT: KIND_TEXT}
 _KIND[LlmInputKind.SPEECH] = KIND_SPEECH
+#: Voices whose device tensors the runner keeps (a re-registered voice is a new entry).
+VOICE_CACHE_SIZE = 32
 #: Attention window granularity of the batched decode (positions); bounds the K/V gathered.
 KV_WINDOW_STEP = 256
 
@@ -124,7 +127,9 @@ class Runner:
         self.slot_len = [0] * n_slots
         self.live: dict[str, _Live] = {}
         self._t2w_pool: list[Token2WavStream] = []
-        self._voice_cache: dict[int, tuple[FlowVoice, Tensor, Tensor, Tensor, object]] = {}
+        # voice -> device tensors (+ prepared flow prompt); the entry keeps the voice alive, so
+        # its id cannot be reused while cached. Least recently used first; bounded.
+        self._voice_cache: OrderedDict[int, tuple[FlowVoice, Tensor, Tensor, Tensor, object]] = OrderedDict()
 
     # ---- accounting --------------------------------------------------------------------------
 
@@ -198,6 +203,10 @@ class Runner:
             prepared = self.t2w.prepare_voice(token, feat, emb) if self.flow_path == "cached" else None
             hit = (voice, token, feat, emb, prepared)
             self._voice_cache[id(voice)] = hit
+            while len(self._voice_cache) > VOICE_CACHE_SIZE:
+                self._voice_cache.popitem(last=False)
+        else:
+            self._voice_cache.move_to_end(id(voice))
         return hit[1], hit[2], hit[3], hit[4]
 
     def _admit(self, adm: Admit) -> None:
