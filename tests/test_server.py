@@ -211,7 +211,10 @@ async def test_cancel_silences_within_3_frames(server: Server) -> None:
     assert not text[len(cut.played_text)].isalnum()  # a whole-word cut
     # Wall time from sending cancel to the last audible frame decoded here (aiortc's receiver
     # holds ~4 frames in its jitter buffer) is reported by the benchmark; bound it loosely.
-    last_audible = max(f.t for f in client.frames_since(t_send) if f.audible)
+    last = client.last_audible(t_send)
+    first = client.first_audible(t_send)
+    assert last is not None and first is not None and first.t < t_cancel < last.t
+    last_audible = last.t
     assert last_audible - t_cancel < 0.25
     assert events_of(client, "long") == [("audio.started", "long"), ("cancelled", "long")]
     registry = server.app[METRICS_KEY].registry

@@ -192,6 +192,18 @@ class VoiceOutClient:
     def frames_since(self, t: float) -> list[ReceivedFrame]:
         return [f for f in self.frames if f.t >= t]
 
+    def first_audible(self, since: float) -> ReceivedFrame | None:
+        """The first audible frame decoded at or after ``since`` (end-to-end TTFA: its ``t``)."""
+        return next((f for f in self.frames if f.t >= since and f.audible), None)
+
+    def last_audible(self, since: float) -> ReceivedFrame | None:
+        """The last audible frame decoded at or after ``since`` (barge-in: its ``t``).
+
+        Note: aiortc's receiver holds about four 20 ms frames in its jitter buffer, so times
+        measured with this client include ~60-80 ms that a browser's adaptive buffer may not.
+        """
+        return next((f for f in reversed(self.frames) if f.t >= since and f.audible), None)
+
     def audio(self, since: float = 0.0) -> np.ndarray:
         """Concatenated mono PCM of the frames decoded at or after ``since``."""
         parts = [f.pcm for f in self.frames if f.t >= since]
