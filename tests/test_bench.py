@@ -188,8 +188,8 @@ def test_update_docs_keeps_other_modes_and_gpus(tmp_path: Path) -> None:
         ("cpu", "webrtc", 2.0),
     ]
     md = (tmp_path / "benchmarks.md").read_text()
-    assert md.count("\n## ") == 4 and md.count(CPU_LABEL) == 6  # heading + gpu line of each CPU run
-    assert "## 2026-01-01 00:00 UTC, engine mode, NVIDIA H100\n" in md
+    assert md.count("\n### ") == 4 and md.count(CPU_LABEL) == 6  # heading + gpu line of each CPU run
+    assert "### 2026-01-01 00:00 UTC, engine mode, NVIDIA H100\n" in md
 
 
 def test_bad_options_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:

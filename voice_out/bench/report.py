@@ -90,7 +90,7 @@ class Report:
         """The metrics as a markdown table, with the command, GPU, date and notes above it."""
         lines = [
             f"- command: `{self.command}`",
-            f"- gpu: {self.gpu}" + (f" ({CPU_LABEL})" if self.gpu == "cpu" else ""),
+            f"- gpu: {self.gpu}" + (f" — {CPU_LABEL}" if self.gpu == "cpu" else ""),
             f"- date: {self.date}",
         ]
         if self.settings:
@@ -126,11 +126,11 @@ def update_docs(report: Report, docs_dir: str | Path) -> tuple[Path, Path]:
     docs = Path(docs_dir)
     md, js = docs / "benchmarks.md", docs / "benchmarks.json"
     if not md.exists():
-        md.write_text("# Benchmarks\n")
+        md.write_text("# Benchmarks\n\n## Results\n")
     title = f"{report.date[:16].replace('T', ' ')} UTC, {report.mode} mode, {report.gpu}"
     if report.gpu == "cpu":
         title += " — " + CPU_LABEL
-    section = f"\n## {title}\n\n```\n{report.command}\n```\n\n{report.markdown()}"
+    section = f"\n### {title}\n\n```\n{report.command}\n```\n\n{report.markdown()}"
     with md.open("a") as f:
         f.write(section)
     old: list[dict[str, Any]] = []
