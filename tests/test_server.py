@@ -200,8 +200,8 @@ async def test_cancel_silences_within_3_frames(server: Server) -> None:
     audible_after = [f for f in after if f.audible]
     assert len(audible_after) <= 3, [round(f.peak, 3) for f in after[:8]]
     if audible_after:
-        last = max(f.pts for f in audible_after)
-        assert all(not f.audible for f in after if f.pts > last)
+        last_pts = max(f.pts for f in audible_after)
+        assert all(not f.audible for f in after if f.pts > last_pts)
     assert len(after) >= 10  # and it stayed silent afterwards
     # What was played is in line with the time the listener heard it.
     heard_ms = (t_cancel - client.frames_since(t_send)[0].t) * 1000
@@ -211,10 +211,10 @@ async def test_cancel_silences_within_3_frames(server: Server) -> None:
     assert not text[len(cut.played_text)].isalnum()  # a whole-word cut
     # Wall time from sending cancel to the last audible frame decoded here (aiortc's receiver
     # holds ~4 frames in its jitter buffer) is reported by the benchmark; bound it loosely.
-    last = client.last_audible(t_send)
-    first = client.first_audible(t_send)
-    assert last is not None and first is not None and first.t < t_cancel < last.t
-    last_audible = last.t
+    last_frame = client.last_audible(t_send)
+    first_frame = client.first_audible(t_send)
+    assert last_frame is not None and first_frame is not None and first_frame.t < t_cancel < last_frame.t
+    last_audible = last_frame.t
     assert last_audible - t_cancel < 0.25
     assert events_of(client, "long") == [("audio.started", "long"), ("cancelled", "long")]
     registry = server.app[METRICS_KEY].registry
