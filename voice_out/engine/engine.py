@@ -210,6 +210,8 @@ class EngineStream:
         self._iterated = False
         self.outbox = _Outbox()
         self.samples_received = 0
+        #: Cancels the stream if it is garbage-collected unfinished (set by the engine).
+        self.finalizer: weakref.finalize[Any, Any] | None = None
 
     # ---- Stream protocol ---------------------------------------------------------------------
 
@@ -262,6 +264,8 @@ class EngineStream:
         if self._cancelled:
             return
         self._cancelled = True
+        if self.finalizer is not None:
+            self.finalizer.detach()
         if self.outbox.abort():
             self._engine._post(Cancel(self._id))
 
@@ -278,6 +282,8 @@ class EngineStream:
                 self._engine._send(Ack(self._id, self.samples_received))
             return item
         self.outbox.close()
+        if self.finalizer is not None:
+            self.finalizer.detach()  # ended: nothing left to cancel
         if item.status is RequestStatus.FAILED:
             err = item.error or StreamFailedError("the stream failed")
             raise err
@@ -553,7 +559,7 @@ class Engine:
         inbox = self._inbox
         assert inbox is not None
         # an abandoned stream (garbage-collected unfinished) frees its GPU work
-        weakref.finalize(stream, inbox.put, Cancel(sid))
+        stream.finalizer = weakref.finalize(stream, inbox.put, Cancel(sid))
         inbox.put(Open(sid, prompt, seed, stream.outbox))
         return stream
 
