@@ -83,7 +83,7 @@ def by_key(doc: dict[str, Any]) -> dict[tuple[str, int], float]:
 
 def check_records(doc: dict[str, Any], mode: str, command: str) -> None:
     now = datetime.now(UTC)
-    assert doc["mode"] == mode and doc["gpu"] == "cpu" and doc["command"] == command
+    assert doc["mode"] == mode and doc["gpu"] == "cpu" and doc["command"] == command and doc["complete"] is True
     for m in doc["metrics"]:
         assert set(m) == {"name", "value", "unit", "streams", "gpu", "command", "date", "mode"}, m
         assert m["gpu"] == "cpu" and m["command"] == command and m["mode"] == mode

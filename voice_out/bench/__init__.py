@@ -123,7 +123,15 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UserError(str(e)) from None
         report = Report("engine", gpu_name(cfg), command)
-        run_engine_bench(cfg, opts, report, log)
+        out = getattr(args, "out", None)
+
+        def save() -> None:  # partial results survive a run cut short
+            if out:
+                report.complete = False
+                write_json(report, out)
+                report.complete = True
+
+        run_engine_bench(cfg, opts, report, log, save)
     else:
         from voice_out.bench.webrtc_bench import run_webrtc_bench
 

@@ -301,44 +301,57 @@ async def capacity_round(
     )
 
 
-def report_capacity(report: Report, rounds: list[CapacityRound], target_ms: float) -> int:
-    """Add each round's figures; returns the capacity (0: no count met the target)."""
-    best = 0
-    for r in rounds:
-        n = r.streams
-        ttfa = [1000 * t for lis in r.listeners if (t := lis.ttfa_s) is not None]
-        rtf = [x for lis in r.listeners if (x := lis.rtf) is not None]
-        underruns = sum(lis.underruns for lis in r.listeners)
-        report.add_quantiles("capacity.ttfa", ttfa, "ms", n, QUANTILES)
-        report.add("capacity.underruns", underruns, "count", n)
-        report.add("capacity.streams_with_underruns", sum(1 for lis in r.listeners if lis.underruns), "streams", n)
-        report.add("capacity.stall_ms.max", 1000 * max((lis.stall_s for lis in r.listeners), default=0.0), "ms", n)
-        report.add("capacity.failed_streams", r.failures, "streams", n)
-        if rtf:
-            report.add("capacity.rtf.p50", percentile(rtf, 0.5), "x", n)
-            report.add("capacity.rtf.max", max(rtf), "x", n)
-        audio = [lis.audio_s for lis in r.listeners]
-        report.add("capacity.audio_s_per_stream", sum(audio) / max(len(audio), 1), "s", n)
-        if sum(audio) > 0:
-            # worker seconds per second of audio, per stream: the batched compute each stream costs
-            report.add("capacity.compute_rtf", r.busy_s / sum(audio), "x", n)
-        report.add("capacity.worker_busy", r.busy_s / max(r.wall_s, 1e-9), "fraction", n)
-        report.add("capacity.step_ms.mean", r.mean_step_ms, "ms", n)
-        if r.gpu_max_allocated_gib is not None:
-            report.add("capacity.gpu_mem.max_allocated", r.gpu_max_allocated_gib, "GiB", n)
-        ok = r.failures == 0 and underruns == 0 and len(ttfa) == n and percentile(ttfa, 0.95) <= target_ms
-        if ok:
-            best = max(best, n)
-    report.add("capacity.max_streams", best, "streams", max(r.streams for r in rounds))
-    return best
+def report_round(report: Report, r: CapacityRound, target_ms: float) -> bool:
+    """Add one round's figures; True when the round met the capacity criteria: every stream
+    spoke, zero underruns, p95 TTFA within ``target_ms``."""
+    n = r.streams
+    ttfa = [1000 * t for lis in r.listeners if (t := lis.ttfa_s) is not None]
+    rtf = [x for lis in r.listeners if (x := lis.rtf) is not None]
+    underruns = sum(lis.underruns for lis in r.listeners)
+    report.add_quantiles("capacity.ttfa", ttfa, "ms", n, QUANTILES)
+    report.add("capacity.underruns", underruns, "count", n)
+    report.add("capacity.streams_with_underruns", sum(1 for lis in r.listeners if lis.underruns), "streams", n)
+    report.add("capacity.stall_ms.max", 1000 * max((lis.stall_s for lis in r.listeners), default=0.0), "ms", n)
+    report.add("capacity.failed_streams", r.failures, "streams", n)
+    if rtf:
+        report.add("capacity.rtf.p50", percentile(rtf, 0.5), "x", n)
+        report.add("capacity.rtf.max", max(rtf), "x", n)
+    audio = [lis.audio_s for lis in r.listeners]
+    report.add("capacity.audio_s_per_stream", sum(audio) / max(len(audio), 1), "s", n)
+    if sum(audio) > 0:
+        # worker seconds per second of audio: the batched compute one second of a stream costs
+        report.add("capacity.compute_rtf", r.busy_s / sum(audio), "x", n)
+    report.add("capacity.worker_busy", r.busy_s / max(r.wall_s, 1e-9), "fraction", n)
+    report.add("capacity.step_ms.mean", r.mean_step_ms, "ms", n)
+    if r.gpu_max_allocated_gib is not None:
+        report.add("capacity.gpu_mem.max_allocated", r.gpu_max_allocated_gib, "GiB", n)
+    return r.failures == 0 and underruns == 0 and len(ttfa) == n and percentile(ttfa, 0.95) <= target_ms
+
+
+def round_summary(r: CapacityRound) -> str:
+    ttfa = [1000 * t for lis in r.listeners if (t := lis.ttfa_s) is not None]
+    return (
+        f"TTFA p50 {percentile(ttfa, 0.5):.0f} ms p95 {percentile(ttfa, 0.95):.0f} ms, "
+        f"underruns {sum(lis.underruns for lis in r.listeners)}, failed {r.failures}, "
+        f"step {r.mean_step_ms:.1f} ms, busy {r.busy_s / max(r.wall_s, 1e-9):.0%}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # the whole run
 
 
+def _quantiles(values: list[float]) -> str:
+    return " ".join(f"p{round(100 * q)} {percentile(values, q):.0f} ms" for q in QUANTILES)
+
+
 async def _run_engine(
-    engine: Engine, opts: EngineBenchOptions, report: Report, device: torch.device, log: Callable[[str], None]
+    engine: Engine,
+    opts: EngineBenchOptions,
+    report: Report,
+    device: torch.device,
+    log: Callable[[str], None],
+    save: Callable[[], None],
 ) -> None:
     loop = asyncio.get_running_loop()
     scen = set(opts.scenarios)
@@ -359,6 +372,8 @@ async def _run_engine(
             1000 * await first_chunk_s(engine, 10 + i, [ttfa_text], 0.0, opts.timeout_s) for i in range(opts.reps)
         ]
         report.add_quantiles("engine.ttfa.whole_text", values, "ms", 1, QUANTILES)
+        log(f"ttfa: whole text: {_quantiles(values)}")
+        save()
 
     if "stream" in scen:
         deltas, chars_per_token = token_deltas(engine, ttfa_text)
@@ -370,17 +385,24 @@ async def _run_engine(
                 1000 * await first_chunk_s(engine, 100 + i, deltas, interval, opts.timeout_s) for i in range(opts.reps)
             ]
             report.add_quantiles(f"engine.ttfa.text_{rate:g}tps", values, "ms", 1, QUANTILES)
+            log(f"ttfa: text at {rate:g} text tokens/s: {_quantiles(values)}")
+            save()
 
     if "capacity" in scen:
         note_peaks()
-        rounds = []
+        best = 0
         text = text_of(opts.capacity_chars)
         for n in opts.streams:
             log(f"capacity: {n} streams")
-            rounds.append(await capacity_round(engine, n, text, opts, device))
+            r = await capacity_round(engine, n, text, opts, device)
             note_peaks()
-        best = report_capacity(report, rounds, opts.ttfa_target_ms)
+            if report_round(report, r, opts.ttfa_target_ms):
+                best = max(best, n)
+            log(f"capacity: {n} streams: {round_summary(r)}")
+            save()
+        report.add("capacity.max_streams", best, "streams", max(opts.streams))
         log(f"capacity: {best} streams (zero underruns, p95 TTFA <= {opts.ttfa_target_ms:g} ms)")
+        save()
 
     if "rtf" in scen:
         log(f"rtf: 1 stream, {opts.long_chars} chars")
@@ -399,6 +421,8 @@ async def _run_engine(
             raise RuntimeError(f"the long utterance gave no audio ({stream.state.value})")
         report.add("rtf.long_text", lis.rtf, "x", 1)
         report.add("rtf.long_text.audio_s", lis.audio_s, "s", 1)
+        log(f"rtf: {lis.rtf:.3f} for {lis.audio_s:.1f} s of audio")
+        save()
 
     if "memory" in scen:
         note_peaks()
@@ -410,8 +434,16 @@ async def _run_engine(
         report.add("host.mem.max_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "GiB", n)
 
 
-def run_engine_bench(cfg: Config, opts: EngineBenchOptions, report: Report, log: Callable[[str], None]) -> None:
-    """Run the scenarios of ``opts`` on the engine of ``cfg``; figures go into ``report``."""
+def run_engine_bench(
+    cfg: Config,
+    opts: EngineBenchOptions,
+    report: Report,
+    log: Callable[[str], None],
+    save: Callable[[], None] = lambda: None,
+) -> None:
+    """Run the scenarios of ``opts`` on the engine of ``cfg``; figures go into ``report``.
+    ``save`` is called whenever a scenario (or a capacity round) has added its figures, so
+    that a run cut short keeps what it measured."""
     if opts.threads > 0:
         torch.set_num_threads(opts.threads)
     cfg = bench_config(cfg, opts)
@@ -438,6 +470,8 @@ def run_engine_bench(cfg: Config, opts: EngineBenchOptions, report: Report, log:
         elapsed, parts = measure_cold_start(cfg, opts)
         report.add("startup.cold_start_s", elapsed, "s", 0)
         report.add("startup.cold_engine_load_start_s", parts["load_s"] + parts["start_s"], "s", 0)
+        log(f"cold start: {elapsed:.1f} s")
+        save()
 
     t0 = time.perf_counter()
     engine = load_engine(cfg, opts)
@@ -445,6 +479,6 @@ def run_engine_bench(cfg: Config, opts: EngineBenchOptions, report: Report, log:
     async def main() -> None:
         async with engine:
             report.add("startup.engine_ready_in_process_s", time.perf_counter() - t0, "s", 0)
-            await _run_engine(engine, opts, report, device, log)
+            await _run_engine(engine, opts, report, device, log, save)
 
     asyncio.run(main())

@@ -54,6 +54,8 @@ class Report:
     settings: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     metrics: list[Metric] = field(default_factory=list)
+    #: False while the run is still going (a partial result written as it goes).
+    complete: bool = True
 
     def add(self, name: str, value: float, unit: str, streams: int) -> None:
         self.metrics.append(
@@ -81,6 +83,7 @@ class Report:
             "gpu": self.gpu,
             "command": self.command,
             "date": self.date,
+            "complete": self.complete,
             "settings": self.settings,
             "notes": self.notes,
             "metrics": [m.as_dict() for m in self.metrics],
