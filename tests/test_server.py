@@ -357,13 +357,14 @@ async def test_overloaded_engine(make_server: Callable[..., Any]) -> None:
 @pytest.mark.asyncio
 async def test_no_default_voice(make_server: Callable[..., Any]) -> None:
     server: Server = await make_server(FakeEngine(default_voice=None))
-    client = await server.connect()
+    client = await connect(server.url, max_frames=10)
     client.send_text("a", "who speaks?")
     err = await client.wait_for("error", "a")
     assert isinstance(err, p.Error) and err.code == "no_voice"
     client.send_text("b", "I do. ", voice="alice")
     client.done("b")
     await client.wait_for("audio.done", "b")
+    assert 0 < len(client.frames) <= 10  # only the most recent frames are kept
     await client.close()
 
 

@@ -11,8 +11,9 @@ to PCM with arrival times. Used by the tests and the benchmark; usable by agents
     cut = await client.wait_for("cancelled", "u1")
     await client.close()
 
-Every received audio frame is kept in ``client.frames`` (48 kHz mono float32, with the
-``time.monotonic()`` it was decoded at), every server message in ``client.events``.
+Received audio frames are kept in ``client.frames`` (48 kHz mono float32, with the
+``time.monotonic()`` they were decoded at; the last minute by default, see ``max_frames``),
+every server message in ``client.events``.
 
 Threads: asyncio thread only. The send methods are synchronous (aiortc queues the message).
 """
@@ -23,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -38,6 +40,9 @@ from voice_out.server import protocol as p
 
 #: Peak (full scale 1.0) below which a decoded frame counts as silent.
 SILENCE_PEAK = 1e-3
+#: Decoded frames a client keeps by default: the last minute (a 20 ms frame of 960 float32
+#: samples is 3.8 KB, so about 11.5 MB). None keeps everything.
+DEFAULT_MAX_FRAMES = 3000
 
 
 class ClientError(VoiceOutError):
@@ -80,13 +85,21 @@ class ReceivedEvent:
 class VoiceOutClient:
     """A connected session. Build it with :func:`connect`."""
 
-    def __init__(self, pc: RTCPeerConnection, channel: RTCDataChannel, http: aiohttp.ClientSession | None) -> None:
+    def __init__(
+        self,
+        pc: RTCPeerConnection,
+        channel: RTCDataChannel,
+        http: aiohttp.ClientSession | None,
+        *,
+        max_frames: int | None = DEFAULT_MAX_FRAMES,
+    ) -> None:
         self.pc = pc
         self.channel = channel
         self.session_id = ""
         self.sample_rate = 0
         self.voices: tuple[str, ...] = ()
-        self.frames: list[ReceivedFrame] = []
+        #: The most recent decoded frames (at most ``max_frames``; None keeps all).
+        self.frames: deque[ReceivedFrame] = deque(maxlen=max_frames)
         self.events: list[ReceivedEvent] = []
         self._cursor = 0
         self._changed = asyncio.Event()
@@ -237,6 +250,7 @@ async def connect(
     *,
     timeout_s: float = 15.0,
     http: aiohttp.ClientSession | None = None,
+    max_frames: int | None = DEFAULT_MAX_FRAMES,
 ) -> VoiceOutClient:
     """Open a session on the server at ``url`` (e.g. ``http://127.0.0.1:8080``).
 
@@ -248,7 +262,7 @@ async def connect(
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     channel = pc.createDataChannel(p.CHANNEL_LABEL)
     pc.addTransceiver("audio", direction="recvonly")
-    client = VoiceOutClient(pc, channel, session if owned else None)
+    client = VoiceOutClient(pc, channel, session if owned else None, max_frames=max_frames)
     try:
         await pc.setLocalDescription(await pc.createOffer())
         headers = {"Authorization": f"Bearer {token}"} if token else {}
