@@ -35,6 +35,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from voice_out.model.checkpoint import random_llm  # noqa: E402
+from voice_out.model.llm_graphs import GraphedLLM  # noqa: E402
 from voice_out.model.qwen2 import KVCache, SpeechLM  # noqa: E402
 from voice_out.model.sampling import SamplingParams, new_history, ras_sample_batch  # noqa: E402
 
@@ -52,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="torch.compile the graphed decode step")
     return p.parse_args(argv)
 
 
@@ -115,6 +117,45 @@ def bench_decode(
     return summary(timed(step, device, args.warmup, args.iters))
 
 
+def bench_graphed(
+    lm: SpeechLM, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> dict[str, float]:
+    """CUDA-graphed decode + head + RAS (the engine's fast path) at ``batch`` rows."""
+    cache = KVCache.allocate(lm.dims, batch + 1, args.max_len, device=device, dtype=dtype)
+    params = SamplingParams()
+    fast = GraphedLLM(lm, cache, params, decode_buckets=(batch,), prefill_buckets=(), compile=args.compile)
+    t0 = time.perf_counter()
+    fast.capture_all()
+    print(f"  capture (compile={args.compile}) batch {batch}: {time.perf_counter() - t0:.1f} s")
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
+    for s in range(batch):
+        lm.prefill(cache, s, prompt, start_pos=0)
+    base = cache.lengths.clone()
+    slots = list(range(batch))
+    embeds = lm.embed_speech(torch.randint(0, lm.dims.speech_token_size, (batch,), generator=gen, device=device))
+    history = new_history(batch, params, device)
+    uniforms = torch.rand(batch, 2, generator=gen, device=device)
+    masked = torch.zeros(batch, dtype=torch.bool, device=device)
+
+    def step() -> None:
+        cache.lengths.copy_(base)
+        fast.decode_sample(slots, embeds, history, uniforms, masked)
+
+    return summary(timed(step, device, args.warmup, args.iters))
+
+
+def bench_graphed_prefill(
+    lm: SpeechLM, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> dict[str, float]:
+    cache = KVCache.allocate(lm.dims, 2, args.max_len, device=device, dtype=dtype)
+    fast = GraphedLLM(lm, cache, SamplingParams(), decode_buckets=(), prefill_buckets=(args.prompt_len,))
+    fast.capture_all()
+    rows = [(0, 0)] + [(1, i % lm.dims.text_vocab_size) for i in range(args.prompt_len - 2)] + [(0, 1)]
+    embeds = lm.embed_rows(rows)
+    return summary(timed(lambda: fast.prefill(0, embeds, 0), device, args.warmup, args.iters))
+
+
 def bench_prefill(lm: SpeechLM, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     cache = KVCache.allocate(lm.dims, 1, args.max_len, device=device, dtype=dtype)
     rows = [(0, 0)] + [(1, i % lm.dims.text_vocab_size) for i in range(args.prompt_len - 2)] + [(0, 1)]
@@ -159,7 +200,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"decode step  batch {batch:3d} {name:16s}"
                     f"  median {r['median_ms']:7.3f} ms  p95 {r['p95_ms']:7.3f} ms"
                 )
+            if device.type == "cuda":
+                r = bench_graphed(lm, batch, args, device, dtype)
+                result["decode"][f"b{batch}_graphed+head+ras"] = r
+                print(
+                    f"decode step  batch {batch:3d} {'GRAPHED+head+ras':16s}"
+                    f"  median {r['median_ms']:7.3f} ms  p95 {r['p95_ms']:7.3f} ms"
+                )
         result["prefill"] = bench_prefill(lm, args, device, dtype)
+        if device.type == "cuda":
+            result["prefill_graphed"] = bench_graphed_prefill(lm, args, device, dtype)
+            g = result["prefill_graphed"]
+            print(f"prefill {args.prompt_len} rows GRAPHED: median {g['median_ms']:7.3f} ms  p95 {g['p95_ms']:7.3f} ms")
         print(
             f"prefill {args.prompt_len} rows:  median {result['prefill']['median_ms']:7.3f} ms"
             f"  p95 {result['prefill']['p95_ms']:7.3f} ms"

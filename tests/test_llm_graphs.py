@@ -1,0 +1,101 @@
+"""The LLM fast path (graph-safe prefill, graphed decode+sample) equals the eager path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT
+from voice_out.model.checkpoint import random_llm
+from voice_out.model.llm_graphs import GraphedLLM, prefill_static
+from voice_out.model.qwen2 import KVCache, SpeechLM
+from voice_out.model.sampling import NO_TOKEN, SamplingParams, mask_eos_, ras_sample_batch
+
+TINY = REPO_ROOT / "configs" / "models" / "tiny"
+
+
+def _setup(device: str, dtype: torch.dtype, n_slots: int = 6, max_len: int = 96) -> tuple[SpeechLM, KVCache, KVCache]:
+    lm = random_llm(TINY, device, dtype, seed=3)
+    a = KVCache.allocate(lm.dims, n_slots, max_len, device, dtype)
+    b = KVCache.allocate(lm.dims, n_slots, max_len, device, dtype)
+    return lm, a, b
+
+
+def _embeds(lm: SpeechLM, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 6561, (n,), generator=g).to(lm.llm_decoder.weight.device)
+    return lm.embed_speech(ids)
+
+
+def test_static_prefill_equals_prefill_cpu() -> None:
+    lm, ref, fast = _setup("cpu", torch.float32)
+    for slot, (start_len, n) in enumerate([(0, 7), (5, 3), (0, 16)]):
+        if start_len:
+            e0 = _embeds(lm, start_len, 100 + slot)
+            lm.prefill(ref, slot, e0, start_pos=0)
+            lm.prefill(fast, slot, e0, start_pos=0)
+        e = _embeds(lm, n, slot)
+        want = lm.prefill(ref, slot, e, start_pos=start_len)
+        padded = torch.cat([e, torch.randn(16 - n, e.shape[1])])  # garbage padding rows
+        t = lambda v: torch.tensor([v])  # noqa: E731
+        got = prefill_static(lm, fast, t(slot), t(start_len), t(n), padded)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert fast.lengths[slot] == ref.lengths[slot] == start_len + n
+        k_ref = ref.k[:, slot, :, : start_len + n]
+        torch.testing.assert_close(fast.k[:, slot, :, : start_len + n], k_ref, atol=1e-5, rtol=1e-5)
+
+
+def _decode_reference(
+    lm: SpeechLM, cache: KVCache, slots: list[int], embeds: torch.Tensor, hist: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    masked = torch.zeros(len(slots), dtype=torch.bool, device=embeds.device)
+    h = lm.decode_step(cache, torch.tensor(slots, device=embeds.device), embeds)
+    return ras_sample_batch(mask_eos_(lm.logprobs(h), masked, lm.dims.eos_token), hist, u, SamplingParams())
+
+
+def _run_equivalence(device: str, dtype: torch.dtype, enabled: bool) -> None:
+    lm, ref, fast = _setup(device, dtype)
+    params = SamplingParams()
+    fast_llm = GraphedLLM(lm, fast, params, decode_buckets=(1, 2, 4), prefill_buckets=(8, 32), enabled=enabled)
+    fast_llm.capture_all()
+    for slot, n in enumerate([9, 4, 20, 13, 30]):
+        e = _embeds(lm, n, slot)
+        want = lm.prefill(ref, slot, e, start_pos=0)
+        got = fast_llm.prefill(slot, e, 0)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    for step, slots in enumerate([[0], [3, 1], [2, 4, 0], [1, 0, 3, 2], [4, 3, 2, 1, 0]]):
+        e = _embeds(lm, len(slots), 50 + step)
+        hist = torch.full((len(slots), params.win_size), NO_TOKEN, dtype=torch.long, device=device)
+        u = torch.rand(len(slots), 2, device=device)
+        want = _decode_reference(lm, ref, slots, e, hist, u)
+        masked = torch.zeros(len(slots), dtype=torch.bool, device=device)
+        got = fast_llm.decode_sample(slots, e, hist, u, masked)
+        assert got.tolist() == want.tolist()
+        assert ref.lengths[:5].tolist() == fast.lengths[:5].tolist()
+    for layer in range(lm.dims.n_layers):
+        for s in range(5):
+            n = int(ref.lengths[s])
+            torch.testing.assert_close(
+                fast.k[layer, s, :, :n].float(), ref.k[layer, s, :, :n].float(), atol=2e-2, rtol=2e-2
+            )
+    assert int(fast.lengths[fast_llm.scratch_slot]) <= 4  # padding never reaches real slots
+
+
+def test_graphed_llm_eager_fallback_equals_reference_cpu() -> None:
+    _run_equivalence("cpu", torch.float32, enabled=True)  # CPU: graphs off, same code
+
+
+@pytest.mark.requires_cuda
+def test_graphed_llm_equals_eager_cuda_fp32() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _run_equivalence("cuda", torch.float32, enabled=True)
+
+
+@pytest.mark.requires_cuda
+def test_graphed_llm_captures_every_bucket() -> None:
+    lm, _, fast = _setup("cuda", torch.bfloat16)
+    g = GraphedLLM(lm, fast, SamplingParams(), decode_buckets=(1, 2, 4), prefill_buckets=(8, 32))
+    g.capture_all()
+    assert sorted(g._decode.captured_keys) == [1, 2, 4]  # type: ignore[type-var]
+    assert sorted(g._prefill.captured_keys) == [8, 32]  # type: ignore[type-var]
+    assert int(fast.lengths.sum()) == 0
