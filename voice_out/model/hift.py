@@ -222,6 +222,23 @@ class HarmonicSource(nn.Module):
 # The vocoder
 
 
+def istft(spec: Tensor, n_fft: int, hop: int, window: Tensor) -> Tensor:
+    """``torch.istft(spec, n_fft, hop, n_fft, window, center=True)`` by windowed overlap-add.
+
+    spec complex ``[B, n_fft // 2 + 1, N]`` -> float ``[B, hop * (N - 1)]``. Same arithmetic as
+    torch's, without its input check that copies a value to the host (which a CUDA graph
+    cannot contain).
+    """
+    n_frames = spec.shape[2]
+    frames = torch.fft.irfft(spec, n=n_fft, dim=1) * window[None, :, None]  # [B, n_fft, N]
+    full = n_fft + hop * (n_frames - 1)
+    fold = {"output_size": (1, full), "kernel_size": (1, n_fft), "stride": (1, hop)}
+    signal = F.fold(frames, **fold)[:, 0, 0]  # [B, full]
+    envelope = F.fold((window * window)[None, :, None].expand(1, n_fft, n_frames), **fold)[0, 0, 0]
+    half = n_fft // 2
+    return signal[:, half : full - half] / envelope[half : full - half]
+
+
 class HiFT(nn.Module):
     """HiFTGenerator (NSF + iSTFT HiFi-GAN) with folded weight norm. Module names match hift.pt."""
 
@@ -304,7 +321,7 @@ class HiFT(nn.Module):
         magnitude = torch.clamp(torch.exp(x[:, :nb, :]), max=MAX_MAGNITUDE)
         phase = torch.sin(x[:, nb:, :])
         spec_out = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        speech = torch.istft(spec_out, n_fft, hop, n_fft, window=self.stft_window, center=True)
+        speech = istft(spec_out, n_fft, hop, self.stft_window)
         return torch.clamp(speech, -d.audio_limit, d.audio_limit)
 
     # -- whole model ---------------------------------------------------------------------------

@@ -28,6 +28,14 @@ Per chunk (non-final chunks hold back their last 160 ms)::
 Two flow paths, chosen per stream: ``"rerun"`` calls ``flow.inference`` over the prompt and
 every token so far on each chunk (upstream's way); ``"cached"`` uses the flow's incremental API,
 so each chunk costs only its new tokens. Both give the same waveform.
+
+Fast path (CUDA, ``Token2Wav.use_cuda_graphs(True)``): the first chunk of a request, which
+decides time to first audio, runs the flow as ONE captured graph of the re-run pass (its shape
+depends only on the prompt length and the first hop, so one graph serves every voice of that
+prompt length), and every non-final vocoder call replays a graph per mel length. A cached-path
+stream whose first chunk came from the graph replays that chunk into its flow cache at its
+second chunk (off the critical path: the listener already has 1 s of audio). Graph outputs equal
+the eager ones (tests/test_token2wav_graphs.py).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from voice_out.model.chunk_schedule import CHUNK_SIZE_TOKENS, MAX_HOP_TOKENS, ChunkPlan, ChunkSchedule
+from voice_out.model.cuda_graphs import GraphedFn
 from voice_out.model.hift import HiFT
 
 MEL_FRAMES_PER_TOKEN = 2  # token_mel_ratio: 25 Hz tokens, 50 Hz mel
@@ -141,6 +150,9 @@ class Token2WavStream:
     flow_cache: Any = None
     samples_emitted: int = 0
     chunk_log: list[ChunkPlan] = field(default_factory=list)
+    #: Cached path: the first chunk's tokens when its mel came from the graphed re-run, so the
+    #: flow cache still has to take them in (done at the next chunk).
+    flow_cache_behind: Tensor | None = None
 
     @property
     def finished(self) -> bool:
@@ -183,6 +195,7 @@ class Token2WavStream:
         self.flow_prompt = flow_prompt
         self.samples_emitted = 0
         self.chunk_log.clear()
+        self.flow_cache_behind = None
         self.model.prepare_flow(self)
 
 
@@ -197,6 +210,30 @@ class Token2Wav:
         self.cache_frames = HIFT_CACHE_FRAMES
         self.cache_samples = HIFT_CACHE_FRAMES * self.samples_per_frame
         self.window = hamming(2 * self.cache_samples, device=self.device)  # [7680] float64
+        self._graph_first_flow: GraphedFn | None = None
+        self._graph_hift: GraphedFn | None = None
+        self._graph_hift_cached: GraphedFn | None = None
+
+    def use_cuda_graphs(self, enabled: bool = True) -> None:
+        """Replay the first chunk's flow and non-final vocoder calls from CUDA graphs (CUDA
+        only; a no-op on the CPU). Graphs are captured on first use of each shape."""
+        if not enabled or self.device.type != "cuda":
+            self._graph_first_flow = self._graph_hift = self._graph_hift_cached = None
+            return
+        flow = self.flow
+
+        def first_flow(token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> Tensor:
+            return flow.inference(token, prompt_token, prompt_feat, embedding, streaming=True, finalize=False)
+
+        def hift_fresh(mel: Tensor) -> tuple[Tensor, Tensor]:
+            return self.hift(mel, None, None)
+
+        def hift_cached(mel: Tensor, source: Tensor) -> tuple[Tensor, Tensor]:
+            return self.hift(mel, source, None)
+
+        self._graph_first_flow = GraphedFn(first_flow, name="flow.first_chunk")
+        self._graph_hift = GraphedFn(hift_fresh, name="hift.fresh")
+        self._graph_hift_cached = GraphedFn(hift_cached, name="hift.cached")
 
     @property
     def samples_per_token(self) -> int:
@@ -271,6 +308,14 @@ class Token2Wav:
         """New mel frames of ``plan``: [1, 80, 2 * hop_tokens] float32."""
         if plan.hop_tokens == 0:  # a final chunk with nothing new (an empty request)
             return torch.zeros(1, self.hift.dims.in_channels, 0, device=self.device)
+        graphed = self._graph_first_flow
+        if graphed is not None and plan.token_offset == 0 and not plan.finalize and token.is_cuda:
+            args = (token[:, : plan.token_len], stream.prompt_token, stream.prompt_feat, stream.embedding)
+            key = (int(stream.prompt_token.shape[1]), plan.token_len)
+            mel = graphed(key, *args).float().clone()
+            if stream.flow_path == "cached":
+                stream.flow_cache_behind = token[:, : plan.token_len].clone()
+            return mel
         if stream.flow_path == "rerun":
             mel = self.flow.inference(
                 token[:, : plan.token_len],
@@ -281,8 +326,12 @@ class Token2Wav:
                 finalize=plan.finalize,
             )
             return mel[:, :, MEL_FRAMES_PER_TOKEN * plan.token_offset :].float()
+        flow = self._streaming_flow()
+        if stream.flow_cache_behind is not None:  # catch the cache up on the graphed first chunk
+            flow.stream_chunk(stream.flow_cache, stream.flow_cache_behind, False)
+            stream.flow_cache_behind = None
         new = token[:, plan.token_offset : plan.token_len]  # new tokens (+ look-ahead unless final)
-        return self._streaming_flow().stream_chunk(stream.flow_cache, new, plan.finalize).float()
+        return flow.stream_chunk(stream.flow_cache, new, plan.finalize).float()
 
     def _as_tokens(self, tokens: Tensor | Sequence[int]) -> Tensor:
         t = tokens if isinstance(tokens, Tensor) else torch.tensor(list(tokens), dtype=torch.int32)
@@ -308,7 +357,7 @@ class Token2Wav:
         else:
             if cache.valid:
                 mel = torch.cat([cache.mel, mel], dim=2)
-            speech_b, source = self.hift(mel, cache.source if cache.valid else None, stream.noise)
+            speech_b, source = self._vocoder(mel, cache.source if cache.valid else None, stream.noise, plan.finalize)
             speech = speech_b[0]  # [S F]
             n = self.cache_samples
             if cache.valid:
@@ -326,6 +375,17 @@ class Token2Wav:
         stream.chunk_log.append(plan)
         stream.samples_emitted += int(speech.shape[0])
         return speech
+
+    def _vocoder(
+        self, mel: Tensor, source: Tensor | None, noise: torch.Generator | None, final: bool
+    ) -> tuple[Tensor, Tensor]:
+        """HiFT, from a graph per mel length for non-final deterministic calls."""
+        graph = self._graph_hift if source is None else self._graph_hift_cached
+        if graph is None or final or noise is not None or not mel.is_cuda:
+            return self.hift(mel, source, noise)
+        args = (mel.contiguous(),) if source is None else (mel.contiguous(), source)
+        speech, src = graph(int(mel.shape[2]), *args)
+        return speech.clone(), src.clone()
 
     # -- conveniences --------------------------------------------------------------------------
 
