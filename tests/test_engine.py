@@ -558,3 +558,35 @@ def test_the_graphed_llm_path_speaks_like_the_eager_one(engine: Engine) -> None:
         sampled.close()
     assert chunks and chunks[-1].final  # stopped by EOS or by the length guard (<= 20 per text id)
     assert sum(len(c.pcm) for c in chunks) <= 20 * 2 * SAMPLES_PER_TOKEN
+
+
+def test_sampled_streams_are_isolated_in_the_batched_llm(engine: Engine) -> None:
+    """Without forced tokens every token comes from the LLM's own logits and the stream's own
+    generator, so cross-talk between KV slots or generators would change the audio."""
+    kw: dict[str, object] = {"warmup": False, "text_normalizer": "none", "noise_prompt_tokens": 0, "kv_len": 512}
+    eng = Engine.load(engine.config, forced=None, **kw)  # type: ignore[arg-type]
+    eng.start(timeout=120)
+    texts = ["ab", "c d", "ef", "g", "hij", "kl"]
+    try:
+        alone = [solo(eng, 200 + i, [t]) for i, t in enumerate(texts)]
+
+        async def together() -> list[list[PcmChunk]]:
+            streams = [eng.open_stream(seed=200 + i) for i in range(len(texts))]
+            for s, t in zip(streams, texts, strict=True):
+                s.push_text(t)
+                s.end_text()
+
+            async def consume(s: EngineStream) -> list[PcmChunk]:
+                return [c async for c in s]
+
+            return list(await asyncio.gather(*(consume(s) for s in streams)))
+
+        concurrent = asyncio.run(together())
+        assert_clean(eng)
+    finally:
+        eng.close()
+    lengths = {sum(len(c.pcm) for c in a) for a in alone}
+    assert len(lengths) > 1  # the sampled streams really differ
+    for a, b in zip(concurrent, alone, strict=True):
+        assert signature(a) == signature(b)
+        np.testing.assert_array_equal(np.concatenate([c.pcm for c in a]), np.concatenate([c.pcm for c in b]))
