@@ -590,3 +590,25 @@ def test_sampled_streams_are_isolated_in_the_batched_llm(engine: Engine) -> None
     for a, b in zip(concurrent, alone, strict=True):
         assert signature(a) == signature(b)
         np.testing.assert_array_equal(np.concatenate([c.pcm for c in a]), np.concatenate([c.pcm for c in b]))
+
+
+def test_say_stream_reads_deltas_from_a_pipe_as_they_arrive(engine: Engine) -> None:
+    import os
+
+    from voice_out.engine.say import feed_stdin
+
+    r, w = os.pipe()
+    stream = engine.open_stream(seed=8)
+    errors: list[BaseException] = []
+    with os.fdopen(r, "rb") as source:
+        reader = threading.Thread(target=feed_stdin, args=(stream, source, errors))
+        reader.start()
+        os.write(w, "Héllo ".encode()[:2])  # a UTF-8 character split across two reads
+        assert engine.wait_idle(60)
+        os.write(w, "Héllo ".encode()[2:] + b"world")
+        os.close(w)
+        chunks = list(stream)
+        reader.join(10)
+    assert not errors and stream.text == "Héllo world"
+    assert chunks[-1].final and chunks[-1].text_end == len("Héllo world")
+    assert_clean(engine)
