@@ -455,6 +455,8 @@ def run_engine_bench(
         tokens_per_text_token=opts.tokens_per_text_token,
         prompt_tokens=opts.prompt_tokens,
         flow_path=opts.flow_path,
+        # the engine's own switch (--set engine.cuda_graphs=false for eager): graphs on CUDA only
+        cuda_graphs=cfg.engine.cuda_graphs and device.type == "cuda",
         max_ahead_s=cfg.engine.max_ahead_s,
         kv_len=opts.kv_len(),
         reps=opts.reps,

@@ -96,11 +96,10 @@ async def speak_and_barge_in(client: VoiceOutClient, uid: str, opts: WebrtcBench
         raise RuntimeError(f"the server answered {started.code}: {started.message}")
     assert isinstance(started, p.AudioStarted)
     deadline = time.monotonic() + opts.timeout_s
-    while not any(f.audible for f in client.frames_since(t_send)):
+    while (first := client.first_audible(t_send)) is None:
         if time.monotonic() > deadline:
             raise TimeoutError("no audible audio reached the client")
         await asyncio.sleep(0.005)
-    first = next(f for f in client.frames_since(t_send) if f.audible)
     await asyncio.sleep(max(0.0, first.t + opts.barge_after_s - time.monotonic()))
     t_cancel = client.cancel()
     await client.wait_for(
@@ -112,8 +111,8 @@ async def speak_and_barge_in(client: VoiceOutClient, uid: str, opts: WebrtcBench
     deadline = time.monotonic() + opts.timeout_s
     while True:
         frames = client.frames_since(t_cancel)
-        audible = [f.t for f in frames if f.audible]
-        last = max(audible, default=t_cancel)
+        last_frame = client.last_audible(t_cancel)
+        last = t_cancel if last_frame is None else last_frame.t
         if frames and frames[-1].t - last >= opts.quiet_s:
             break
         if time.monotonic() > deadline:
