@@ -34,6 +34,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -181,7 +182,7 @@ def cold_start_child(spec_json: str) -> None:
     engine.start(timeout=opts.timeout_s)
     t2 = time.perf_counter()
     print("READY " + json.dumps({"load_s": t1 - t0, "start_s": t2 - t1}), flush=True)
-    engine.close()
+    engine.close(timeout=60)
 
 
 def measure_cold_start(cfg: Config, opts: EngineBenchOptions) -> tuple[float, dict[str, float]]:
@@ -197,15 +198,20 @@ def measure_cold_start(cfg: Config, opts: EngineBenchOptions) -> tuple[float, di
             [sys.executable, "-c", code, spec], stdout=subprocess.PIPE, stderr=err, text=True, env=env
         )
         assert proc.stdout is not None
+        killer = threading.Timer(opts.timeout_s, proc.kill)  # a hung child cannot hang the benchmark
+        killer.start()
         ready: dict[str, float] | None = None
         elapsed = 0.0
-        for line in proc.stdout:
-            if line.startswith("READY "):
-                elapsed = time.perf_counter() - t0
-                ready = json.loads(line[6:])
-                break
-        proc.stdout.read()
-        rc = proc.wait(timeout=opts.timeout_s)
+        try:
+            for line in proc.stdout:
+                if line.startswith("READY "):
+                    elapsed = time.perf_counter() - t0
+                    ready = json.loads(line[6:])
+                    break
+            rc = proc.wait()  # the child closes its engine and exits
+        finally:
+            killer.cancel()
+            proc.stdout.close()
         if ready is None or rc != 0:
             err.seek(0)
             tail = err.read()[-2000:]
@@ -475,6 +481,8 @@ def run_engine_bench(
         log(f"cold start: {elapsed:.1f} s")
         save()
 
+    if set(opts.scenarios) <= {"cold"}:
+        return
     t0 = time.perf_counter()
     engine = load_engine(cfg, opts)
 
