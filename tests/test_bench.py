@@ -146,9 +146,17 @@ def test_engine_mode_smoke(tmp_path: Path) -> None:
     assert "| capacity.max_streams | 2 |" in proc.stdout
     md = (docs / "benchmarks.md").read_text()
     assert md.startswith("# Benchmarks") and CPU_LABEL in md and f"```\n{command}\n```" in md
-    assert json.loads((docs / "benchmarks.json").read_text()) == sorted(
-        doc["metrics"], key=lambda r: (r["gpu"], r["mode"], r["name"], r["streams"])
-    )
+    records = json.loads((docs / "benchmarks.json").read_text())
+    assert records == sorted(doc["metrics"], key=lambda r: (r["gpu"], r["mode"], r["name"], r["streams"]))
+
+    # a result brought back from another machine goes into the docs the same way
+    from voice_out.cli import main
+
+    docs2 = tmp_path / "docs2"
+    docs2.mkdir()
+    assert main(["bench", "--from-json", str(out), "--update-docs", "--docs-dir", str(docs2)]) == 0
+    assert json.loads((docs2 / "benchmarks.json").read_text()) == records
+    assert (docs2 / "benchmarks.md").read_text().split("## Results\n", 1)[1] == md.split("## Results\n", 1)[1]
 
 
 def test_webrtc_mode_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -177,7 +185,9 @@ def test_update_docs_keeps_other_modes_and_gpus(tmp_path: Path) -> None:
         r.add("x.p50", value, "ms", 1)
         return r
 
-    update_docs(report("engine", "cpu", 1.0), tmp_path)
+    first = report("engine", "cpu", 1.0)
+    assert Report.from_json(first.to_json()) == first
+    update_docs(first, tmp_path)
     update_docs(report("webrtc", "cpu", 2.0), tmp_path)
     update_docs(report("engine", "NVIDIA H100", 3.0), tmp_path)
     update_docs(report("engine", "cpu", 4.0), tmp_path)  # replaces the first

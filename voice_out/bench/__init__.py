@@ -14,6 +14,7 @@ docs/benchmarks.json.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -115,7 +116,15 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
     log = _logger()
     if mode not in ("engine", "webrtc"):
         raise UserError(f"unknown bench mode {mode!r} (engine or webrtc)")
-    if mode == "engine":
+    from_json = getattr(args, "from_json", None)
+    if from_json:  # a run made elsewhere (e.g. on the GPU machine): report it, measure nothing
+        try:
+            report = Report.from_json(json.loads(Path(from_json).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"--from-json {from_json}: not a benchmark result ({e})") from None
+        if not report.complete:
+            report.notes.append("the run was cut short: these are the figures it measured before it stopped")
+    elif mode == "engine":
         from voice_out.bench.engine_bench import gpu_name, run_engine_bench
 
         try:

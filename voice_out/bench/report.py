@@ -71,6 +71,21 @@ class Report:
         for q in qs:
             self.add(f"{name}.p{round(q * 100)}", percentile(values, q), unit, streams)
 
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Report:
+        """The report of a JSON document written by :func:`write_json`."""
+        report = cls(
+            mode=doc["mode"],
+            gpu=doc["gpu"],
+            command=doc["command"],
+            date=doc["date"],
+            settings=dict(doc.get("settings", {})),
+            notes=list(doc.get("notes", [])),
+            complete=bool(doc.get("complete", True)),
+        )
+        report.metrics = [Metric(**m) for m in doc["metrics"]]
+        return report
+
     def get(self, name: str, streams: int | None = None) -> Metric:
         for m in self.metrics:
             if m.name == name and (streams is None or m.streams == streams):
