@@ -19,6 +19,13 @@ of a non-final chunk final (the flow's chunk masks count from the prompt start).
 
 Unlike upstream, the hop is per request: it starts at ``first_hop`` for every request (upstream
 keeps it on the model object and never resets it, so its second request starts at 100).
+
+Fast start (``fast_first`` = n > 0, a per-request option that upstream's PyTorch path lacks):
+the first chunk makes only n tokens final (no pad), so the first audio needs n + 3 tokens
+instead of 25 + pad + 3; the second chunk then realigns (hop = first_hop + the tokens up to
+the next boundary) and the schedule goes on as above. The first chunk's audio is then NOT
+bit-equal to a single pass: its frames attend to part of their 25-token chunk only (the same
+trade upstream's Triton server makes with its 15-token first hop). Every later chunk is exact.
 """
 
 from __future__ import annotations
@@ -74,6 +81,8 @@ class ChunkSchedule:
     hop_scale: int = HOP_SCALE
     lookahead: int = LOOKAHEAD_TOKENS
     chunk_size: int = CHUNK_SIZE_TOKENS
+    #: Tokens of a fast first chunk (0 = off: upstream's first hop of first_hop + pad).
+    fast_first: int = 0
     # progress
     offset: int = 0
     hop: int = CHUNK_SIZE_TOKENS
@@ -83,10 +92,14 @@ class ChunkSchedule:
     def __post_init__(self) -> None:
         self.reset(self.prompt_tokens, self.first_hop)
 
-    def reset(self, prompt_tokens: int, first_hop: int | None = None) -> None:
+    def reset(self, prompt_tokens: int, first_hop: int | None = None, fast_first: int | None = None) -> None:
         """Start a new request with ``prompt_tokens`` flow prompt tokens (in place)."""
         if first_hop is not None:
             self.first_hop = first_hop
+        if fast_first is not None:
+            self.fast_first = fast_first
+        if not 0 <= self.fast_first < self.chunk_size:
+            raise ValueError(f"fast_first must be in 0..{self.chunk_size - 1} tokens, got {self.fast_first}")
         if prompt_tokens < 0:
             raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
         for name in ("first_hop", "max_hop"):
@@ -109,7 +122,10 @@ class ChunkSchedule:
     @property
     def hop_now(self) -> int:
         """Tokens the next non-final chunk will make final."""
-        return self.hop + self.pad if self.n_chunks == 0 else self.hop
+        if self.n_chunks == 0:
+            return self.fast_first if self.fast_first else self.hop + self.pad
+        # after a fast first chunk: back onto a chunk boundary (0 otherwise: already aligned)
+        return self.hop + (-(self.prompt_tokens + self.offset)) % self.chunk_size
 
     @property
     def tokens_for_next_chunk(self) -> int:
@@ -145,12 +161,16 @@ class ChunkSchedule:
             self.offset = plan.token_len
             return
         self.offset += plan.hop_tokens
+        if plan.index == 0 and self.fast_first:
+            return  # the realigning second chunk starts from first_hop
         self.hop = min(self.max_hop, self.hop * self.hop_scale)
 
 
-def plan_all(n_tokens: int, prompt_tokens: int, first_hop: int = CHUNK_SIZE_TOKENS) -> list[ChunkPlan]:
+def plan_all(
+    n_tokens: int, prompt_tokens: int, first_hop: int = CHUNK_SIZE_TOKENS, fast_first: int = 0
+) -> list[ChunkPlan]:
     """The whole schedule of a request whose ``n_tokens`` speech tokens are all known."""
-    schedule = ChunkSchedule(prompt_tokens=prompt_tokens, first_hop=first_hop)
+    schedule = ChunkSchedule(prompt_tokens=prompt_tokens, first_hop=first_hop, fast_first=fast_first)
     plans: list[ChunkPlan] = []
     while (plan := schedule.ready(n_tokens, llm_finished=True)) is not None:
         plans.append(plan)

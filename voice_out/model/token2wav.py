@@ -150,9 +150,10 @@ class Token2WavStream:
     flow_cache: Any = None
     samples_emitted: int = 0
     chunk_log: list[ChunkPlan] = field(default_factory=list)
-    #: Cached path: the first chunk's tokens when its mel came from the graphed re-run, so the
-    #: flow cache still has to take them in (done at the next chunk).
-    flow_cache_behind: Tensor | None = None
+    #: Cached path: the first chunk's mel came from a re-run (graphed, or a fast first chunk that
+    #: ends off a chunk boundary), so the flow cache has not taken in any speech token yet; the
+    #: next chunk feeds it everything from the prompt's end (ending on a boundary again).
+    flow_cache_behind: bool = False
 
     @property
     def finished(self) -> bool:
@@ -174,6 +175,7 @@ class Token2WavStream:
         *,
         first_hop: int = CHUNK_SIZE_TOKENS,
         max_hop: int = MAX_HOP_TOKENS,
+        fast_first: int = 0,
         flow_path: FlowPath | None = None,
         noise: torch.Generator | None = None,
         flow_prompt: Any = None,
@@ -187,7 +189,7 @@ class Token2WavStream:
         self.prompt_token, self.prompt_feat = prompt_token.to(dev), prompt_feat.to(dev)
         self.embedding = embedding.to(dev)
         self.schedule.max_hop = max_hop
-        self.schedule.reset(int(prompt_token.shape[-1]), first_hop)
+        self.schedule.reset(int(prompt_token.shape[-1]), first_hop, fast_first)
         self.hift_cache.reset()
         if flow_path is not None:
             self.flow_path = flow_path
@@ -195,7 +197,7 @@ class Token2WavStream:
         self.flow_prompt = flow_prompt
         self.samples_emitted = 0
         self.chunk_log.clear()
-        self.flow_cache_behind = None
+        self.flow_cache_behind = False
         self.model.prepare_flow(self)
 
 
@@ -249,12 +251,14 @@ class Token2Wav:
         *,
         first_hop: int = CHUNK_SIZE_TOKENS,
         max_hop: int = MAX_HOP_TOKENS,
+        fast_first: int = 0,
         flow_path: FlowPath = "rerun",
         noise: torch.Generator | None = None,
         flow_prompt: Any = None,
     ) -> Token2WavStream:
         """A new per-request state.
 
+        ``fast_first``: tokens of a fast first chunk (0 = off; see ``chunk_schedule``).
         ``first_hop`` / ``max_hop`` (multiples of 25) must match the engine's own schedule for
         the request; ``noise`` None = deterministic vocoder source; ``flow_prompt`` as in
         :meth:`Token2WavStream.reset`.
@@ -264,7 +268,9 @@ class Token2Wav:
             prompt_token=prompt_token.to(self.device),
             prompt_feat=prompt_feat.to(self.device),
             embedding=embedding.to(self.device),
-            schedule=ChunkSchedule(prompt_tokens=int(prompt_token.shape[-1]), first_hop=first_hop, max_hop=max_hop),
+            schedule=ChunkSchedule(
+                prompt_tokens=int(prompt_token.shape[-1]), first_hop=first_hop, max_hop=max_hop, fast_first=fast_first
+            ),
             hift_cache=HiFTCache.allocate(
                 self.hift.dims.in_channels, self.cache_frames, self.samples_per_frame, self.device
             ),
@@ -308,13 +314,15 @@ class Token2Wav:
         """New mel frames of ``plan``: [1, 80, 2 * hop_tokens] float32."""
         if plan.hop_tokens == 0:  # a final chunk with nothing new (an empty request)
             return torch.zeros(1, self.hift.dims.in_channels, 0, device=self.device)
-        graphed = self._graph_first_flow
-        if graphed is not None and plan.token_offset == 0 and not plan.finalize and token.is_cuda:
+        graphed = self._graph_first_flow if token.is_cuda else None
+        first = plan.index == 0 and not plan.finalize
+        if first and (graphed is not None or stream.schedule.fast_first):
             args = (token[:, : plan.token_len], stream.prompt_token, stream.prompt_feat, stream.embedding)
-            key = (int(stream.prompt_token.shape[1]), plan.token_len)
-            mel = graphed(key, *args).float().clone()
-            if stream.flow_path == "cached":
-                stream.flow_cache_behind = token[:, : plan.token_len].clone()
+            if graphed is not None:
+                mel = graphed((int(stream.prompt_token.shape[1]), plan.token_len), *args).float().clone()
+            else:
+                mel = self.flow.inference(*args, streaming=True, finalize=False).float()
+            stream.flow_cache_behind = stream.flow_path == "cached"
             return mel
         if stream.flow_path == "rerun":
             mel = self.flow.inference(
@@ -327,9 +335,10 @@ class Token2Wav:
             )
             return mel[:, :, MEL_FRAMES_PER_TOKEN * plan.token_offset :].float()
         flow = self._streaming_flow()
-        if stream.flow_cache_behind is not None:  # catch the cache up on the graphed first chunk
-            flow.stream_chunk(stream.flow_cache, stream.flow_cache_behind, False)
-            stream.flow_cache_behind = None
+        if stream.flow_cache_behind:  # take in the first chunk's tokens too, then drop its frames
+            stream.flow_cache_behind = False
+            mel = flow.stream_chunk(stream.flow_cache, token[:, : plan.token_len], plan.finalize)
+            return mel[:, :, MEL_FRAMES_PER_TOKEN * plan.token_offset :].float()
         new = token[:, plan.token_offset : plan.token_len]  # new tokens (+ look-ahead unless final)
         return flow.stream_chunk(stream.flow_cache, new, plan.finalize).float()
 
