@@ -20,11 +20,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from voice_out.bench.report import Report, update_docs, write_json
 from voice_out.config import DEFAULT_MODEL, Config
 from voice_out.config import replace as replace_config
+
+if TYPE_CHECKING:
+    from voice_out.bench.engine_bench import EngineBenchOptions
+    from voice_out.bench.webrtc_bench import WebrtcBenchOptions
 
 #: The model ``voice-out bench`` measures unless one is named: the full-size architecture
 #: with random weights, built on the device.
@@ -63,7 +67,7 @@ def bench_model_config(cfg: Config, args: argparse.Namespace) -> Config:
     return cfg
 
 
-def _engine_options(args: argparse.Namespace) -> Any:
+def _engine_options(args: argparse.Namespace) -> EngineBenchOptions:
     from voice_out.bench.engine_bench import DEFAULT_STREAMS, SCENARIOS, EngineBenchOptions
 
     over: dict[str, Any] = {"streams": _ints(getattr(args, "streams", None)) or DEFAULT_STREAMS}
@@ -84,7 +88,7 @@ def _engine_options(args: argparse.Namespace) -> Any:
     return EngineBenchOptions(**over)
 
 
-def _webrtc_options(args: argparse.Namespace) -> Any:
+def _webrtc_options(args: argparse.Namespace) -> WebrtcBenchOptions:
     from voice_out.bench.webrtc_bench import WebrtcBenchOptions
 
     over: dict[str, Any] = {}
@@ -116,6 +120,9 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
     log = _logger()
     if mode not in ("engine", "webrtc"):
         raise UserError(f"unknown bench mode {mode!r} (engine or webrtc)")
+    docs = Path(getattr(args, "docs_dir", None) or DOCS_DIR)
+    if getattr(args, "update_docs", False) and not docs.is_dir():
+        raise UserError(f"--update-docs: no docs directory at {docs}")
     from_json = getattr(args, "from_json", None)
     if from_json:  # a run made elsewhere (e.g. on the GPU machine): report it, measure nothing
         try:
@@ -156,9 +163,6 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
         write_json(report, out)
         log(f"wrote {out}")
     if getattr(args, "update_docs", False):
-        docs = Path(getattr(args, "docs_dir", None) or DOCS_DIR)
-        if not docs.is_dir():
-            raise UserError(f"--update-docs: no docs directory at {docs}")
         md, js = update_docs(report, docs)
         log(f"appended to {md}, rewrote {js}")
     return 0
