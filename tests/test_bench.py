@@ -32,7 +32,7 @@ RUNNER = textwrap.dedent(
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
             if name.split(".")[0] in {blocked!r}:
-                raise ImportError("blocked: " + name)
+                raise ModuleNotFoundError("No module named " + repr(name), name=name)
             return None
 
     sys.meta_path.insert(0, Block())
@@ -157,6 +157,15 @@ def test_engine_mode_smoke(tmp_path: Path) -> None:
     assert main(["bench", "--from-json", str(out), "--update-docs", "--docs-dir", str(docs2)]) == 0
     assert json.loads((docs2 / "benchmarks.json").read_text()) == records
     assert (docs2 / "benchmarks.md").read_text().split("## Results\n", 1)[1] == md.split("## Results\n", 1)[1]
+
+
+def test_webrtc_mode_without_aiortc_is_a_one_line_error() -> None:
+    argv = ["bench", "--mode", "webrtc", "--model", "random:tiny", "--device", "cpu", "--quick"]
+    proc = subprocess.run([sys.executable, "-c", RUNNER, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "voice-out: error: --mode webrtc needs aiortc and av (the WebRTC client); aiortc is not installed"
+    )
 
 
 def test_webrtc_mode_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -149,7 +149,13 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
 
         run_engine_bench(cfg, opts, report, log, save)
     else:
-        from voice_out.bench.webrtc_bench import run_webrtc_bench
+        try:
+            from voice_out.bench.webrtc_bench import run_webrtc_bench
+        except ModuleNotFoundError as e:
+            if e.name is not None and e.name.split(".")[0] in ("aiortc", "av"):
+                msg = f"--mode webrtc needs aiortc and av (the WebRTC client); {e.name} is not installed"
+                raise UserError(msg) from None
+            raise
 
         try:
             wopts = _webrtc_options(args)
