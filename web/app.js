@@ -56,7 +56,7 @@ const state = {
   nextId: 1,
   utteranceOrder: [], // ids in the order they were started
   streamers: new Set(), // running "stream like an LLM" loops
-  pendingCancel: null, // barge-in waiting for silence
+  pendingCancels: [], // barge-ins waiting for silence
   audioCtx: null,
   graphInput: null, // where the remote stream is connected
   analyser: null,
@@ -358,14 +358,13 @@ function onAudioBlock(start, end, rms, _peak) {
     audio.silences.push({ t: end, lastAudible: audio.lastAudibleEnd });
     record("page", "silence", { last_audible_ms: Math.round(audio.lastAudibleEnd) });
   }
-  const cancel = state.pendingCancel;
-  if (cancel && !audio.audible) {
+  if (state.pendingCancels.length > 0 && !audio.audible) {
     const lastAudible = audio.lastAudibleEnd ?? -Infinity;
-    if (end - Math.max(cancel.at, lastAudible) >= SILENCE_HOLD_MS) {
+    for (const cancel of state.pendingCancels.filter((c) => end - Math.max(c.at, lastAudible) >= SILENCE_HOLD_MS)) {
       cancel.lastAudibleAt = lastAudible > -Infinity ? lastAudible : null;
       cancel.ms = Math.max(0, lastAudible - cancel.at);
       cancel.silenceAt = end;
-      state.pendingCancel = null;
+      state.pendingCancels.splice(state.pendingCancels.indexOf(cancel), 1);
       mark("silenceAfterCancel", end);
       $("stat-bargein").textContent = fmtMs(cancel.ms);
       record("page", "barge-in", { reason: cancel.reason, last_audible_after_cancel_ms: Math.round(cancel.ms) });
@@ -729,12 +728,16 @@ function cancel(id = null, reason = "button") {
   for (const x of ids) voiceOut.utterances[x].cancelSentAt = at;
   const bargeIn = { at, reason, ids, lastAudibleAt: null, silenceAt: null, ms: null };
   voiceOut.bargeIns.push(bargeIn);
-  state.pendingCancel = bargeIn;
+  state.pendingCancels.push(bargeIn);
   return bargeIn;
 }
 
+/** An utterance is under way and not yet cut (the sound of a cut one may still be draining). */
 function speaking() {
-  return audio.audible || state.utteranceOrder.some((id) => !TERMINAL.has(voiceOut.utterances[id].status));
+  return state.utteranceOrder.some((id) => {
+    const u = voiceOut.utterances[id];
+    return !TERMINAL.has(u.status) && u.cancelSentAt === null;
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
