@@ -359,6 +359,9 @@ async def conversation(page: Page, base_url: str, out: dict[str, Any]) -> None:
         await page.evaluate(f"voiceOut.levels({b['at']} - 300, {b['at']} + 500)") for b in measured["bargeIns"]
     ]
     measured.update(short_id=short_id, long_id=long_id, mic_id=mic_id)
+    # No uncaught exception in the page.
+    thrown = [e for e in page.devtools.events if e.get("method") == "Runtime.exceptionThrown"]
+    assert thrown == [], page.console()
     # The page is self-contained: everything it loaded came from the server (or from itself).
     urls = page.requested_urls()
     assert base_url + "/app.js" in urls and base_url + "/style.css" in urls, urls
