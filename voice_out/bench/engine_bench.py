@@ -472,6 +472,7 @@ def run_engine_bench(
         ramp_s=opts.ramp_s,
         ttfa_target_ms=opts.ttfa_target_ms,
         torch=torch.__version__,
+        engine_config=dataclasses.asdict(cfg.engine),
     )
     if "cold" in opts.scenarios:  # first, while this process holds no device memory
         log("cold start: a fresh process loads and starts the engine")

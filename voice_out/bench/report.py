@@ -111,8 +111,9 @@ class Report:
             f"- gpu: {self.gpu}" + (f" — {CPU_LABEL}" if self.gpu == "cpu" else ""),
             f"- date: {self.date}",
         ]
-        if self.settings:
-            lines.append("- settings: " + ", ".join(f"{k}={_fmt_setting(v)}" for k, v in self.settings.items()))
+        flat = {k: v for k, v in self.settings.items() if not isinstance(v, dict)}  # nested: JSON only
+        if flat:
+            lines.append("- settings: " + ", ".join(f"{k}={_fmt_setting(v)}" for k, v in flat.items()))
         lines += [f"- note: {n}" for n in self.notes]
         lines += ["", "| metric | streams | value | unit |", "|---|---:|---:|---|"]
         lines += [f"| {m.name} | {m.streams} | {_fmt(m.value)} | {m.unit} |" for m in self.metrics]
