@@ -190,7 +190,9 @@ function describe(type, msg) {
     case "silence":
       return `last audible sample at ${(msg.last_audible_ms / 1000).toFixed(3)} s`;
     case "barge-in":
-      return `${msg.reason}: silent ${fmtMs(msg.last_audible_after_cancel_ms)} after the cancel`;
+      return msg.last_audible_after_cancel_ms > 0
+        ? `${msg.reason}: silent ${fmtMs(msg.last_audible_after_cancel_ms)} after the cancel`
+        : `${msg.reason}: it was already quiet when the cancel went out, and stayed so`;
     case "connection":
       return msg.state;
     case "voices":
@@ -366,7 +368,7 @@ function onAudioBlock(start, end, rms, _peak) {
       cancel.silenceAt = end;
       state.pendingCancels.splice(state.pendingCancels.indexOf(cancel), 1);
       mark("silenceAfterCancel", end);
-      $("stat-bargein").textContent = fmtMs(cancel.ms);
+      $("stat-bargein").textContent = cancel.ms > 0 ? fmtMs(cancel.ms) : "0 ms (quiet)";
       record("page", "barge-in", { reason: cancel.reason, last_audible_after_cancel_ms: Math.round(cancel.ms) });
     }
   }
