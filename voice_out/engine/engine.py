@@ -1,4 +1,5 @@
-"""The in-process engine: :class:`Engine` (implements ``EngineLike``) and its :class:`EngineStream`.
+"""The in-process engine: :class:`Engine` (implements ``EngineLike``), handing out
+:class:`~voice_out.engine.stream.EngineStream` s.
 
 ::
 
@@ -12,8 +13,8 @@
 Threads. ``Engine`` and ``EngineStream`` methods are called from the asyncio thread (or any one
 non-worker thread for the synchronous ``start``/``close`` and the plain iterator). They only
 put typed messages on the worker's queue (:mod:`voice_out.engine.worker`); the worker thread
-owns the model and hands each stream's items to its :class:`_Outbox`, which is thread-safe and
-wakes an async consumer with ``loop.call_soon_threadsafe``.
+owns the model and hands each stream's items to its outbox (:mod:`voice_out.engine.stream`),
+which is thread-safe and wakes an async consumer with ``loop.call_soon_threadsafe``.
 
 Cancellation. ``EngineStream.cancel()`` is idempotent and valid at any stage: it ends the
 iteration at once, drops the queued audio, and sends a high-priority ``Cancel``; the worker
@@ -25,7 +26,6 @@ slot is reset and reused. A stream object that is garbage-collected unfinished i
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import itertools
 import logging
@@ -35,7 +35,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -45,29 +45,20 @@ from voice_out.config import Config, EngineConfig
 from voice_out.config import replace as replace_config
 from voice_out.engine.api import (
     SAMPLE_RATE,
-    EngineError,
-    NoVoiceError,
     OverloadedError,
-    PcmChunk,
     StreamClosedError,
-    StreamFailedError,
-    StreamState,
-    TextTooLongError,
-    UnknownVoiceError,
 )
-from voice_out.engine.request import RequestStatus, TextPiece, TextPipeline, VoicePrompt
+from voice_out.engine.request import TextPipeline
 from voice_out.engine.scheduler import ForcedTokens, Scheduler
+from voice_out.engine.stream import EngineStream
+from voice_out.engine.voicebook import ADD_VOICE_HINT, VoiceBook
 from voice_out.engine.worker import (
-    Ack,
     Barrier,
     Cancel,
-    EndOfStream,
-    EndText,
     Message,
     Open,
     StepRunner,
     Stop,
-    Text,
     Worker,
     WorkerStats,
 )
@@ -78,7 +69,6 @@ log = logging.getLogger(__name__)
 NOISE_VOICE = "noise"
 #: ``random:<preset>`` -> the dims directory under ``configs/models``.
 RANDOM_DIMS = {"tiny": "tiny", "0.5b": "cosyvoice2-0.5b"}
-ADD_VOICE_HINT = 'add one with `voice-out voices add NAME prompt.wav "what is said in it"`'
 
 
 def random_dims_dir(preset: str) -> Path:
@@ -88,316 +78,6 @@ def random_dims_dir(preset: str) -> Path:
     if not (path / "cosyvoice2.yaml").is_file():
         raise FileNotFoundError(f"the dims of random:{preset} are missing: {path / 'cosyvoice2.yaml'}")
     return path
-
-
-# --------------------------------------------------------------------------------------------
-# Per-stream outbox: the only object both threads touch
-
-
-class _Outbox:
-    """A stream's queue of items from the worker. ``deliver`` (worker) and ``close`` (consumer)
-    are thread-safe; once closed, deliveries are dropped."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._items: collections.deque[PcmChunk | EndOfStream] = collections.deque()
-        self._closed = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._event: asyncio.Event | None = None
-        # the stream's state lives here, not in the stream: the worker holds the outbox, and
-        # must not keep an abandoned stream alive (its finalizer cancels it)
-        self.state = StreamState.WAITING
-        self.error: EngineError | None = None
-
-    def _track(self, item: PcmChunk | EndOfStream) -> None:
-        if isinstance(item, PcmChunk):
-            if self.state is StreamState.WAITING:
-                self.state = StreamState.RUNNING
-        else:
-            self.state = item.status.stream_state()
-            self.error = item.error
-
-    def abort(self) -> bool:
-        """Mark the stream ABORTED and close; False when it had already ended."""
-        with self._cond:
-            ended = self.state.terminal
-            if not ended:
-                self.state = StreamState.ABORTED
-        self.close()
-        return not ended
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
-        """Called on the loop's thread by the async iterator."""
-        with self._cond:
-            if self._event is None or self._loop is not loop:
-                self._loop, self._event = loop, asyncio.Event()
-            return self._event
-
-    def deliver(self, item: PcmChunk | EndOfStream) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._items.append(item)
-            self._track(item)
-            self._cond.notify_all()
-            loop, event = self._loop, self._event
-        if loop is not None and event is not None:
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the loop is closed: nobody is waiting any more
-                pass
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._items.clear()
-            self._cond.notify_all()
-            loop, event = self._loop, self._event
-        if loop is not None and event is not None:
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:
-                pass
-
-    def poll(self) -> PcmChunk | EndOfStream | None:
-        with self._cond:
-            return self._items.popleft() if self._items else None
-
-    def get(self, timeout: float | None = None) -> PcmChunk | EndOfStream | None:
-        """Block until an item arrives (None: closed, or ``timeout`` passed)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._items or self._closed, timeout)
-            return self._items.popleft() if self._items else None
-
-
-# --------------------------------------------------------------------------------------------
-# The stream handle
-
-
-class EngineStream:
-    """One utterance (implements :class:`voice_out.engine.api.Stream`).
-
-    Call ``push_text``/``end_text``/``cancel``/``ack`` from the asyncio thread (or the one
-    thread that owns the stream); iterate it once, async or plain. With ``auto_ack`` (the
-    default) a chunk counts as played when the iterator hands it out; a transport that buffers
-    ahead of playback turns it off and calls :meth:`ack` with what was actually played, so that
-    back-pressure (``engine.max_ahead_s``) follows the listener.
-    """
-
-    def __init__(
-        self,
-        engine: Engine,
-        stream_id: str,
-        voice: str,
-        *,
-        auto_ack: bool,
-    ) -> None:
-        self._engine = engine
-        self._id = stream_id
-        self._voice = voice
-        self._auto_ack = auto_ack
-        self._text: list[str] = []
-        self._n_chars = 0
-        self._ended = False
-        self._cancelled = False
-        self._iterated = False
-        self.outbox = _Outbox()
-        self.samples_received = 0
-        #: Cancels the stream if it is garbage-collected unfinished (set by the engine).
-        self.finalizer: weakref.finalize[Any, Any] | None = None
-
-    # ---- Stream protocol ---------------------------------------------------------------------
-
-    @property
-    def id(self) -> str:
-        return self._id
-
-    @property
-    def voice(self) -> str:
-        return self._voice
-
-    @property
-    def state(self) -> StreamState:
-        return self.outbox.state
-
-    @property
-    def text(self) -> str:
-        return "".join(self._text)
-
-    @property
-    def error(self) -> EngineError | None:
-        """Why the stream FAILED (None otherwise)."""
-        return self.outbox.error
-
-    def push_text(self, delta: str) -> None:
-        """Append ``delta`` to the utterance. Raises StreamClosedError after ``end_text`` or
-        ``cancel``, TextTooLongError past ``engine.max_text_chars`` (the text is not taken)."""
-        if not isinstance(delta, str):
-            raise TypeError(f"delta must be a str, not {type(delta).__name__}")
-        if self._cancelled or self._ended or self.state.terminal:
-            raise StreamClosedError(f"stream {self._id} no longer takes text")
-        limit = self._engine.config.engine.max_text_chars
-        if self._n_chars + len(delta) > limit:
-            raise TextTooLongError(f"an utterance may hold at most {limit} characters")
-        if not delta:
-            return
-        self._text.append(delta)
-        self._n_chars += len(delta)
-        self._engine._send(Text(self._id, delta))
-
-    def end_text(self) -> None:
-        """No more text: speak what is left. Idempotent; a no-op after ``cancel``."""
-        if self._ended or self._cancelled:
-            return
-        self._ended = True
-        self._engine._send(EndText(self._id))
-
-    def cancel(self) -> None:
-        """Stop now (barge-in): see the module docstring. Idempotent, any stage."""
-        if self._cancelled:
-            return
-        self._cancelled = True
-        if self.finalizer is not None:
-            self.finalizer.detach()
-        if self.outbox.abort():
-            self._engine._post(Cancel(self._id))
-
-    def ack(self, samples_played: int) -> None:
-        """The listener has heard ``samples_played`` samples of this stream (monotone)."""
-        if not self._cancelled and not self.state.terminal:
-            self._engine._send(Ack(self._id, int(samples_played)))
-
-    def _take(self, item: PcmChunk | EndOfStream) -> PcmChunk | None:
-        """Consume one item; None means the iteration ends (raises on failure)."""
-        if isinstance(item, PcmChunk):
-            self.samples_received = item.start_sample + len(item.pcm)
-            if self._auto_ack and not item.final:
-                self._engine._send(Ack(self._id, self.samples_received))
-            return item
-        self.outbox.close()
-        if self.finalizer is not None:
-            self.finalizer.detach()  # ended: nothing left to cancel
-        if item.status is RequestStatus.FAILED:
-            err = item.error or StreamFailedError("the stream failed")
-            raise err
-        return None
-
-    def _start_iteration(self) -> None:
-        if self._iterated:
-            raise RuntimeError(f"stream {self._id} is already being iterated")
-        self._iterated = True
-
-    def __aiter__(self) -> AsyncIterator[PcmChunk]:
-        self._start_iteration()
-        return self._aiter()
-
-    async def _aiter(self) -> AsyncIterator[PcmChunk]:
-        event = self.outbox.bind_loop(asyncio.get_running_loop())
-        while True:
-            item = self.outbox.poll()
-            if item is None:
-                if self.outbox.closed:
-                    return
-                event.clear()
-                item = self.outbox.poll()
-                if item is None:
-                    if self.outbox.closed:
-                        return
-                    await event.wait()
-                    continue
-            chunk = self._take(item)
-            if chunk is None:
-                return
-            yield chunk
-
-    def __iter__(self) -> Iterator[PcmChunk]:
-        self._start_iteration()
-        return self._iter()
-
-    def _iter(self) -> Iterator[PcmChunk]:
-        while True:
-            item = self.outbox.get()
-            if item is None:
-                return
-            chunk = self._take(item)
-            if chunk is None:
-                return
-            yield chunk
-
-    def __repr__(self) -> str:
-        return f"EngineStream(id={self._id!r}, voice={self._voice!r}, state={self.state.value})"
-
-
-# --------------------------------------------------------------------------------------------
-# Voices
-
-
-VoiceResolver = Callable[[str | None], VoicePrompt]
-
-
-class VoiceBook:
-    """Voice name -> :class:`VoicePrompt` (token ids for the scheduler, tensors for the runner).
-
-    Looks in the voice store, then in the built-in voices (``noise`` for random models).
-    ``default``: the voice used when none is named. Any thread.
-    """
-
-    def __init__(
-        self,
-        store: Any | None,
-        encode: Callable[[str], list[int]],
-        *,
-        builtin: Mapping[str, VoicePrompt] | None = None,
-        default: str | None = None,
-    ) -> None:
-        self.store = store
-        self.encode = encode
-        self.builtin = dict(builtin or {})
-        self.default = default
-        self._lock = threading.Lock()
-        self._cache: dict[str, tuple[object, VoicePrompt]] = {}
-
-    def names(self) -> list[str]:
-        stored = list(self.store.names()) if self.store is not None else []
-        return sorted(set(stored) | set(self.builtin))
-
-    def resolve(self, name: str | None) -> VoicePrompt:
-        chosen = name if name is not None else self.default
-        if chosen is None:
-            raise NoVoiceError(f"no voice was named and no default voice is configured: {ADD_VOICE_HINT}")
-        if chosen in self.builtin and (self.store is None or chosen not in self.store):
-            return self.builtin[chosen]
-        if self.store is None:
-            known = ", ".join(self.names()) or "none"
-            raise UnknownVoiceError(f"unknown voice {chosen!r} (known: {known}); {ADD_VOICE_HINT}")
-        voice = self.store.get(chosen)  # raises UnknownVoiceError with the store's own hint
-        with self._lock:
-            hit = self._cache.get(chosen)
-            if hit is not None and hit[0] is voice:
-                return hit[1]
-        prompt = self._from_store_voice(voice)
-        with self._lock:
-            self._cache[chosen] = (voice, prompt)
-        return prompt
-
-    def _from_store_voice(self, voice: Any) -> VoicePrompt:
-        from voice_out.engine.runner import FlowVoice
-
-        flow_tokens = voice.flow_prompt_tokens
-        return VoicePrompt(
-            name=voice.name,
-            prompt_text_ids=tuple(self.encode(voice.prompt_text)),
-            prompt_speech_ids=tuple(int(t) for t in voice.llm_prompt_tokens.tolist()),
-            flow_prompt_tokens=int(flow_tokens.shape[0]),
-            flow=FlowVoice(flow_tokens, voice.prompt_mel, voice.embedding),
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -554,7 +234,14 @@ class Engine:
                 raise OverloadedError(f"too many open streams ({open_now}); try again later")
             if sid in self._streams and not self._streams[sid].state.terminal:
                 raise ValueError(f"a stream with id {sid!r} is already open")
-            stream = EngineStream(self, sid, prompt.name, auto_ack=auto_ack)
+            stream = EngineStream(
+                sid,
+                prompt.name,
+                send=self._send,
+                post=self._post,
+                max_text_chars=self.config.engine.max_text_chars,
+                auto_ack=auto_ack,
+            )
             self._streams[sid] = stream
         inbox = self._inbox
         assert inbox is not None
@@ -737,6 +424,5 @@ __all__ = [
     "Engine",
     "EngineStats",
     "EngineStream",
-    "TextPiece",
     "VoiceBook",
 ]
