@@ -141,7 +141,8 @@ def write_json(report: Report, path: str | Path) -> None:
 def update_docs(report: Report, docs_dir: str | Path) -> tuple[Path, Path]:
     """Append a dated section (command + table) to ``benchmarks.md`` and rewrite
     ``benchmarks.json``: the latest figures, one list of metric records, where this run's
-    records replace every earlier record of the same GPU and mode."""
+    records replace earlier records of the same GPU, mode, metric and stream count (so runs of
+    separate scenarios add up; each record keeps its own command and date)."""
     docs = Path(docs_dir)
     md, js = docs / "benchmarks.md", docs / "benchmarks.json"
     if not md.exists():
@@ -156,7 +157,12 @@ def update_docs(report: Report, docs_dir: str | Path) -> tuple[Path, Path]:
     if js.exists():
         loaded = json.loads(js.read_text())
         old = loaded if isinstance(loaded, list) else []
-    kept = [r for r in old if not (r.get("gpu") == report.gpu and r.get("mode") == report.mode)]
+
+    def key(r: dict[str, Any]) -> tuple[object, ...]:
+        return (r.get("gpu"), r.get("mode"), r.get("name"), r.get("streams"))
+
+    new = {key(m.as_dict()) for m in report.metrics}
+    kept = [r for r in old if key(r) not in new]
     records = kept + [m.as_dict() for m in report.metrics]
     records.sort(key=lambda r: (str(r.get("gpu")), str(r.get("mode")), str(r.get("name")), int(r.get("streams", 0))))
     js.write_text(json.dumps(records, indent=2) + "\n")
