@@ -618,3 +618,10 @@ def test_say_stream_reads_deltas_from_a_pipe_as_they_arrive(engine: Engine) -> N
     assert not errors and stream.text == "Héllo world"
     assert chunks[-1].final and chunks[-1].text_end == len("Héllo world")
     assert_clean(engine)
+
+
+def test_hops_that_are_not_whole_flow_chunks_fail_at_load(tmp_path: Path) -> None:
+    from voice_out.config import ConfigError
+
+    with pytest.raises(ConfigError, match="multiple of the flow chunk"):
+        make_engine(tmp_path, first_hop_tokens=30, max_hop_tokens=90)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from voice_out.config import Config
+from voice_out.config import Config, ConfigError
 from voice_out.engine.engine import NOISE_VOICE, VoiceBook, random_dims_dir, warn_random
 from voice_out.engine.request import TextPiece, TextPipeline, VoicePrompt
 from voice_out.engine.runner import FlowVoice, Runner, noise_voice
@@ -22,6 +22,7 @@ from voice_out.engine.scheduler import ForcedTokens
 from voice_out.engine.textfeed import TokenizerPipeline
 from voice_out.engine.worker import StepRunner
 from voice_out.hub import resolve_model
+from voice_out.model.chunk_schedule import ChunkSchedule
 
 if TYPE_CHECKING:
     from voice_out.engine.engine import Engine
@@ -120,6 +121,10 @@ def build_engine(
     book = VoiceBook(store, tokenizer.encode, builtin=builtin, default=default)
 
     ec = cfg.engine
+    try:  # the token2wav schedule's own rules (hops are whole flow chunks): fail at load, not per stream
+        ChunkSchedule(first_hop=ec.first_hop_tokens, max_hop=ec.max_hop_tokens)
+    except ValueError as e:
+        raise ConfigError(f"engine.first_hop_tokens / engine.max_hop_tokens: {e}") from None
     graphs = ec.cuda_graphs and device.type == "cuda" if llm_graphs is None else llm_graphs
 
     def runner_factory() -> StepRunner:
