@@ -4,6 +4,7 @@ handle. Forced tokens make every stream deterministic, so concurrency can be che
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import random
 import threading
@@ -625,3 +626,17 @@ def test_hops_that_are_not_whole_flow_chunks_fail_at_load(tmp_path: Path) -> Non
 
     with pytest.raises(ConfigError, match="multiple of the flow chunk"):
         make_engine(tmp_path, first_hop_tokens=30, max_hop_tokens=90)
+
+
+def test_fast_first_chunk_end_to_end(engine: Engine) -> None:
+    cfg = dataclasses.replace(engine.config, engine=dataclasses.replace(engine.config.engine, fast_first_tokens=8))
+    kw: dict[str, object] = {"warmup": False, "text_normalizer": "none", "noise_prompt_tokens": 0, "kv_len": 512}
+    eng = Engine.load(cfg, forced=ForcedTokens(3), **kw)  # type: ignore[arg-type]
+    eng.start(timeout=120)
+    try:
+        chunks = solo(eng, 5, ["hi there, bob"])  # 39 tokens
+    finally:
+        eng.close()
+    assert len(chunks[0].pcm) == 8 * SAMPLES_PER_TOKEN - 3840  # 8 tokens, minus the held-back crossfade
+    assert sum(len(c.pcm) for c in chunks) == 39 * SAMPLES_PER_TOKEN
+    assert chunks[-1].final and chunks[-1].text_end == len("hi there, bob")

@@ -548,3 +548,17 @@ def test_tokenizer_pipeline_releases_whole_words_with_their_input_offsets() -> N
     assert [(p.ids, p.char_end) for p in pieces] == [((6,), 13)]  # "world, " up to the last space
     assert [(p.ids, p.char_end) for p in pipe.finish()] == [((3,), 16)]
     assert "".join(seen) == "Hello world, you"
+
+
+def test_fast_first_chunk_makes_the_first_audio_sooner() -> None:
+    sched = create_scheduler(fast_first_tokens=8)
+    (rid,) = create_requests(sched, 1, text="a" * 20)  # 60 tokens
+    first_ready_at = None
+    for _ in range(100):
+        plan, outs = step(sched)
+        if plan.vocode and first_ready_at is None:
+            first_ready_at = len(sched.requests[rid].speech_tokens)
+            assert plan.vocode[0].chunk.hop_tokens == 8 and plan.vocode[0].chunk.token_len == 11
+        if plan.empty:
+            break
+    assert first_ready_at is not None and first_ready_at < 25 + 3  # upstream's first chunk needs 28

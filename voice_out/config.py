@@ -93,6 +93,9 @@ class EngineConfig:
     first_hop_tokens: int = 25
     #: Largest token2wav hop (upstream: 100).
     max_hop_tokens: int = 100
+    #: Fast start: a first token2wav chunk of this many tokens (0 = off, upstream's schedule);
+    #: earlier first audio, the first chunk only approximately equal to a single pass.
+    fast_first_tokens: int = 0
     #: How far (seconds of audio) the engine may run ahead of the consumer.
     max_ahead_s: float = 4.0
     #: Use CUDA graphs for the decode step and token2wav (GPU only).
@@ -124,6 +127,13 @@ class EngineConfig:
             "first_hop_tokens",
             self.first_hop_tokens,
             f"an integer in 1..max_hop_tokens ({self.max_hop_tokens})",
+        )
+        _check(
+            0 <= self.fast_first_tokens < self.first_hop_tokens,
+            s,
+            "fast_first_tokens",
+            self.fast_first_tokens,
+            f"0 (off) or a number of tokens below first_hop_tokens ({self.first_hop_tokens})",
         )
         _check(self.max_ahead_s > 0, s, "max_ahead_s", self.max_ahead_s, "a positive number of seconds")
         buckets = self.graph_batch_buckets

@@ -122,9 +122,9 @@ def build_engine(
 
     ec = cfg.engine
     try:  # the token2wav schedule's own rules (hops are whole flow chunks): fail at load, not per stream
-        ChunkSchedule(first_hop=ec.first_hop_tokens, max_hop=ec.max_hop_tokens)
+        ChunkSchedule(first_hop=ec.first_hop_tokens, max_hop=ec.max_hop_tokens, fast_first=ec.fast_first_tokens)
     except ValueError as e:
-        raise ConfigError(f"engine.first_hop_tokens / engine.max_hop_tokens: {e}") from None
+        raise ConfigError(f"engine.first_hop_tokens / max_hop_tokens / fast_first_tokens: {e}") from None
     graphs = ec.cuda_graphs and device.type == "cuda" if llm_graphs is None else llm_graphs
 
     def runner_factory() -> StepRunner:
@@ -157,6 +157,7 @@ def build_engine(
             sampling=SamplingParams(top_p=ec.top_p, top_k=ec.top_k, win_size=ec.ras_win_size, tau_r=ec.ras_tau_r),
             first_hop=ec.first_hop_tokens,
             max_hop=ec.max_hop_tokens,
+            fast_first=ec.fast_first_tokens,
             flow_path=flow_path,
             fault_hook=fault_hook,
             graphs=graphs,

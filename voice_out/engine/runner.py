@@ -95,6 +95,7 @@ class Runner:
         sampling: SamplingParams | None = None,
         first_hop: int = 25,
         max_hop: int = 100,
+        fast_first: int = 0,
         flow_path: str = "rerun",
         fault_hook: FaultHook | None = None,
         graphs: bool = False,
@@ -106,6 +107,7 @@ class Runner:
         self.sampling = sampling or SamplingParams()
         self.first_hop = first_hop
         self.max_hop = max_hop
+        self.fast_first = fast_first
         self.flow_path: FlowPath = "cached" if flow_path == "cached" else "rerun"
         self.fault_hook = fault_hook
         # with graphs, one extra slot takes the padding rows of a batch bucket
@@ -215,7 +217,12 @@ class Runner:
             raise TypeError(f"voice {adm.voice.name!r} has no token2wav conditioning")
         token, feat, emb, prepared = self._voice(flow_voice)
         # the same first/max hop as the scheduler's copy of the schedule: it hands us its plans
-        kw: dict[str, Any] = {"first_hop": self.first_hop, "max_hop": self.max_hop, "flow_path": self.flow_path}
+        kw: dict[str, Any] = {
+            "first_hop": self.first_hop,
+            "max_hop": self.max_hop,
+            "fast_first": self.fast_first,
+            "flow_path": self.flow_path,
+        }
         if self._t2w_pool:
             stream = self._t2w_pool.pop()
             stream.reset(token, feat, emb, flow_prompt=prepared, **kw)

@@ -234,6 +234,7 @@ class Scheduler:
                 prompt_tokens=voice.flow_prompt_tokens,
                 first_hop=self.config.first_hop_tokens,
                 max_hop=self.config.max_hop_tokens,
+                fast_first=self.config.fast_first_tokens,
             ),
             seed=seed,
             arrival_time=self.clock(),
