@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--cuda-graphs", action="store_true", help="graph the LLM step (default: eager)")
+    p.add_argument("--fast-first", type=int, default=0, help="tokens of a fast first chunk (0: upstream's 25)")
     p.add_argument("--json", help="also write the JSON result here")
     args = p.parse_args(argv)
     args.text = (TEXT * (args.chars // len(TEXT) + 1))[: args.chars]
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             max_ahead_s=args.max_ahead_s,
             max_text_chars=100_000,
             cuda_graphs=args.cuda_graphs,
+            fast_first_tokens=args.fast_first,
         ),
         server=ServerConfig(voices_dir=str(Path(os.devnull) / "none")),
     )
@@ -137,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": args.prompt_tokens,
         "max_ahead_s": args.max_ahead_s,
         "flow_path": args.flow_path,
+        "fast_first_tokens": args.fast_first,
         "ttfa_ms": {
             "p50": percentile(ttfa, 0.5),
             "p95": percentile(ttfa, 0.95),
