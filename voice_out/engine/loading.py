@@ -149,9 +149,12 @@ def build_engine(
             ec.max_streams,
             kv_len,
         )
+        t2w = Token2Wav(flow, hift, device=device)
+        # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere)
+        t2w.use_cuda_graphs(graphs)
         return Runner(
             llm,
-            Token2Wav(flow, hift, device=device),
+            t2w,
             n_slots=ec.max_streams,
             max_len=kv_len,
             sampling=SamplingParams(top_p=ec.top_p, top_k=ec.top_k, win_size=ec.ras_win_size, tau_r=ec.ras_tau_r),
