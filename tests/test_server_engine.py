@@ -112,7 +112,10 @@ async def test_real_engine_session() -> None:
         assert stats.open_streams == 0 and stats.used_slots == 0 and stats.waiting == 0
         m = app[METRICS_KEY]
         assert m.active_streams._value.get() == 0 and m.active_sessions._value.get() == 0
-        assert m.registry.get_sample_value("voice_out_ttfa_seconds_count") == 2
+        # u1 and u2 started; u3 only if its first audio beat the disconnect (a fast machine)
+        u3_started = any(isinstance(ev.message, p.AudioStarted) and ev.message.id == "u3" for ev in client.events)
+        # (its audio.started may also have been sent but not yet received when the client left)
+        assert 2 + int(u3_started) <= (m.registry.get_sample_value("voice_out_ttfa_seconds_count") or 0) <= 3
     finally:
         await server.close()  # on_shutdown + cleanup_ctx: the engine's worker stops
     assert not engine.ready and engine.stats().worker_threads == 0
