@@ -1,0 +1,130 @@
+"""Where the first-audio time goes: one stream, whole text, timed phase by phase.
+
+Loads the engine like ``voice-out bench`` (random full-size weights on the GPU, forced tokens,
+CUDA graphs as configured), wraps the runner's phases with synchronising timers, runs a few
+single-stream utterances, and prints for the first chunk of the last one: prefill, decode
+steps (count and total), sampling of prefill rows, token2wav first chunk (flow + vocoder), and
+the rest (scheduling, queues, host work). The timers synchronise the GPU, so the total is a
+little above the unprofiled TTFA; the shares are what matter.
+
+    python scripts/profile_ttfa.py --model random:0.5b --device cuda [--fast-first 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from voice_out.config import load_config, parse_overrides  # noqa: E402
+from voice_out.engine.engine import Engine  # noqa: E402
+from voice_out.engine.runner import Runner  # noqa: E402
+from voice_out.engine.scheduler import ForcedTokens  # noqa: E402
+from voice_out.model.token2wav import Token2Wav  # noqa: E402
+
+TIMES: dict[str, list[float]] = defaultdict(list)
+
+
+def timed(cls: type, name: str, label: str) -> None:
+    fn = getattr(cls, name, None)
+    if fn is None:
+        return
+
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        TIMES[label].append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    setattr(cls, name, wrapper)
+
+
+async def one(engine: Engine, text: str) -> float:
+    TIMES.clear()
+    stream = engine.open_stream()
+    t0 = time.perf_counter()
+    stream.push_text(text)
+    stream.end_text()
+    async for _ in stream:
+        break
+    ttfa = (time.perf_counter() - t0) * 1e3
+    stream.cancel()
+    await engine.await_idle()
+    return ttfa
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="random:0.5b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--fast-first", type=int, default=0)
+    p.add_argument("--prompt-tokens", type=int, default=150)
+    p.add_argument("--chars", type=int, default=100)
+    args = p.parse_args()
+    over = parse_overrides([f"model.model={args.model}", f"model.device={args.device}"])
+    over.setdefault("engine", {})["fast_first_tokens"] = args.fast_first
+    cfg = load_config(None, environ={}, overrides=over)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = Engine.load(
+            cfg, forced=ForcedTokens(3), kv_len=1024, noise_prompt_tokens=args.prompt_tokens, text_normalizer="none"
+        )
+    text = ("Sure! I can help with that. Your order shipped this morning, and it should arrive soon. " * 3)[
+        : args.chars
+    ]
+    labels: list[tuple[type, str, str]] = [
+        (Runner, "execute", "step (all)"),
+        (Runner, "_prefill", "LLM prefill"),
+        (Runner, "_decode_sample", "LLM decode+sample (graphed)"),
+        (Runner, "_decode", "LLM decode (eager)"),
+        (Runner, "_sample", "sampling of prefill rows"),
+        (Token2Wav, "_flow_mel", "token2wav: flow"),
+        (Token2Wav, "_vocoder", "token2wav: vocoder"),
+    ]
+    engine.start()
+    try:
+
+        async def run() -> dict[str, Any]:
+            for _ in range(3):
+                await one(engine, text)  # warm: graph capture for this prompt length
+            for cls, name, label in labels:
+                timed(cls, name, label)
+            ttfa = await one(engine, text)
+            return {"ttfa_ms_profiled": round(ttfa, 1), **{k: [round(x, 2) for x in v] for k, v in TIMES.items()}}
+
+        res = asyncio.run(run())
+    finally:
+        engine.close()
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"TTFA breakdown, {args.model} on {dev}, fast_first={args.fast_first}, prompt {args.prompt_tokens} tokens")
+    print(f"profiled TTFA: {res['ttfa_ms_profiled']} ms (timers synchronise the GPU)")
+    accounted = 0.0
+    for _, _, label in labels[1:]:
+        v = res.get(label, [])
+        if v:
+            print(f"  {label:32s} {len(v):4d} calls  {sum(v):8.1f} ms")
+            accounted += sum(v)
+    steps = res.get("step (all)", [])
+    print(f"  {'steps':32s} {len(steps):4d}        {sum(steps):8.1f} ms (inside: {accounted:.1f} ms)")
+    print(f"  {'outside steps (loop, queues)':32s}             {res['ttfa_ms_profiled'] - sum(steps):8.1f} ms")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, f"ttfa_profile_ff{args.fast_first}.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
