@@ -13,6 +13,10 @@ Public API (stable; :mod:`voice_out.model.token2wav` drives it; GPU worker threa
     #   token [1, N] int, prompt_token [1, P] int, prompt_feat [1, 2P, 80], embedding [1, 192]
     #   -> float32 [1, 80, 2N] (finalize) or [1, 80, 2(N - 3)] (not finalize: last 3 = look-ahead)
 
+    # Several streams' non-final streaming calls in ONE right-padded pass (each call on a chunk
+    # boundary); mels[i] == inference(*items[i], streaming=True, finalize=False).
+    mels = flow.inference_batch([(token, prompt_token, prompt_feat, embedding), ...])
+
     # Cached streaming path: each chunk costs only its new tokens.
     prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)   # once per voice; share it
     cache = flow.new_stream_cache(prompt, capacity=None)                 # per request
@@ -40,7 +44,7 @@ Pure torch: no I/O, no threads, no logging; the noise buffer comes from a local 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -405,15 +409,19 @@ class Flow(nn.Module):
         start: int = 0,
         cache: FlowStreamCache | None = None,
     ) -> Tensor:
-        """CFM Euler solve for frames ``start .. start + L`` -> float32 ``[1, n_mels, L]``.
+        """CFM Euler solve for frames ``start .. start + L`` -> float32 ``[B, n_mels, L]``.
 
-        mu, cond ``[1, n_mels, L]``; spk ``[1, n_mels]``. x starts from the fixed noise at the
-        same absolute frames; with ``cache`` every step extends its own estimator state.
+        mu, cond ``[B, n_mels, L]``; spk ``[B, n_mels]``. x starts from the fixed noise at the
+        same absolute frames (the same noise for every row); with ``cache`` (B = 1 only) every
+        step extends its own estimator state. The estimator sees the CFG batch as
+        ``[cond rows (B), uncond rows (B)]``.
         """
-        n = mu.shape[2]
+        b, _, n = mu.shape
         if start + n > self.dims.noise_frames:
             raise ValueError(f"{start + n} mel frames exceed the flow's {self.dims.noise_frames}-frame noise buffer")
-        x = self.noise[:, :, start : start + n].to(self.device, torch.float32)
+        if cache is not None and b != 1:
+            raise ValueError("a cached solve runs one stream (batch 1)")
+        x = self.noise[:, :, start : start + n].to(self.device, torch.float32).expand(b, -1, -1)
         mu_in = torch.cat([mu, torch.zeros_like(mu)]).to(self.dtype)
         spk_in = torch.cat([spk, torch.zeros_like(spk)]).to(self.dtype)
         cond_in = torch.cat([cond, torch.zeros_like(cond)]).to(self.dtype)
@@ -423,9 +431,9 @@ class Flow(nn.Module):
         for step in range(1, self.dims.n_timesteps + 1):
             state = cache.estimator_state(step - 1) if cache is not None else None
             v = self.estimator(
-                torch.cat([x, x]).to(self.dtype), mu_in, spk_in, cond_in, t.expand(2), streaming, state, start
+                torch.cat([x, x]).to(self.dtype), mu_in, spk_in, cond_in, t.expand(2 * b), streaming, state, start
             ).float()
-            v = (1.0 + cfg) * v[:1] - cfg * v[1:]
+            v = (1.0 + cfg) * v[:b] - cfg * v[b:]
             x = x + dt * v
             t = t + dt
             if step < self.dims.n_timesteps:
@@ -484,6 +492,61 @@ class Flow(nn.Module):
         cond = self._cond(prompt_feat, 0, mu.shape[2])
         mel = self.solve(mu, spk, cond, streaming)
         return mel[:, :, d.token_mel_ratio * prompt_token.shape[1] :]
+
+    def inference_batch(self, items: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]]) -> list[Tensor]:
+        """Several streams' non-final streaming calls in ONE batched pass.
+
+        ``items``: (token ``[1, N_i]``, prompt_token ``[1, P_i]``, prompt_feat ``[1, ratio P_i,
+        n_mels]``, embedding ``[1, spk_dim]``) per stream; item i's result is float32
+        ``[1, n_mels, ratio (N_i - lookahead)]``, the same mel as ``inference(*items[i],
+        streaming=True, finalize=False)``. Each call must end its real tokens on a chunk
+        boundary: ``P_i + N_i - lookahead`` a multiple of the chunk (``FlowDims.chunk_aligned``),
+        as every non-final chunk of upstream's schedule does; anything else raises ValueError.
+
+        Why one padded batch is exact: row i holds its prompt, its tokens and its look-ahead
+        tokens, then padding up to the longest row. The pre-lookahead conv of a real token t
+        reads tokens t .. t + lookahead, all row i's own; every other conv is causal; attention
+        is chunk-causal counted from the prompt start (the same chunk mask for every row), and
+        row i's real tokens end on a chunk boundary, so no real frame attends to a padded one;
+        the relative-position term depends on i - j only; the noise is taken at the same
+        absolute frames for every row. Padding only adds work for the padded frames, whose
+        output is dropped.
+        """
+        d = self.dims
+        la, ratio = d.pre_lookahead, d.token_mel_ratio
+        if not items:
+            return []
+        lengths: list[tuple[int, int]] = []  # (prompt tokens, real tokens incl. the prompt)
+        for token, prompt_token, prompt_feat, embedding in items:
+            self._check_prompt(prompt_token, prompt_feat, embedding)
+            if token.dim() != 2 or token.shape[0] != 1:
+                raise ValueError(f"token must be [1, N], got {tuple(token.shape)}")
+            p, n = int(prompt_token.shape[1]), int(token.shape[1])
+            if n < la:
+                raise ValueError(f"a non-final call needs at least {la} tokens (look-ahead)")
+            if not d.chunk_aligned(p + n - la):
+                raise ValueError(
+                    f"a batched call must end on a {d.enc_chunk}-token chunk boundary counted from the "
+                    f"prompt start; prompt + tokens = {p + n - la}"
+                )
+            lengths.append((p, p + n - la))
+        b = len(items)
+        t = max(real for _, real in lengths)
+        ids = torch.zeros(b, t + la, dtype=torch.long, device=self.device)  # padding: id 0
+        spk = torch.cat([self.speaker(emb) for _, _, _, emb in items])  # [B, n_mels]
+        cond = torch.zeros(b, d.n_mels, ratio * t, device=self.device, dtype=self.dtype)
+        for i, (token, prompt_token, prompt_feat, _) in enumerate(items):
+            p, real = lengths[i]
+            ids[i, :p] = prompt_token[0].to(self.device).long()
+            ids[i, p : real + la] = token[0].to(self.device).long()  # real tokens, then look-ahead
+            cond[i : i + 1] = self._cond(prompt_feat, 0, ratio * t)
+        x = self.embed_tokens(ids)
+        # The encoder concatenates x and the context again, so row i's conv input is exactly
+        # [prompt, tokens, look-ahead, padding].
+        h = self.encoder(x[:, :t], x[:, t:], True)
+        mu = self.encoder_proj(h).transpose(1, 2)
+        mel = self.solve(mu, spk, cond, True)
+        return [mel[i : i + 1, :, ratio * p : ratio * real] for i, (p, real) in enumerate(lengths)]
 
     # -- cached streaming path ---------------------------------------------------------------
 
