@@ -10,18 +10,29 @@ sequences cross many chunk boundaries. What is proven:
 * a row does not depend on its neighbours (it is the same next to short or long rows);
 * the same with an estimator chunk of two encoder chunks, and in bfloat16 (sanity bound);
 * calls that are not batchable (not on a chunk boundary, no look-ahead) raise.
+
+``Token2Wav.run_chunks`` (tiny random flow + HiFT, 25-token chunks): streams at different
+chunks, with different prompts, run together round by round, give the audio each gives alone
+(within 1e-5), with their re-run non-final chunks really batched and the rest (cached path,
+fast first chunk, final chunks) run as ``run_chunk``; a bad pair fails before any stream moves;
+a chunk failing after the flow pass fails alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
+from tests.conftest import REPO_ROOT
 from tests.test_flow_streaming import inputs, make_flow, tiny_dims
+from voice_out.model.checkpoint import random_flow, random_hift
+from voice_out.model.chunk_schedule import ChunkPlan
 from voice_out.model.flow import Flow
+from voice_out.model.token2wav import ChunkBatchError, Token2Wav, Token2WavStream
 
 TOL = 1e-5  # fp32: the batched pass differs from the single one only by matmul blocking
 
@@ -140,3 +151,171 @@ def test_calls_that_cannot_be_batched_raise(flow: Flow) -> None:
         flow.inference_batch([good, (token, prompt_token, prompt_feat, embedding)])
     with torch.no_grad(), pytest.raises(ValueError, match="prompt_feat"):
         flow.inference_batch([good, (token, prompt_token, prompt_feat[:, 1:], embedding)])
+
+
+# --------------------------------------------------------------------------------------------
+# Token2Wav.run_chunks: the flow of several streams' chunks in one call, the rest as run_chunk
+
+
+TINY = REPO_ROOT / "configs" / "models" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def t2w() -> Token2Wav:
+    return Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
+
+
+class BatchSpy:
+    """Records the rows of every ``inference_batch`` call of a flow (and still runs it)."""
+
+    def __init__(self, t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.rows: list[list[int]] = []  # per call: each row's token count
+        self.prompts: list[list[Tensor]] = []  # per call: each row's prompt_token (the stream's own)
+        flow = t2w.flow
+        real = flow.inference_batch  # type: ignore[attr-defined]
+
+        def spy(items: list[Item]) -> list[Tensor]:
+            self.rows.append([int(it[0].shape[1]) for it in items])
+            self.prompts.append([it[1] for it in items])
+            return real(items)  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(flow, "inference_batch", spy)
+
+    def batched(self, stream: Token2WavStream) -> list[int]:
+        """Token counts of the rows that came from ``stream``."""
+        out = []
+        for rows, prompts in zip(self.rows, self.prompts, strict=True):
+            out += [n for n, p in zip(rows, prompts, strict=True) if p is stream.prompt_token]
+        return out
+
+
+def voice(n_prompt: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    token = torch.randint(0, 6561, (1, n_prompt), generator=g, dtype=torch.int32)
+    feat = torch.randn(1, 2 * n_prompt, 80, generator=g).cumsum(1) * 0.05 - 6.0
+    return token, feat, torch.randn(1, 192, generator=g)
+
+
+def speech(n: int, seed: int) -> list[int]:
+    return [int(t) for t in torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+def open_stream(t2w: Token2Wav, n_prompt: int, seed: int, **kw: Any) -> Token2WavStream:
+    token, feat, emb = voice(n_prompt, seed)
+    if kw.get("flow_path") == "cached":
+        kw["flow_prompt"] = t2w.prepare_voice(token, feat, emb)
+    return t2w.open_stream(token, feat, emb, **kw)
+
+
+# (prompt tokens, speech tokens, stream options): prompts with a pad, none, aligned, long
+STREAMS: list[tuple[int, int, dict[str, Any]]] = [
+    (10, 120, {}),
+    (37, 90, {}),
+    (25, 140, {}),
+    (0, 60, {}),
+    (37, 95, {"flow_path": "cached"}),  # not batched: the cached path
+    (10, 70, {"fast_first": 8}),  # its first chunk is not batched (off a boundary)
+]
+
+
+def run_together(t2w: Token2Wav, starts: list[int]) -> tuple[list[list[Tensor]], list[Token2WavStream]]:
+    """Stream k joins at round ``starts[k]``; each round runs every ready chunk in one call."""
+    streams = [open_stream(t2w, p, 40 + k, **kw) for k, (p, _, kw) in enumerate(STREAMS)]
+    tokens = [speech(n, 60 + k) for k, (_, n, _) in enumerate(STREAMS)]
+    out: list[list[Tensor]] = [[] for _ in STREAMS]
+    for rnd in range(100):
+        ready = []
+        for k, stream in enumerate(streams):
+            plan = stream.ready_chunk(len(tokens[k]), llm_finished=True) if rnd >= starts[k] else None
+            if plan is not None:
+                ready.append((k, plan))
+        if not ready and all(s.finished for s in streams):
+            break
+        audio = t2w.run_chunks([(streams[k], plan, tokens[k]) for k, plan in ready])
+        for (k, _), pcm in zip(ready, audio, strict=True):
+            out[k].append(pcm.clone())
+    return out, streams
+
+
+def run_alone(t2w: Token2Wav) -> list[list[Tensor]]:
+    out = []
+    for k, (p, n, kw) in enumerate(STREAMS):
+        stream = open_stream(t2w, p, 40 + k, **kw)
+        out.append([c.clone() for c in t2w.stream_all(stream, speech(n, 60 + k))])
+    return out
+
+
+def test_run_chunks_equals_each_stream_alone(t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.set_num_threads(1)
+    alone = run_alone(t2w)
+    spy = BatchSpy(t2w, monkeypatch)
+    together, streams = run_together(t2w, starts=[0, 0, 1, 2, 0, 1])
+    errs = []
+    for k, (got, want) in enumerate(zip(together, alone, strict=True)):
+        assert [len(c) for c in got] == [len(c) for c in want], k
+        assert streams[k].finished and sum(len(c) for c in got) == 960 * STREAMS[k][1]
+        errs.append(max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True)))
+    print("run_chunks vs alone, max abs pcm per stream:", ", ".join(f"{e:.2g}" for e in errs))
+    assert max(errs) <= TOL
+    # batching really happened, over rows of different lengths (streams at different chunks)
+    assert max(len(r) for r in spy.rows) >= 3
+    assert any(len(set(r)) > 1 for r in spy.rows)
+    # ... and only for batchable chunks: non-final re-run chunks, not the fast first chunk
+    for k, stream in enumerate(streams):
+        rows = spy.batched(stream)
+        allowed = [p.token_len for p in stream.chunk_log if not p.finalize and not (k == 5 and p.index == 0)]
+        assert len(set(rows)) == len(rows) and set(rows) <= set(allowed), k
+        assert rows if k != 4 else not rows, k  # every re-run stream was batched; the cached one never
+
+
+def test_one_batchable_chunk_runs_alone_bit_for_bit(t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.set_num_threads(1)
+    spy = BatchSpy(t2w, monkeypatch)
+    a, b = open_stream(t2w, 10, 1), open_stream(t2w, 10, 1)
+    tokens = speech(60, 2)
+    plan = a.ready_chunk(len(tokens), False)
+    assert plan is not None and t2w.batchable(a, plan)
+    (got,) = t2w.run_chunks([(a, plan, tokens)])
+    assert spy.rows == [] and torch.equal(got, b.run_chunk(plan, tokens))
+
+
+def test_a_bad_pair_fails_before_any_stream_moves(t2w: Token2Wav) -> None:
+    a, b = open_stream(t2w, 10, 3), open_stream(t2w, 37, 4)
+    tokens = speech(60, 5)
+    pa, pb = a.ready_chunk(60, False), b.ready_chunk(60, False)
+    assert pa is not None and pb is not None
+    with pytest.raises(ValueError, match="needs"):
+        t2w.run_chunks([(a, pa, tokens), (b, pb, tokens[:20])])
+    with pytest.raises(ValueError, match="twice"):
+        t2w.run_chunks([(a, pa, tokens), (a, pa, tokens)])
+    assert a.schedule.n_chunks == b.schedule.n_chunks == 0 and not a.hift_cache.valid
+    assert len(t2w.run_chunks([(a, pa, tokens), (b, pb, tokens)])) == 2  # both can still run
+
+
+def test_a_chunk_failing_after_the_flow_pass_fails_alone(t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.set_num_threads(1)
+    streams = [open_stream(t2w, p, 7 + k) for k, p in enumerate([10, 37, 0])]
+    refs = [open_stream(t2w, p, 7 + k) for k, p in enumerate([10, 37, 0])]
+    tokens = speech(80, 6)
+    plans = [s.ready_chunk(80, False) for s in streams]
+    finish = t2w._finish_chunk
+
+    def flaky(stream: Token2WavStream, plan: ChunkPlan, mel: Tensor) -> Tensor:
+        if stream is streams[1]:
+            raise RuntimeError("vocoder down (injected)")
+        return finish(stream, plan, mel)
+
+    monkeypatch.setattr(t2w, "_finish_chunk", flaky)
+    with pytest.raises(ChunkBatchError) as info:
+        t2w.run_chunks([(s, p, tokens) for s, p in zip(streams, plans, strict=True) if p is not None])
+    monkeypatch.undo()
+    err = info.value
+    assert list(err.errors) == [1] and "injected" in str(err.errors[1]) and err.results[1] is None
+    for k in (0, 2):
+        plan = plans[k]
+        assert plan is not None
+        want = refs[k].run_chunk(plan, tokens)
+        got = err.results[k]
+        assert got is not None and float((got - want).abs().max()) <= TOL
+        assert streams[k].schedule.n_chunks == 1
+    assert streams[1].schedule.n_chunks == 0

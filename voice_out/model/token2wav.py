@@ -36,6 +36,12 @@ prompt length), and every non-final vocoder call replays a graph per mel length.
 stream whose first chunk came from the graph replays that chunk into its flow cache at its
 second chunk (off the critical path: the listener already has 1 s of audio). Graph outputs equal
 the eager ones (tests/test_token2wav_graphs.py).
+
+Batched chunks (:meth:`Token2Wav.run_chunks`): an engine step with chunks of several streams
+runs the flow of every non-final re-run-path chunk in ONE ``flow.inference_batch`` call (rows
+right-padded to the longest; exact because the real tokens of a non-final chunk end on a flow
+chunk boundary), then finishes each chunk as :meth:`Token2Wav.run_chunk` does. A re-run chunk
+at full size is launch-bound, so B chunks cost about what one does.
 """
 
 from __future__ import annotations
@@ -94,6 +100,28 @@ class StreamingFlow(FlowInference, Protocol):
     def reset_stream_cache(self, cache: Any, prompt: Any) -> None: ...
 
     def stream_chunk(self, cache: Any, tokens: Tensor, finalize: bool) -> Tensor: ...
+
+
+class BatchFlow(FlowInference, Protocol):
+    """The flow's batched entry point (``voice_out.model.flow.Flow.inference_batch``): several
+    non-final streaming calls (token, prompt_token, prompt_feat, embedding) -> one mel each,
+    equal to ``inference(..., streaming=True, finalize=False)`` of that item."""
+
+    def inference_batch(self, items: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]]) -> list[Tensor]: ...
+
+
+class ChunkBatchError(RuntimeError):
+    """Some chunks of a :meth:`Token2Wav.run_chunks` call failed after its flow pass.
+
+    ``results[i]``: the audio of chunk i (done: its stream advanced), or None where
+    ``errors[i]`` holds why it failed.
+    """
+
+    def __init__(self, results: list[Tensor | None], errors: dict[int, Exception]) -> None:
+        first = errors[min(errors)]
+        super().__init__(f"{len(errors)} of {len(results)} chunks failed; first: {type(first).__name__}: {first}")
+        self.results = results
+        self.errors = errors
 
 
 def hamming(n: int, device: torch.device | str | None = None) -> Tensor:
@@ -348,6 +376,14 @@ class Token2Wav:
             t = t[None, :]
         return t.to(self.device)
 
+    def _chunk_tokens(self, stream: Token2WavStream, plan: ChunkPlan, tokens: Tensor | Sequence[int]) -> Tensor:
+        """Check that ``plan`` can run now (no state is touched): the request's tokens [1, n]."""
+        stream.schedule.check(plan)
+        token = self._as_tokens(tokens)
+        if token.shape[1] < plan.token_len:
+            raise ValueError(f"chunk needs {plan.token_len} tokens, got {token.shape[1]}")
+        return token
+
     @torch.inference_mode()
     def run_chunk(self, stream: Token2WavStream, plan: ChunkPlan, tokens: Tensor | Sequence[int]) -> Tensor:
         """Make the audio of ``plan`` for ``stream``: float32 (n,) on the model device.
@@ -355,12 +391,67 @@ class Token2Wav:
         ``tokens``: the request's speech tokens so far, [1, n] / [n] tensor or a list; only the
         first ``plan.token_len`` are read. Advances the stream's schedule and caches.
         """
-        stream.schedule.check(plan)
-        token = self._as_tokens(tokens)
-        if token.shape[1] < plan.token_len:
-            raise ValueError(f"chunk needs {plan.token_len} tokens, got {token.shape[1]}")
+        token = self._chunk_tokens(stream, plan, tokens)
+        return self._finish_chunk(stream, plan, self._flow_mel(stream, plan, token))
+
+    def batchable(self, stream: Token2WavStream, plan: ChunkPlan) -> bool:
+        """Whether :meth:`run_chunks` computes this chunk's flow in its batched pass: a
+        non-final chunk of a re-run-path stream that ends on a flow chunk boundary and is not
+        a first chunk taken by the graphed or fast first-chunk path."""
+        if plan.finalize or plan.hop_tokens == 0 or stream.flow_path != "rerun":
+            return False
+        if not hasattr(self.flow, "inference_batch"):
+            return False
+        if plan.index == 0 and (stream.schedule.fast_first or self._graph_first_flow is not None):
+            return False
+        sched = stream.schedule
+        return (sched.prompt_tokens + plan.token_len - sched.lookahead) % sched.chunk_size == 0
+
+    @torch.inference_mode()
+    def run_chunks(self, pairs: Sequence[tuple[Token2WavStream, ChunkPlan, Tensor | Sequence[int]]]) -> list[Tensor]:
+        """:meth:`run_chunk` for several streams at once: the audio of each, in order.
+
+        The flow of every :meth:`batchable` chunk runs in ONE ``flow.inference_batch`` call
+        (when there are two or more); the rest go through :meth:`run_chunk`'s flow step. Each
+        chunk is then finished (vocoder, cross-fade, caches, schedule) as :meth:`run_chunk`
+        does. Each stream may appear once.
+
+        Failures: a bad pair (not its stream's next chunk, too few tokens) or a failing batched
+        flow pass raises before any stream is touched, so every chunk can be run again (alone).
+        Once the flow pass is done, each chunk is finished on its own; if some fail,
+        :class:`ChunkBatchError` carries the audio of those that did and the error of each
+        that did not (a failed chunk leaves its stream as a failed :meth:`run_chunk` does:
+        drop or reset it).
+        """
+        if len({id(stream) for stream, _, _ in pairs}) != len(pairs):
+            raise ValueError("run_chunks: a stream appears twice")
+        tokens = [self._chunk_tokens(stream, plan, tok) for stream, plan, tok in pairs]
+        batch = [i for i, (stream, plan, _) in enumerate(pairs) if self.batchable(stream, plan)]
+        mels: dict[int, Tensor] = {}
+        if len(batch) >= 2:
+            flow = cast(BatchFlow, self.flow)
+            args = []
+            for i in batch:
+                stream, plan, _ = pairs[i]
+                args.append((tokens[i][:, : plan.token_len], stream.prompt_token, stream.prompt_feat, stream.embedding))
+            for i, mel in zip(batch, flow.inference_batch(args), strict=True):
+                mels[i] = mel[:, :, MEL_FRAMES_PER_TOKEN * pairs[i][1].token_offset :].float()
+        results: list[Tensor | None] = []
+        errors: dict[int, Exception] = {}
+        for i, (stream, plan, _) in enumerate(pairs):
+            try:
+                mel = mels.pop(i) if i in mels else self._flow_mel(stream, plan, tokens[i])
+                results.append(self._finish_chunk(stream, plan, mel))
+            except Exception as e:  # noqa: BLE001 - one chunk fails alone; reported below
+                results.append(None)
+                errors[i] = e
+        if errors:
+            raise ChunkBatchError(results, errors)
+        return [r for r in results if r is not None]
+
+    def _finish_chunk(self, stream: Token2WavStream, plan: ChunkPlan, mel: Tensor) -> Tensor:
+        """Vocoder, cross-fade and caches for ``plan``'s new mel [1, 80, F]; commits the plan."""
         cache = stream.hift_cache
-        mel = self._flow_mel(stream, plan, token)  # [1, 80, F]
         if mel.shape[2] == 0 and not cache.valid:
             speech = torch.zeros(0, device=self.device)
         else:
