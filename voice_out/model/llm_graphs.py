@@ -109,6 +109,8 @@ class GraphedLLM:
         if compile and self.enabled:
             # Inductor fuses the norms, RoPE, residual adds and the MLP gate into a few kernels per
             # layer; the graphs below then remove the launch cost of what is left.
+            # Experimental (scripts/bench_llm_step.py --compile): one compile per bucket shape,
+            # ~30-60 s each on an H200, so the engine does not use it (docs/benchmarks.md).
             decode_fn = torch.compile(self._decode_fn, dynamic=False, fullgraph=False)
         self._decode = GraphedFn(decode_fn, enabled=self.enabled, name="llm.decode_sample")
         self._prefill = GraphedFn(self._prefill_fn, enabled=self.enabled, name="llm.prefill")
