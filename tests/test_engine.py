@@ -30,8 +30,11 @@ from voice_out.engine.api import (
     UnknownVoiceError,
 )
 from voice_out.engine.engine import Engine, EngineStats, EngineStream
-from voice_out.engine.request import SAMPLES_PER_TOKEN
-from voice_out.engine.scheduler import ForcedTokens
+from voice_out.engine.request import SAMPLES_PER_TOKEN, VoicePrompt
+from voice_out.engine.runner import Runner, noise_voice
+from voice_out.engine.scheduler import Admit, ForcedTokens, StepPlan, VocodeWork
+from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
+from voice_out.model.token2wav import Token2WavStream
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*RANDOM WEIGHTS")
 
@@ -155,7 +158,39 @@ def test_one_stream_speaks_all_its_tokens(engine: Engine) -> None:
     assert_clean(engine)
 
 
-def test_sixteen_concurrent_streams_produce_exactly_what_they_produce_alone(engine: Engine) -> None:
+def engine_runner(engine: Engine) -> Runner:
+    worker = engine._worker
+    assert worker is not None and isinstance(worker.runner, Runner)
+    return worker.runner
+
+
+class BatchSpy:
+    """Wraps a flow's ``inference_batch`` (restored by ``monkeypatch``): rows per call, and an
+    optional failure injected at call ``fail_at`` (1-based)."""
+
+    def __init__(self, flow: object, monkeypatch: pytest.MonkeyPatch, fail_at: int = 0) -> None:
+        self.sizes: list[int] = []
+        real = flow.inference_batch  # type: ignore[attr-defined]
+
+        def spy(items: list[object]) -> object:
+            self.sizes.append(len(items))
+            if len(self.sizes) == fail_at:
+                raise RuntimeError("CUDA out of memory (injected)")
+            return real(items)
+
+        monkeypatch.setattr(flow, "inference_batch", spy)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one_by_one", "batched_chunks"])
+def test_sixteen_concurrent_streams_produce_exactly_what_they_produce_alone(
+    engine: Engine, batched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One chunk per run_chunk: bit for bit. Batched token2wav (the default): the flow of a
+    step's chunks runs as one padded batch, which differs from a batch of one only by float
+    rounding (matmul blocking), so the audio agrees within 1e-5 (observed ~1e-6)."""
+    runner = engine_runner(engine)
+    monkeypatch.setattr(runner, "batch_chunks", batched)
+    spy = BatchSpy(runner.t2w.flow, monkeypatch)
     rng = random.Random(7)
     words = ["ok", "yes", "no way", "hello", "a b", "right then", "sure", "fine, go"]
     texts = [" ".join(rng.sample(words, k=rng.randint(1, 3))) for _ in range(16)]
@@ -189,12 +224,21 @@ def test_sixteen_concurrent_streams_produce_exactly_what_they_produce_alone(engi
         assert len(asyncio.all_tasks()) == 1  # only this coroutine's own task is left
         return list(out)
 
+    spy.sizes.clear()  # "alone" streams never batch; count the concurrent run only
     concurrent = asyncio.run(together())
+    err = 0.0
     for i in range(16):
         assert signature(concurrent[i]) == signature(alone[i]), texts[i]
-        np.testing.assert_array_equal(
-            np.concatenate([c.pcm for c in concurrent[i]]), np.concatenate([c.pcm for c in alone[i]])
-        )
+        got, want = np.concatenate([c.pcm for c in concurrent[i]]), np.concatenate([c.pcm for c in alone[i]])
+        if batched:
+            err = max(err, float(np.abs(got - want).max()))
+        else:
+            np.testing.assert_array_equal(got, want)
+    if batched:
+        print(f"batched token2wav: {len(spy.sizes)} batched flow calls of {spy.sizes}; max abs pcm {err:.2g}")
+        assert err <= 1e-5 and max(spy.sizes) >= 2
+    else:
+        assert spy.sizes == []
     assert threading.active_count() == threads_before
     assert_clean(engine)
 
@@ -596,7 +640,11 @@ def test_sampled_streams_are_isolated_in_the_batched_llm(engine: Engine) -> None
     assert len(lengths) > 1  # the sampled streams really differ
     for a, b in zip(concurrent, alone, strict=True):
         assert signature(a) == signature(b)
-        np.testing.assert_array_equal(np.concatenate([c.pcm for c in a]), np.concatenate([c.pcm for c in b]))
+        # the same tokens: batched token2wav moves the audio by float rounding only (a single
+        # different token would move it by orders of magnitude more)
+        np.testing.assert_allclose(
+            np.concatenate([c.pcm for c in a]), np.concatenate([c.pcm for c in b]), atol=1e-5, rtol=0
+        )
 
 
 def test_say_stream_reads_deltas_from_a_pipe_as_they_arrive(engine: Engine) -> None:
@@ -640,3 +688,141 @@ def test_fast_first_chunk_end_to_end(engine: Engine) -> None:
     assert len(chunks[0].pcm) == 8 * SAMPLES_PER_TOKEN - 3840  # 8 tokens, minus the held-back crossfade
     assert sum(len(c.pcm) for c in chunks) == 39 * SAMPLES_PER_TOKEN
     assert chunks[-1].final and chunks[-1].text_end == len("hi there, bob")
+
+
+# --------------------------------------------------------------------------------------------
+# Batched token2wav at the runner: plans built by hand, so which chunks share a step is exact
+
+
+VOICE_PROMPTS = (0, 10, 37, 25)  # flow prompt tokens: none, a pad of 15, a long one, aligned
+
+
+def hand_runner(engine: Engine, hook: Hook | None = None) -> Runner:
+    """A second runner over the engine's (stateless, shared) models; used from the test thread
+    while the engine's worker is idle."""
+    assert engine.wait_idle(60)
+    shared = engine_runner(engine)
+    return Runner(shared.llm, shared.t2w, n_slots=len(VOICE_PROMPTS), max_len=64, fault_hook=hook)
+
+
+def admit_all(runner: Runner, tag: str) -> list[tuple[str, VoicePrompt, list[int]]]:
+    """One request per voice of ``VOICE_PROMPTS``, each with its own speech tokens."""
+    reqs = []
+    admits = []
+    for k, p in enumerate(VOICE_PROMPTS):
+        _, flow = noise_voice(p, seed=k + 1)
+        voice = VoicePrompt(f"v{k}", flow_prompt_tokens=p, flow=flow)
+        rid = f"{tag}{k}"
+        tokens = torch.randint(0, 6561, (150 + 20 * k,), generator=torch.Generator().manual_seed(k)).tolist()
+        reqs.append((rid, voice, tokens))
+        admits.append(Admit(rid, k, k, voice))
+    assert not runner.execute(StepPlan(admit=tuple(admits))).failed
+    return reqs
+
+
+def drive(runner: Runner, tag: str, starts: Sequence[int | None]) -> tuple[dict[str, list[np.ndarray]], dict[str, str]]:
+    """Every request's whole schedule; request k joins at step ``starts[k]`` (None: never), and
+    each step vocodes every chunk that is ready. Returns the audio and the failures by request
+    (a failed request gets no more chunks)."""
+    reqs = admit_all(runner, tag)
+    scheds = [ChunkSchedule(prompt_tokens=v.flow_prompt_tokens) for _, v, _ in reqs]
+    audio: dict[str, list[np.ndarray]] = {rid: [] for rid, _, _ in reqs}
+    failed: dict[str, str] = {}
+    for step in range(100):
+        work: list[tuple[int, VocodeWork]] = []
+        for k, (rid, _, tokens) in enumerate(reqs):
+            start = starts[k]
+            if start is None or step < start or rid in failed:
+                continue
+            plan = scheds[k].ready(len(tokens), True)
+            if plan is not None:
+                work.append((k, VocodeWork(rid, plan, tokens)))
+        if not work and step > max(s for s in starts if s is not None):
+            break
+        result = runner.execute(StepPlan(vocode=tuple(w for _, w in work)))
+        assert not result.tokens and set(result.audio) | set(result.failed) == {w.request_id for _, w in work}
+        failed.update(result.failed)
+        for k, w in work:
+            if w.request_id in result.audio:
+                audio[w.request_id].append(result.audio[w.request_id])
+                scheds[k].commit(w.chunk)
+    runner.release_all()
+    return audio, failed
+
+
+def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    assert [len(x) for x in a] == [len(x) for x in b]
+    return max(float(np.abs(x - y).max(initial=0.0)) for x, y in zip(a, b, strict=True))
+
+
+def run_alone(runner: Runner) -> dict[int, list[np.ndarray]]:
+    """Each request on its own (no other chunk in its steps): audio by request index."""
+    out = {}
+    for k in range(len(VOICE_PROMPTS)):
+        audio, failed = drive(runner, "alone", [0 if j == k else None for j in range(len(VOICE_PROMPTS))])
+        assert not failed
+        out[k] = audio[f"alone{k}"]
+    return out
+
+
+def test_batched_chunks_of_streams_at_different_points_equal_each_alone(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = hand_runner(engine)
+    alone = run_alone(runner)
+    spy = BatchSpy(runner.t2w.flow, monkeypatch)
+    together, failed = drive(runner, "r", starts=[0, 0, 1, 2])
+    assert not failed
+    errs = [max_diff(together[f"r{k}"], alone[k]) for k in alone]
+    print(f"runner, batched vs alone: flow batches {spy.sizes}; max abs pcm per request", errs)
+    assert max(errs) <= 1e-5
+    assert len(spy.sizes) >= 3 and max(spy.sizes) >= 3  # really batched, several times
+    for k in alone:  # every sample of every request
+        assert sum(len(c) for c in together[f"r{k}"]) == SAMPLES_PER_TOKEN * (150 + 20 * k)
+
+
+def test_a_failure_in_a_batched_step_fails_only_its_request(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    hook = Hook()
+    runner = hand_runner(engine, hook)
+    alone = run_alone(runner)
+
+    def check_others(audio: dict[str, list[np.ndarray]], tag: str, failed: set[int]) -> None:
+        for k in alone:
+            if k not in failed:
+                assert max_diff(audio[f"{tag}{k}"], alone[k]) <= 1e-5, (tag, k)
+
+    # 1. the fault hook fails one request before its chunk: the others are batched without it
+    hook.action[("h2", "vocode", 2)] = RuntimeError("injected token2wav failure")
+    spy = BatchSpy(runner.t2w.flow, monkeypatch)
+    audio, failed = drive(runner, "h", starts=[0, 0, 0, 0])
+    assert list(failed) == ["h2"] and "injected" in failed["h2"] and len(audio["h2"]) == 1
+    assert hook.calls_for("h2") == ["admit", "vocode", "vocode"]  # its hook ran, its chunk did not
+    assert spy.sizes[0] == 4 and spy.sizes[1] == 3
+    check_others(audio, "h", {2})
+
+    # 2. the batched flow pass itself fails (before any chunk is made): every chunk of that
+    #    step runs again alone, and nobody fails
+    monkeypatch.undo()
+    spy = BatchSpy(runner.t2w.flow, monkeypatch, fail_at=1)
+    audio, failed = drive(runner, "o", starts=[0, 0, 0, 0])
+    assert not failed and spy.sizes[0] == 4 and len(spy.sizes) >= 2
+    check_others(audio, "o", set())
+    for k in alone:  # the failed step's chunks ran one by one: bit for bit what they make alone
+        np.testing.assert_array_equal(audio[f"o{k}"][0], alone[k][0])
+
+    # 3. one chunk fails after the batched flow pass (its vocoder): it alone fails
+    monkeypatch.undo()
+    spy = BatchSpy(runner.t2w.flow, monkeypatch)
+    finish = runner.t2w._finish_chunk
+
+    def flaky(stream: Token2WavStream, plan: ChunkPlan, mel: torch.Tensor) -> torch.Tensor:
+        live = runner.live.get("v1")
+        if live is not None and stream is live.t2w and plan.index == 1:
+            raise RuntimeError("vocoder failure (injected)")
+        return finish(stream, plan, mel)
+
+    monkeypatch.setattr(runner.t2w, "_finish_chunk", flaky)
+    audio, failed = drive(runner, "v", starts=[0, 0, 0, 0])
+    assert list(failed) == ["v1"] and "vocoder failure" in failed["v1"] and len(audio["v1"]) == 1
+    assert spy.sizes[:2] == [4, 4]  # v1's second chunk was in a batched pass, then failed alone
+    check_others(audio, "v", {1})

@@ -5,7 +5,8 @@ stream per admitted request. It never decides policy: it resets the slots it is 
 each LLM work item its inputs (a per-slot prefill for multi-row inputs: prompt, text groups;
 ONE batched decode step for all single-row inputs), samples every row at once with each
 request's own generator, applies forced tokens, and runs the token2wav chunks in the order
-given. Failures are reported per request in the :class:`StepResult`; an exception escaping
+given (the flow of several streams' chunks in one batched call, ``Token2Wav.run_chunks``).
+Failures are reported per request in the :class:`StepResult`; an exception escaping
 :meth:`Runner.execute` means the whole step failed (the worker fails the step's requests).
 
 GPU worker thread only: every method, the constructor excepted.
@@ -34,7 +35,7 @@ from voice_out.model.sampling import (
     ras_sample_batch,
     stream_generator,
 )
-from voice_out.model.token2wav import FlowPath, Token2Wav, Token2WavStream
+from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2Wav, Token2WavStream
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,11 @@ class _Live:
 
 class Runner:
     """Owns the model, the KV cache and per-request GPU state (see the module docstring)."""
+
+    #: Run a step's token2wav chunks through ``Token2Wav.run_chunks``: the flow of every
+    #: non-final re-run chunk in ONE batched pass (same audio within float rounding; False:
+    #: one ``run_chunk`` per chunk, bit-identical to a stream running alone).
+    batch_chunks: bool = True
 
     def __init__(
         self,
@@ -158,14 +164,17 @@ class Runner:
         llm = [w for w in plan.llm if w.request_id in self.live and w.request_id not in result.failed]
         if llm:
             self._llm_step(llm, result)
+        vocode: list[tuple[VocodeWork, Token2WavStream]] = []
         for work in plan.vocode:
             if work.request_id in result.failed:
                 continue
             try:
                 self._hook(work.request_id, "vocode")
-                result.audio[work.request_id] = self._vocode(work)
+                vocode.append((work, self._t2w_stream(work)))
             except Exception as e:  # noqa: BLE001
                 result.failed[work.request_id] = _describe(e)
+        if vocode:
+            self._vocode_step(vocode, result)
         return result
 
     def _hook(self, request_id: str, phase: str) -> None:
@@ -364,13 +373,50 @@ class Runner:
 
     # ---- token2wav ---------------------------------------------------------------------------
 
-    def _vocode(self, work: VocodeWork) -> np.ndarray:
+    def _t2w_stream(self, work: VocodeWork) -> Token2WavStream:
         live = self.live.get(work.request_id)
         if live is None:
             raise RuntimeError("vocode for a request the runner does not hold")
-        tokens = list(work.tokens[: work.chunk.token_len])
-        pcm = live.t2w.run_chunk(work.chunk, tokens)
-        return np.ascontiguousarray(pcm.detach().float().cpu().numpy(), dtype=np.float32)
+        return live.t2w
+
+    def _vocode_step(self, items: Sequence[tuple[VocodeWork, Token2WavStream]], result: StepResult) -> None:
+        """The step's token2wav chunks: one ``Token2Wav.run_chunks`` call (the flow of every
+        batchable chunk in one pass), each chunk failing alone.
+
+        A failure before any chunk was made (a batched flow pass that raises, e.g. out of
+        memory) runs every chunk again by itself, so only a chunk that fails alone fails; a
+        failure after the flow pass fails just its chunk (``ChunkBatchError``).
+        """
+        if not self.batch_chunks or len(items) == 1:
+            for work, stream in items:
+                self._vocode_alone(work, stream, result)
+            return
+        pairs = [(stream, work.chunk, list(work.tokens[: work.chunk.token_len])) for work, stream in items]
+        try:
+            audio: Sequence[Tensor | None] = self.t2w.run_chunks(pairs)
+        except ChunkBatchError as e:
+            audio = e.results
+            for i, err in e.errors.items():
+                result.failed[items[i][0].request_id] = _describe(err)
+        except Exception:  # noqa: BLE001 - nothing was made yet: each chunk on its own
+            log.warning("batched token2wav step failed; running its %d chunks one by one", len(items), exc_info=True)
+            for work, stream in items:
+                self._vocode_alone(work, stream, result)
+            return
+        for (work, _), pcm in zip(items, audio, strict=True):
+            if pcm is not None:
+                result.audio[work.request_id] = _pcm(pcm)
+
+    def _vocode_alone(self, work: VocodeWork, stream: Token2WavStream, result: StepResult) -> None:
+        try:
+            tokens = list(work.tokens[: work.chunk.token_len])
+            result.audio[work.request_id] = _pcm(stream.run_chunk(work.chunk, tokens))
+        except Exception as e:  # noqa: BLE001 - one request's chunk fails alone
+            result.failed[work.request_id] = _describe(e)
+
+
+def _pcm(audio: Tensor) -> np.ndarray:
+    return np.ascontiguousarray(audio.detach().float().cpu().numpy(), dtype=np.float32)
 
 
 def _describe(e: BaseException) -> str:
