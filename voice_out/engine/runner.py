@@ -405,7 +405,10 @@ class Runner:
             return
         for (work, _), pcm in zip(items, audio, strict=True):
             if pcm is not None:
-                result.audio[work.request_id] = _pcm(pcm)
+                try:
+                    result.audio[work.request_id] = _pcm(pcm)
+                except Exception as e:  # noqa: BLE001 - the copy to the host fails alone too
+                    result.failed[work.request_id] = _describe(e)
 
     def _vocode_alone(self, work: VocodeWork, stream: Token2WavStream, result: StepResult) -> None:
         try:
