@@ -170,6 +170,14 @@ def build_engine(
     def warm(runner: StepRunner) -> None:
         assert isinstance(runner, Runner)
         runner.warmup(FlowVoice(*_warm_voice(fdims.n_mels, fdims.spk_embed_dim)))
+        if graphs:  # the token2wav graphs of the default voice's prompt length, before any stream
+            try:
+                default_voice = book.resolve(None)
+            except Exception:  # noqa: BLE001 - no default voice (or an unusable one): captured on first use
+                return
+            if isinstance(default_voice.flow, FlowVoice):
+                n = runner.precapture(default_voice.flow)
+                log.info("engine: %d token2wav graphs captured for voice %r", n, default_voice.name)
 
     return cls(
         cfg,

@@ -275,6 +275,17 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def precapture(self, voice: FlowVoice, n_tokens: int = 500) -> int:
+        """Capture the token2wav graphs of ``voice``'s prompt length for its first ``n_tokens``
+        speech tokens (start-up, so no stream stalls on a capture later). Returns graphs held."""
+        token, feat, emb, _ = self._voice(voice)
+        n = self.t2w.capture_stream_shapes(
+            token, feat, emb, n_tokens, first_hop=self.first_hop, max_hop=self.max_hop, fast_first=self.fast_first
+        )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return n
+
     # ---- LLM ---------------------------------------------------------------------------------
 
     def _llm_step(self, work: Sequence[LlmWork], result: StepResult) -> None:

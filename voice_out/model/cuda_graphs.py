@@ -83,6 +83,10 @@ class GraphedFn:
     def captured_keys(self) -> list[Hashable]:
         return list(self._graphs)
 
+    def has(self, key: Hashable) -> bool:
+        """Whether ``key`` is captured (a call with it replays instead of capturing)."""
+        return key in self._graphs
+
     def _active(self, args: Sequence[torch.Tensor]) -> bool:
         if not self.enabled or getattr(_local, "disabled", False):
             return False

@@ -29,10 +29,11 @@ Two flow paths, chosen per stream: ``"rerun"`` calls ``flow.inference`` over the
 every token so far on each chunk (upstream's way); ``"cached"`` uses the flow's incremental API,
 so each chunk costs only its new tokens. Both give the same waveform.
 
-Fast path (CUDA, ``Token2Wav.use_cuda_graphs(True)``): the first chunk of a request, which
-decides time to first audio, runs the flow as ONE captured graph of the re-run pass (its shape
-depends only on the prompt length and the first hop, so one graph serves every voice of that
-prompt length), and every non-final vocoder call replays a graph per mel length. A cached-path
+Fast path (CUDA, ``Token2Wav.use_cuda_graphs(True)``): every non-final re-run flow call is ONE
+captured graph, keyed by (prompt length, tokens so far): the schedule makes only a few lengths
+per prompt length (25 + pad, then 50 and 100 more each time), and one graph serves every voice
+of that prompt length. The first chunk, which decides time to first audio, comes from it on
+both flow paths, and every non-final vocoder call replays a graph per mel length. A cached-path
 stream whose first chunk came from the graph replays that chunk into its flow cache at its
 second chunk (off the critical path: the listener already has 1 s of audio). Graph outputs equal
 the eager ones (tests/test_token2wav_graphs.py).
@@ -241,12 +242,14 @@ class Token2Wav:
         self.cache_samples = HIFT_CACHE_FRAMES * self.samples_per_frame
         self.window = hamming(2 * self.cache_samples, device=self.device)  # [7680] float64
         self._graph_first_flow: GraphedFn | None = None
+        self._capturing = False  # capture_stream_shapes running: any non-final shape is captured
         self._graph_hift: GraphedFn | None = None
         self._graph_hift_cached: GraphedFn | None = None
 
     def use_cuda_graphs(self, enabled: bool = True) -> None:
-        """Replay the first chunk's flow and non-final vocoder calls from CUDA graphs (CUDA
-        only; a no-op on the CPU). Graphs are captured on first use of each shape."""
+        """Replay non-final flow calls (every chunk of a re-run-path stream, the first chunk of a
+        cached-path one) and non-final vocoder calls from CUDA graphs (CUDA only; a no-op on the
+        CPU). Graphs are captured on first use of each shape (``capture_stream_shapes`` ahead)."""
         if not enabled or self.device.type != "cuda":
             self._graph_first_flow = self._graph_hift = self._graph_hift_cached = None
             return
@@ -264,6 +267,34 @@ class Token2Wav:
         self._graph_first_flow = GraphedFn(first_flow, name="flow.first_chunk")
         self._graph_hift = GraphedFn(hift_fresh, name="hift.fresh")
         self._graph_hift_cached = GraphedFn(hift_cached, name="hift.cached")
+
+    @torch.inference_mode()
+    def capture_stream_shapes(
+        self,
+        prompt_token: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        n_tokens: int,
+        *,
+        first_hop: int = CHUNK_SIZE_TOKENS,
+        max_hop: int = MAX_HOP_TOKENS,
+        fast_first: int = 0,
+    ) -> int:
+        """Capture now (start-up) the graphs a stream of this prompt length meets in its first
+        ``n_tokens`` speech tokens, instead of mid-stream. Returns the number of graphs held."""
+        if self._graph_first_flow is None:
+            return 0
+        self._capturing = True
+        stream = self.open_stream(
+            prompt_token, prompt_feat, embedding, first_hop=first_hop, max_hop=max_hop, fast_first=fast_first
+        )
+        try:
+            for _ in self.stream_all(stream, [(7 * i + 1) % 6561 for i in range(n_tokens)]):
+                pass
+        finally:
+            self._capturing = False
+        graphs = (self._graph_first_flow, self._graph_hift, self._graph_hift_cached)
+        return sum(len(g.captured_keys) for g in graphs if g is not None)
 
     @property
     def samples_per_token(self) -> int:
@@ -352,6 +383,15 @@ class Token2Wav:
                 mel = self.flow.inference(*args, streaming=True, finalize=False).float()
             stream.flow_cache_behind = stream.flow_path == "cached"
             return mel
+        key = (int(stream.prompt_token.shape[1]), plan.token_len)
+        known = graphed is not None and (self._capturing or graphed.has(key))
+        if stream.flow_path == "rerun" and graphed is not None and not plan.finalize and known:
+            # later non-final re-run chunks replay a graph per (prompt length, tokens so far)
+            # when start-up captured it (Token2Wav.capture_stream_shapes); capturing one here
+            # would stall every stream for several eager passes, so unknown lengths run eagerly
+            args = (token[:, : plan.token_len], stream.prompt_token, stream.prompt_feat, stream.embedding)
+            mel = graphed(key, *args)
+            return mel[:, :, MEL_FRAMES_PER_TOKEN * plan.token_offset :].float().clone()
         if stream.flow_path == "rerun":
             mel = self.flow.inference(
                 token[:, : plan.token_len],
@@ -402,7 +442,9 @@ class Token2Wav:
             return False
         if not hasattr(self.flow, "inference_batch"):
             return False
-        if plan.index == 0 and (stream.schedule.fast_first or self._graph_first_flow is not None):
+        if self._graph_first_flow is not None:  # graphed chunks beat batched eager ones
+            return False
+        if plan.index == 0 and stream.schedule.fast_first:
             return False
         sched = stream.schedule
         return (sched.prompt_tokens + plan.token_len - sched.lookahead) % sched.chunk_size == 0
