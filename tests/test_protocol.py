@@ -299,3 +299,13 @@ def test_a_session_survives_any_message_sequence(batch: list[str]) -> None:
             assert s.n_tasks == 0 and not engine.active and not s.live
 
     asyncio.run(run())
+
+
+def test_engine_errors_map_to_protocol_codes() -> None:
+    from voice_out.engine.api import NoVoiceError, OverloadedError, StreamClosedError, StreamFailedError
+    from voice_out.server.session import _error_code
+
+    assert _error_code(StreamClosedError("ended")) is p.ErrorCode.UTTERANCE_CLOSED
+    assert _error_code(NoVoiceError("none")) is p.ErrorCode.NO_VOICE
+    assert _error_code(OverloadedError("full")) is p.ErrorCode.OVERLOADED
+    assert _error_code(StreamFailedError("boom")) is p.ErrorCode.INTERNAL

@@ -78,6 +78,8 @@ def _error_code(exc: VoiceOutError) -> p.ErrorCode:
     code = str(getattr(exc, "code", "internal"))
     if code == "invalid_voice_name":  # a name no voice can have
         return p.ErrorCode.UNKNOWN_VOICE
+    if code == "stream_closed":  # the engine already ended this utterance (e.g. its length guard)
+        return p.ErrorCode.UTTERANCE_CLOSED
     try:
         return p.ErrorCode(code)
     except ValueError:
