@@ -181,6 +181,23 @@ class BatchSpy:
         monkeypatch.setattr(flow, "inference_batch", spy)
 
 
+def test_fast_first_is_a_per_stream_option(engine: Engine) -> None:
+    text = "hi there, bob"  # 39 speech tokens; noise voice with P = 0 (no pad)
+    fast = engine.open_stream(seed=5, fast_first=8)
+    plain = engine.open_stream(seed=5)
+    for s in (fast, plain):
+        s.push_text(text)
+        s.end_text()
+    fast_chunks, plain_chunks = list(fast), list(plain)
+    assert len(fast_chunks[0].pcm) == 8 * SAMPLES_PER_TOKEN - 3840  # 8 tokens, 160 ms held back
+    assert len(plain_chunks[0].pcm) == 25 * SAMPLES_PER_TOKEN - 3840
+    for chunks in (fast_chunks, plain_chunks):
+        assert sum(len(c.pcm) for c in chunks) == 39 * SAMPLES_PER_TOKEN
+    with pytest.raises(ValueError, match="fast_first"):
+        engine.open_stream(fast_first=25)
+    assert_clean(engine)
+
+
 @pytest.mark.parametrize("batched", [False, True], ids=["one_by_one", "batched_chunks"])
 def test_sixteen_concurrent_streams_produce_exactly_what_they_produce_alone(
     engine: Engine, batched: bool, monkeypatch: pytest.MonkeyPatch

@@ -219,9 +219,17 @@ class Engine:
         stream_id: str | None = None,
         seed: int | None = None,
         auto_ack: bool = True,
+        fast_first: int | None = None,
     ) -> EngineStream:
         """Open a stream in ``voice`` (None: the default voice). Raises NoVoiceError,
-        UnknownVoiceError, OverloadedError (not running, or too many open streams)."""
+        UnknownVoiceError, OverloadedError (not running, or too many open streams).
+
+        ``fast_first``: tokens of a fast first chunk for this stream (0 = upstream's 25 + pad;
+        None = ``engine.fast_first_tokens``); less time to first audio, a first second that
+        differs slightly from a single pass (docs/token2wav.md)."""
+        first_hop = self.config.engine.first_hop_tokens
+        if fast_first is not None and not 0 <= fast_first < first_hop:
+            raise ValueError(f"fast_first = {fast_first} must be in 0..{first_hop - 1} tokens")
         if not self.ready:
             raise OverloadedError("the engine is not running (start it first)")
         prompt = self.voices.resolve(voice)
@@ -247,7 +255,7 @@ class Engine:
         assert inbox is not None
         # an abandoned stream (garbage-collected unfinished) frees its GPU work
         stream.finalizer = weakref.finalize(stream, inbox.put, Cancel(sid))
-        inbox.put(Open(sid, prompt, seed, stream.outbox))
+        inbox.put(Open(sid, prompt, seed, stream.outbox, fast_first))
         return stream
 
     def _send(self, msg: Message) -> None:

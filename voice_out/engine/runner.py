@@ -229,7 +229,7 @@ class Runner:
         kw: dict[str, Any] = {
             "first_hop": self.first_hop,
             "max_hop": self.max_hop,
-            "fast_first": self.fast_first,
+            "fast_first": adm.fast_first,
             "flow_path": self.flow_path,
         }
         if self._t2w_pool:

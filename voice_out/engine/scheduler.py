@@ -76,6 +76,8 @@ class Admit:
     slot: int
     seed: int
     voice: VoicePrompt
+    #: Tokens of a fast first token2wav chunk for this request (0 = upstream's first chunk).
+    fast_first: int = 0
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,8 @@ class Scheduler:
 
     # ---- events from the consumers -------------------------------------------------------------
 
-    def add_request(self, request_id: str, voice: VoicePrompt, seed: int) -> Request:
+    def add_request(self, request_id: str, voice: VoicePrompt, seed: int, fast_first: int | None = None) -> Request:
+        """Register a request; ``fast_first`` None = ``engine.fast_first_tokens``."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} already exists")
         req = Request(
@@ -234,7 +237,7 @@ class Scheduler:
                 prompt_tokens=voice.flow_prompt_tokens,
                 first_hop=self.config.first_hop_tokens,
                 max_hop=self.config.max_hop_tokens,
-                fast_first=self.config.fast_first_tokens,
+                fast_first=self.config.fast_first_tokens if fast_first is None else fast_first,
             ),
             seed=seed,
             arrival_time=self.clock(),
@@ -346,7 +349,7 @@ class Scheduler:
             req.slot = slot
             req.status = RequestStatus.PREFILL
             self._slot_owner[slot] = rid
-            admits.append(Admit(rid, slot, req.seed, req.voice))
+            admits.append(Admit(rid, slot, req.seed, req.voice, req.schedule.fast_first))
 
         llm: list[LlmWork] = []
         win = self.config.ras_win_size

@@ -54,6 +54,7 @@ class Open(Message):
     voice: VoicePrompt
     seed: int
     sink: Sink
+    fast_first: int | None = None
 
 
 @dataclass(frozen=True)
@@ -295,7 +296,7 @@ class Worker:
                     _safe_deliver(msg.sink, EndOfStream(RequestStatus.ABORTED))
                     continue
                 try:
-                    sched.add_request(msg.request_id, msg.voice, msg.seed)
+                    sched.add_request(msg.request_id, msg.voice, msg.seed, msg.fast_first)
                 except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: that stream only
                     _safe_deliver(msg.sink, EndOfStream(RequestStatus.FAILED, StreamFailedError(str(e))))
                     continue
