@@ -843,3 +843,35 @@ def test_a_failure_in_a_batched_step_fails_only_its_request(engine: Engine, monk
     assert list(failed) == ["v1"] and "vocoder failure" in failed["v1"] and len(audio["v1"]) == 1
     assert spy.sizes[:2] == [4, 4]  # v1's second chunk was in a batched pass, then failed alone
     check_others(audio, "v", {1})
+
+
+@pytest.mark.requires_cuda
+def test_cuda_engine_overlapping_token2wav_with_the_llm_changes_nothing(tmp_path: Path) -> None:
+    cfg = Config(
+        server=ServerConfig(voices_dir=str(tmp_path / "no-voices")),
+        engine=EngineConfig(max_streams=8, max_ahead_s=30.0, max_text_chars=200),
+    )
+    eng = Engine.load(
+        cfg, model="random:tiny", device="cuda", forced=ForcedTokens(3), text_normalizer="none", kv_len=512
+    )
+    eng.start(timeout=300)
+    try:
+        runner = engine_runner(eng)
+        texts = [f"stream {i} says hello there" for i in range(4)]
+
+        def run_all() -> list[np.ndarray]:
+            streams = [eng.open_stream(seed=i) for i in range(len(texts))]
+            for s, t in zip(streams, texts, strict=True):
+                s.push_text(t)
+                s.end_text()
+            return [np.concatenate([c.pcm for c in s]) for s in streams]
+
+        assert runner._side_stream is not None
+        overlapped = run_all()
+        runner._side_stream = None  # one stream: LLM step, then token2wav
+        serial = run_all()
+        for a, b in zip(overlapped, serial, strict=True):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, atol=1e-4)
+    finally:
+        eng.close()

@@ -131,6 +131,8 @@ class Runner:
             if buckets[-1] < n_slots:
                 buckets.append(n_slots)
             self.graphed = GraphedLLM(llm, self.cache, self.sampling, decode_buckets=buckets, scratch_slot=n_slots)
+        #: CUDA: the stream token2wav runs on while the LLM step runs on the current one.
+        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         #: Host copy of the cache lengths: no sync is needed to place rows or bound attention.
         self.slot_len = [0] * n_slots
         self.live: dict[str, _Live] = {}
@@ -162,8 +164,6 @@ class Runner:
             except Exception as e:  # noqa: BLE001 - one request's setup fails alone
                 result.failed[adm.request_id] = _describe(e)
         llm = [w for w in plan.llm if w.request_id in self.live and w.request_id not in result.failed]
-        if llm:
-            self._llm_step(llm, result)
         vocode: list[tuple[VocodeWork, Token2WavStream]] = []
         for work in plan.vocode:
             if work.request_id in result.failed:
@@ -173,8 +173,29 @@ class Runner:
                 vocode.append((work, self._t2w_stream(work)))
             except Exception as e:  # noqa: BLE001
                 result.failed[work.request_id] = _describe(e)
-        if vocode:
-            self._vocode_step(vocode, result)
+        side = self._side_stream if (llm and vocode) else None
+        made: list[tuple[str, Tensor]] = []
+        if side is not None:
+            # token2wav on a second CUDA stream, launched first, so the GPU runs its kernels
+            # alongside the LLM step's; both are only waited for below (the chunks' tokens were
+            # produced by earlier steps, so nothing here depends on this step's LLM output)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                made = self._vocode_step(vocode, result)
+            try:
+                self._llm_step(llm, result)
+            finally:
+                side.synchronize()
+        else:
+            if llm:
+                self._llm_step(llm, result)
+            if vocode:
+                made = self._vocode_step(vocode, result)
+        for request_id, audio in made:
+            try:
+                result.audio[request_id] = _pcm(audio)
+            except Exception as e:  # noqa: BLE001 - the copy to the host fails alone too
+                result.failed[request_id] = _describe(e)
         return result
 
     def _hook(self, request_id: str, phase: str) -> None:
@@ -390,18 +411,22 @@ class Runner:
             raise RuntimeError("vocode for a request the runner does not hold")
         return live.t2w
 
-    def _vocode_step(self, items: Sequence[tuple[VocodeWork, Token2WavStream]], result: StepResult) -> None:
+    def _vocode_step(
+        self, items: Sequence[tuple[VocodeWork, Token2WavStream]], result: StepResult
+    ) -> list[tuple[str, Tensor]]:
         """The step's token2wav chunks: one ``Token2Wav.run_chunks`` call (the flow of every
-        batchable chunk in one pass), each chunk failing alone.
+        batchable chunk in one pass), each chunk failing alone. Returns (request id, audio on
+        the device); the caller copies it to the host (no sync here).
 
         A failure before any chunk was made (a batched flow pass that raises, e.g. out of
         memory) runs every chunk again by itself, so only a chunk that fails alone fails; a
         failure after the flow pass fails just its chunk (``ChunkBatchError``).
         """
+        made: list[tuple[str, Tensor]] = []
         if not self.batch_chunks or len(items) == 1:
             for work, stream in items:
-                self._vocode_alone(work, stream, result)
-            return
+                self._vocode_alone(work, stream, result, made)
+            return made
         pairs = [(stream, work.chunk, list(work.tokens[: work.chunk.token_len])) for work, stream in items]
         try:
             audio: Sequence[Tensor | None] = self.t2w.run_chunks(pairs)
@@ -412,19 +437,17 @@ class Runner:
         except Exception:  # noqa: BLE001 - nothing was made yet: each chunk on its own
             log.warning("batched token2wav step failed; running its %d chunks one by one", len(items), exc_info=True)
             for work, stream in items:
-                self._vocode_alone(work, stream, result)
-            return
-        for (work, _), pcm in zip(items, audio, strict=True):
-            if pcm is not None:
-                try:
-                    result.audio[work.request_id] = _pcm(pcm)
-                except Exception as e:  # noqa: BLE001 - the copy to the host fails alone too
-                    result.failed[work.request_id] = _describe(e)
+                self._vocode_alone(work, stream, result, made)
+            return made
+        made.extend((work.request_id, pcm) for (work, _), pcm in zip(items, audio, strict=True) if pcm is not None)
+        return made
 
-    def _vocode_alone(self, work: VocodeWork, stream: Token2WavStream, result: StepResult) -> None:
+    def _vocode_alone(
+        self, work: VocodeWork, stream: Token2WavStream, result: StepResult, made: list[tuple[str, Tensor]]
+    ) -> None:
         try:
             tokens = list(work.tokens[: work.chunk.token_len])
-            result.audio[work.request_id] = _pcm(stream.run_chunk(work.chunk, tokens))
+            made.append((work.request_id, stream.run_chunk(work.chunk, tokens)))
         except Exception as e:  # noqa: BLE001 - one request's chunk fails alone
             result.failed[work.request_id] = _describe(e)
 
