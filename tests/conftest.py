@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,3 +64,14 @@ def parity_dir() -> Path:
 @pytest.fixture(scope="session")
 def cases_dir(parity_dir: Path) -> Path:
     return parity_dir / "cases"
+
+
+def load_case(cases_dir: Path, name: str) -> dict[str, Any]:
+    """A parity case file (``<name>.pt``, loaded weights-only); skips when the directory lacks it."""
+    import torch
+
+    path = cases_dir / f"{name}.pt"
+    if not path.is_file():
+        pytest.skip(f"{path} not in the parity directory")
+    case: dict[str, Any] = torch.load(path, weights_only=True)
+    return case

@@ -10,11 +10,11 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
+from tests.conftest import load_case
 from voice_out.model.checkpoint import (
     CheckpointError,
     flow_key,
@@ -48,14 +48,6 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def flow(parity_dir: Path) -> Flow:
     return load_flow(parity_dir)
-
-
-def load_case(cases_dir: Path, name: str) -> dict[str, Any]:
-    path = cases_dir / f"{name}.pt"
-    if not path.is_file():
-        pytest.skip(f"{path} not in the parity directory")
-    case: dict[str, Any] = torch.load(path, weights_only=True)
-    return case
 
 
 def test_dims_come_from_the_yaml(parity_dir: Path, flow: Flow) -> None:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
+from tests.conftest import load_case
 from voice_out.model.checkpoint import (
     CheckpointError,
     fold_weight_norm,
@@ -46,14 +46,6 @@ def report(name: str, ref: torch.Tensor, x: torch.Tensor) -> tuple[float, float]
 @pytest.fixture(scope="module")
 def hift(parity_dir: Path) -> HiFT:
     return load_hift(parity_dir)
-
-
-def load_case(cases_dir: Path, name: str) -> dict[str, Any]:
-    path = cases_dir / f"{name}.pt"
-    if not path.is_file():
-        pytest.skip(f"{path} not in the parity directory")
-    case: dict[str, Any] = torch.load(path, weights_only=True)
-    return case
 
 
 def test_dims_come_from_the_yaml(parity_dir: Path, hift: HiFT) -> None:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from tests.conftest import load_case
 from voice_out.model.checkpoint import load_hift
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule, plan_all
 from voice_out.model.hift import HiFT
@@ -39,14 +40,6 @@ def assert_wave_close(name: str, ref: Tensor, x: Tensor) -> None:
     err, snr = float((ref - x).abs().max()), snr_db(ref, x)
     print(f"{name}: max abs {err:.3g}, SNR {snr:.1f} dB")
     assert err <= WAVE_TOL and snr >= WAVE_MIN_SNR_DB, name
-
-
-def load_case(cases_dir: Path, name: str) -> dict[str, Any]:
-    path = cases_dir / f"{name}.pt"
-    if not path.is_file():
-        pytest.skip(f"{path} not in the parity directory")
-    case: dict[str, Any] = torch.load(path, weights_only=True)
-    return case
 
 
 @pytest.fixture(scope="module")
