@@ -220,3 +220,18 @@ def test_random_flow_from_yaml(parity_dir: Path) -> None:
     assert mel.shape == (1, model.dims.n_mels, model.dims.token_mel_ratio * 30)
     assert bool(torch.isfinite(mel).all())
     assert 0.1 < float(mel.std()) < 20.0  # activations stay sane through 10 Euler steps
+
+
+def test_fused_qkv_equals_separate_projections(parity_dir: Path, cases_dir: Path) -> None:
+    case = load_case(cases_dir, "c_flow_offline")
+    fused = load_flow(parity_dir)
+    separate = load_flow(parity_dir)
+    blocks = separate.estimator.transformer_blocks()
+    assert all(b.qkv_weight.numel() > 0 for b in fused.estimator.transformer_blocks())
+    for block in blocks:
+        block.qkv_weight = torch.empty(0)  # back to three matmuls
+    args = (case["token"], case["prompt_token"], case["prompt_feat"], case["embedding"])
+    with torch.no_grad():
+        a = fused.inference(*args, streaming=False, finalize=True)
+        b = separate.inference(*args, streaming=False, finalize=True)
+    assert float((a - b).abs().max()) < 1e-5

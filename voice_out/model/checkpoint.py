@@ -588,6 +588,7 @@ def load_flow(model_dir: str | Path, device: str | torch.device = "cpu", dtype: 
     path = d / "flow.pt"
     state = {k: v.float() for k, v in load_state_dict(path).items()}
     strict_load(model, state, rename=flow_key, source=str(path))
+    model.fuse_()
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -634,4 +635,5 @@ def random_flow(
     p = Path(config)
     cfg = load_yaml(p) if p.is_dir() else parse_yaml(p.read_text(encoding="utf-8"))
     model = init_random_flow_(Flow(flow_dims(cfg)), seed)
+    model.fuse_()
     return model.to(device=device, dtype=dtype).eval()

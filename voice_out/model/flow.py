@@ -388,6 +388,13 @@ class Flow(nn.Module):
 
     # -- pieces ------------------------------------------------------------------------------
 
+    def fuse_(self) -> Flow:
+        """Inference-time weight fusion after loading (the estimator's q/k/v in one matmul).
+        Re-run it if the weights change (the loaders call it)."""
+        for block in self.estimator.transformer_blocks():
+            block.fuse_qkv_()
+        return self
+
     def speaker(self, embedding: Tensor) -> Tensor:
         """x-vector ``[1, spk_dim]`` -> ``[1, n_mels]``: affine of the L2-normalised vector."""
         return self.spk_affine(F.normalize(embedding.to(self.device, self.dtype), dim=1))

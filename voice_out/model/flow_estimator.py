@@ -119,13 +119,25 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim, eps=LN_EPS)
         self.ff_in = nn.Linear(dim, FF_MULT * dim)
         self.ff_out = nn.Linear(FF_MULT * dim, dim)
+        # [3 * inner, dim]: q, k and v in one matmul (one kernel instead of three); filled by
+        # fuse_qkv_() once the weights are loaded, empty (separate projections) until then
+        self.register_buffer("qkv_weight", torch.empty(0), persistent=False)
+
+    @torch.no_grad()
+    def fuse_qkv_(self) -> None:
+        """Stack the loaded q/k/v weights for the one-matmul projection (call after loading)."""
+        self.qkv_weight = torch.cat([self.to_q.weight, self.to_k.weight, self.to_v.weight]).detach().clone()
 
     def forward(self, x: Tensor, mask: Tensor | None, kv: tuple[Tensor, Tensor] | None, start: int) -> Tensor:
         b, t, _ = x.shape
         h = self.norm1(x)
-        q = self.to_q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = self.to_k(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        v = self.to_v(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        if self.qkv_weight.numel():
+            q, k, v = F.linear(h, self.qkv_weight).split(self.heads * self.head_dim, dim=-1)
+        else:
+            q, k, v = self.to_q(h), self.to_k(h), self.to_v(h)
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         if kv is not None:
             k_buf, v_buf = kv
             k_buf[:, :, start : start + t] = k
