@@ -31,7 +31,7 @@ def _stream_all(t2w: Token2Wav, flow_path: str, n_prompt: int, n_tokens: int, de
 def test_graphs_are_a_no_op_on_cpu() -> None:
     t2w = Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
     t2w.use_cuda_graphs(True)
-    assert t2w._graph_first_flow is None and t2w._graph_hift is None
+    assert t2w._graph_flow is None and t2w._graph_hift is None
 
 
 @pytest.mark.requires_cuda
@@ -47,5 +47,5 @@ def test_graphed_token2wav_equals_eager(flow_path: str) -> None:
         assert [len(c) for c in got] == [len(c) for c in want]
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
-    assert t2w._graph_first_flow is not None and t2w._graph_first_flow.captured_keys
+    assert t2w._graph_flow is not None and t2w._graph_flow.captured_keys
     assert t2w._graph_hift_cached is not None and t2w._graph_hift_cached.captured_keys

@@ -241,7 +241,7 @@ class Token2Wav:
         self.cache_frames = HIFT_CACHE_FRAMES
         self.cache_samples = HIFT_CACHE_FRAMES * self.samples_per_frame
         self.window = hamming(2 * self.cache_samples, device=self.device)  # [7680] float64
-        self._graph_first_flow: GraphedFn | None = None
+        self._graph_flow: GraphedFn | None = None
         self._capturing = False  # capture_stream_shapes running: any non-final shape is captured
         self._graph_hift: GraphedFn | None = None
         self._graph_hift_cached: GraphedFn | None = None
@@ -251,11 +251,11 @@ class Token2Wav:
         cached-path one) and non-final vocoder calls from CUDA graphs (CUDA only; a no-op on the
         CPU). Graphs are captured on first use of each shape (``capture_stream_shapes`` ahead)."""
         if not enabled or self.device.type != "cuda":
-            self._graph_first_flow = self._graph_hift = self._graph_hift_cached = None
+            self._graph_flow = self._graph_hift = self._graph_hift_cached = None
             return
         flow = self.flow
 
-        def first_flow(token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> Tensor:
+        def rerun_flow(token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> Tensor:
             return flow.inference(token, prompt_token, prompt_feat, embedding, streaming=True, finalize=False)
 
         def hift_fresh(mel: Tensor) -> tuple[Tensor, Tensor]:
@@ -264,7 +264,7 @@ class Token2Wav:
         def hift_cached(mel: Tensor, source: Tensor) -> tuple[Tensor, Tensor]:
             return self.hift(mel, source, None)
 
-        self._graph_first_flow = GraphedFn(first_flow, name="flow.first_chunk")
+        self._graph_flow = GraphedFn(rerun_flow, name="flow.rerun_chunk")
         self._graph_hift = GraphedFn(hift_fresh, name="hift.fresh")
         self._graph_hift_cached = GraphedFn(hift_cached, name="hift.cached")
 
@@ -282,7 +282,7 @@ class Token2Wav:
     ) -> int:
         """Capture now (start-up) the graphs a stream of this prompt length meets in its first
         ``n_tokens`` speech tokens, instead of mid-stream. Returns the number of graphs held."""
-        if self._graph_first_flow is None:
+        if self._graph_flow is None:
             return 0
         self._capturing = True
         stream = self.open_stream(
@@ -293,7 +293,7 @@ class Token2Wav:
                 pass
         finally:
             self._capturing = False
-        graphs = (self._graph_first_flow, self._graph_hift, self._graph_hift_cached)
+        graphs = (self._graph_flow, self._graph_hift, self._graph_hift_cached)
         return sum(len(g.captured_keys) for g in graphs if g is not None)
 
     @property
@@ -373,34 +373,17 @@ class Token2Wav:
         """New mel frames of ``plan``: [1, 80, 2 * hop_tokens] float32."""
         if plan.hop_tokens == 0:  # a final chunk with nothing new (an empty request)
             return torch.zeros(1, self.hift.dims.in_channels, 0, device=self.device)
-        graphed = self._graph_first_flow if token.is_cuda else None
         first = plan.index == 0 and not plan.finalize
-        if first and (graphed is not None or stream.schedule.fast_first):
-            args = (token[:, : plan.token_len], stream.prompt_token, stream.prompt_feat, stream.embedding)
-            if graphed is not None:
-                mel = graphed((int(stream.prompt_token.shape[1]), plan.token_len), *args).float().clone()
-            else:
-                mel = self.flow.inference(*args, streaming=True, finalize=False).float()
-            stream.flow_cache_behind = stream.flow_path == "cached"
+        graphs_on = self._graph_flow is not None and token.is_cuda
+        if not plan.finalize and (stream.flow_path == "rerun" or (first and (graphs_on or stream.schedule.fast_first))):
+            mel = self._rerun_chunk(stream, plan, token)
+            # a cached-path stream whose first chunk came from a re-run: its flow cache has taken
+            # in no speech token yet (the next chunk catches it up)
+            stream.flow_cache_behind = first and stream.flow_path == "cached"
             return mel
-        key = (int(stream.prompt_token.shape[1]), plan.token_len)
-        known = graphed is not None and (self._capturing or graphed.has(key))
-        if stream.flow_path == "rerun" and graphed is not None and not plan.finalize and known:
-            # later non-final re-run chunks replay a graph per (prompt length, tokens so far)
-            # when start-up captured it (Token2Wav.capture_stream_shapes); capturing one here
-            # would stall every stream for several eager passes, so unknown lengths run eagerly
+        if stream.flow_path == "rerun":  # the final chunk: full attention over every token
             args = (token[:, : plan.token_len], stream.prompt_token, stream.prompt_feat, stream.embedding)
-            mel = graphed(key, *args)
-            return mel[:, :, MEL_FRAMES_PER_TOKEN * plan.token_offset :].float().clone()
-        if stream.flow_path == "rerun":
-            mel = self.flow.inference(
-                token[:, : plan.token_len],
-                stream.prompt_token,
-                stream.prompt_feat,
-                stream.embedding,
-                streaming=not plan.finalize,
-                finalize=plan.finalize,
-            )
+            mel = self.flow.inference(*args, streaming=False, finalize=True)
             return mel[:, :, MEL_FRAMES_PER_TOKEN * plan.token_offset :].float()
         flow = self._streaming_flow()
         if stream.flow_cache_behind:  # take in the first chunk's tokens too, then drop its frames
@@ -409,6 +392,19 @@ class Token2Wav:
             return mel[:, :, MEL_FRAMES_PER_TOKEN * plan.token_offset :].float()
         new = token[:, plan.token_offset : plan.token_len]  # new tokens (+ look-ahead unless final)
         return flow.stream_chunk(stream.flow_cache, new, plan.finalize).float()
+
+    def _rerun_chunk(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor:
+        """A non-final chunk by upstream's re-run (prompt + tokens so far, chunk-causal): the new
+        frames, float32 [1, 80, 2 * hop_tokens]. From a graph per (prompt length, tokens so far)
+        for first chunks and for lengths start-up captured (``capture_stream_shapes``);
+        capturing any other length here would stall every stream, so those run eagerly."""
+        args = (token[:, : plan.token_len], stream.prompt_token, stream.prompt_feat, stream.embedding)
+        key = (int(stream.prompt_token.shape[1]), plan.token_len)
+        graph = self._graph_flow if token.is_cuda else None
+        start = MEL_FRAMES_PER_TOKEN * plan.token_offset
+        if graph is not None and (plan.index == 0 or self._capturing or graph.has(key)):
+            return graph(key, *args)[:, :, start:].float().clone()  # the graph reuses its output
+        return self.flow.inference(*args, streaming=True, finalize=False)[:, :, start:].float()
 
     def _as_tokens(self, tokens: Tensor | Sequence[int]) -> Tensor:
         t = tokens if isinstance(tokens, Tensor) else torch.tensor(list(tokens), dtype=torch.int32)
@@ -442,7 +438,7 @@ class Token2Wav:
             return False
         if not hasattr(self.flow, "inference_batch"):
             return False
-        if self._graph_first_flow is not None:  # graphed chunks beat batched eager ones
+        if self._graph_flow is not None:  # graphed chunks beat batched eager ones
             return False
         if plan.index == 0 and stream.schedule.fast_first:
             return False
