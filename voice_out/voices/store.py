@@ -501,7 +501,11 @@ class VoiceStore:
         return out
 
     def names(self) -> builtins.list[str]:
-        return [v.name for v in self.list()]
+        """Names of the stored voices, sorted: a directory listing, no manifest is read (cheap
+        enough for the event loop; a damaged voice is named here and refused by :meth:`get`)."""
+        return sorted(
+            e.name for e in self.directory.iterdir() if NAME_PATTERN.fullmatch(e.name) and (e / MANIFEST_FILE).is_file()
+        )
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and bool(NAME_PATTERN.fullmatch(name)) and (self.directory / name).is_dir()
