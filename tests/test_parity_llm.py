@@ -242,3 +242,14 @@ def test_bistream_schedule_with_all_text_queued(cases_dir: Path, name: str) -> N
     for k, s in enumerate(delivered):  # chunk k was pulled before step s, not earlier
         assert pulled_before_step[s] >= k + 1
         assert s == 0 or pulled_before_step[s - 1] <= k
+
+
+def test_cross_lingual_and_instruct_assembly(cases_dir: Path) -> None:
+    # a2 is the cross-lingual layout: no prompt transcript, no prompt speech
+    case = _load_case(cases_dir, "a2_llm_teacher_forced_no_prompt.pt")
+    text = _ids(case["text"])
+    assert llm_inputs.cross_lingual_rows(text) == [tuple(r) for r in case["lm_input_ids"].tolist()]
+    # instruct: the instruct text takes the transcript's place and no prompt speech follows
+    rows = llm_inputs.instruct_rows([7, 8, 9], text)
+    assert rows[:4] == [llm_inputs.SOS, (llm_inputs.KIND_TEXT, 7), (llm_inputs.KIND_TEXT, 8), (llm_inputs.KIND_TEXT, 9)]
+    assert rows[-1] == llm_inputs.TASK_ID and len(rows) == 1 + 3 + len(text) + 1

@@ -11,7 +11,6 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from voice_out import __version__
 from voice_out.config import DEFAULT_MODEL, Config, ConfigError, load_config, parse_overrides
@@ -202,10 +201,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-def run(argv: Sequence[str] | None = None) -> Any:  # pragma: no cover - console entry
-    sys.exit(main(argv))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,16 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from voice_out.engine.request import FILL_TOKEN, LlmInputKind, LlmStep, TextPiece, TokenOutcome
+from voice_out.model.llm_inputs import KIND_LLM, KIND_SPEECH, KIND_TEXT
 from voice_out.text import bistream as bs
 
 
 def _row(kind: int, ident: int) -> tuple[LlmInputKind, int]:
     """A bistream feed row ``(kind, id)`` as the scheduler's typed input."""
-    if kind == bs.KIND_LLM:
+    if kind == KIND_LLM:
         return (LlmInputKind.SOS if ident == 0 else LlmInputKind.TASK, ident)
-    if kind == bs.KIND_TEXT:
+    if kind == KIND_TEXT:
         return (LlmInputKind.TEXT, ident)
-    if kind == bs.KIND_SPEECH:
+    if kind == KIND_SPEECH:
         return (LlmInputKind.SPEECH, ident)
     raise ValueError(f"unknown feed row kind {kind}")
 
@@ -57,7 +58,7 @@ class BistreamFeed:
         s = self.state
         unfed = len(s.text_buf) + sum(len(c) for c in s.chunks)
         if not s.pending_fed:
-            unfed += sum(1 for kind, _ in s.pending if kind == bs.KIND_TEXT)
+            unfed += sum(1 for kind, _ in s.pending if kind == KIND_TEXT)
         # the prompt transcript is fed first, so it is what the buffers lack first
         return max(0, s.text_tokens - unfed)
 

@@ -68,12 +68,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 
-KIND_LLM = 0
-KIND_TEXT = 1
-KIND_SPEECH = 2
-Row = tuple[int, int]
-SOS: Row = (KIND_LLM, 0)
-TASK_ID: Row = (KIND_LLM, 1)
+from voice_out.model.llm_inputs import KIND_SPEECH, KIND_TEXT, SOS, TASK_ID, Row
 
 
 class StepMode(IntEnum):

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from voice_out.text.normalize import Lang, TextNormalizer, is_cjk
@@ -644,11 +643,3 @@ def normalize_whole(normalizer: TextNormalizer, text: str, *, default_lang: Lang
     """The streaming normalization of a text given at once (one push, then finish)."""
     dn = DeltaNormalizer(normalizer, default_lang=default_lang, markdown=markdown)
     return dn.push(text) + dn.finish()
-
-
-def normalize_deltas(
-    normalizer: TextNormalizer, deltas: Sequence[str], *, default_lang: Lang = "en", markdown: bool = True
-) -> list[str]:
-    """The released text after each delta, then the text released by ``finish`` (last item)."""
-    dn = DeltaNormalizer(normalizer, default_lang=default_lang, markdown=markdown)
-    return [dn.push(d) for d in deltas] + [dn.finish()]
