@@ -49,11 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny dims (configs/models/tiny) instead of 0.5B")
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=200, help="positions per stream before timing (and prefill)")
-    p.add_argument("--max-len", type=int, default=1024, help="KV-cache positions per slot (attention window)")
+    p.add_argument("--max-len", type=int, default=4096, help="KV-cache positions per slot (the engine's kv_len)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="torch.compile the graphed decode step")
+    p.add_argument("--kernels", action="store_true", help="also count the CUDA kernels of one eager step (profiler)")
     return p.parse_args(argv)
 
 
@@ -140,9 +141,56 @@ def bench_graphed(
 
     def step() -> None:
         cache.lengths.copy_(base)
-        fast.decode_sample(slots, embeds, history, uniforms, masked)
+        # the graph of the smallest attention window that holds prompt_len + 1 positions
+        fast.decode_sample(slots, embeds, history, uniforms, masked, kv_len=args.prompt_len + 1)
 
     return summary(timed(step, device, args.warmup, args.iters))
+
+
+def count_kernels(
+    lm: SpeechLM, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> dict[str, Any]:
+    """CUDA kernels launched by one eager decode step + head + RAS (what a graph replays), their
+    summed GPU time and the 12 costliest kernel names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = KVCache.allocate(lm.dims, batch + 1, args.max_len, device=device, dtype=dtype)
+    params = SamplingParams()
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
+    for s in range(batch):
+        lm.prefill(cache, s, prompt, start_pos=0)
+    slots = torch.arange(batch, device=device).flip(0)
+    embeds = lm.embed_speech(torch.randint(0, lm.dims.speech_token_size, (batch,), generator=gen, device=device))
+    history = new_history(batch, params, device)
+    uniforms = torch.rand(batch, 2, generator=gen, device=device)
+    window = -(-(args.prompt_len + 1) // 256) * 256
+    base = cache.lengths.clone()
+
+    def step() -> None:
+        cache.lengths.copy_(base)
+        ras_sample_batch(lm.logprobs(lm.decode_step(cache, slots, embeds, kv_len=window)), history, uniforms, params)
+
+    step()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize(device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:90], []).append(e.device_time_total / 1e3)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    total = sum(sum(v) for v in by_name.values())
+    print(f"  kernels batch {batch} window {window}: {len(kernels)} kernels, {total:.3f} ms of GPU time")
+    for name, times in top:
+        print(f"    {len(times):5d} x  {sum(times):7.3f} ms  {name}")
+    return {
+        "window": window,
+        "n_kernels": len(kernels),
+        "gpu_ms": round(total, 3),
+        "top": [{"name": n, "count": len(t), "ms": round(sum(t), 3)} for n, t in top],
+    }
 
 
 def bench_graphed_prefill(
@@ -200,6 +248,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"decode step  batch {batch:3d} {name:16s}"
                     f"  median {r['median_ms']:7.3f} ms  p95 {r['p95_ms']:7.3f} ms"
                 )
+            if device.type == "cuda" and args.kernels:
+                result["decode"][f"b{batch}_kernels"] = count_kernels(lm, batch, args, device, dtype)
             if device.type == "cuda":
                 r = bench_graphed(lm, batch, args, device, dtype)
                 result["decode"][f"b{batch}_graphed+head+ras"] = r

@@ -56,7 +56,10 @@ def _decode_reference(
 def _run_equivalence(device: str, dtype: torch.dtype, enabled: bool) -> None:
     lm, ref, fast = _setup(device, dtype)
     params = SamplingParams()
-    fast_llm = GraphedLLM(lm, fast, params, decode_buckets=(1, 2, 4), prefill_buckets=(8, 32), enabled=enabled)
+    fast_llm = GraphedLLM(
+        lm, fast, params, decode_buckets=(1, 2, 4), decode_windows=(32, 64), prefill_buckets=(8, 32), enabled=enabled
+    )
+    assert fast_llm.decode_windows == (32, 64, 96)
     fast_llm.capture_all()
     for slot, n in enumerate([9, 4, 20, 13, 30]):
         e = _embeds(lm, n, slot)
@@ -69,7 +72,9 @@ def _run_equivalence(device: str, dtype: torch.dtype, enabled: bool) -> None:
         u = torch.rand(len(slots), 2, device=device)
         want = _decode_reference(lm, ref, slots, e, hist, u)
         masked = torch.zeros(len(slots), dtype=torch.bool, device=device)
-        got = fast_llm.decode_sample(slots, e, hist, u, masked)
+        # the smallest window that holds the longest row (32, 64 or the whole cache, 96)
+        longest = max(int(fast.lengths[s]) for s in slots) + 1
+        got = fast_llm.decode_sample(slots, e, hist, u, masked, kv_len=longest + 2 * step)
         assert got.tolist() == want.tolist()
         assert ref.lengths[:5].tolist() == fast.lengths[:5].tolist()
     for layer in range(lm.dims.n_layers):
@@ -79,6 +84,15 @@ def _run_equivalence(device: str, dtype: torch.dtype, enabled: bool) -> None:
                 fast.k[layer, s, :, :n].float(), ref.k[layer, s, :, :n].float(), atol=2e-2, rtol=2e-2
             )
     assert int(fast.lengths[fast_llm.scratch_slot]) <= 4  # padding never reaches real slots
+
+
+def test_decode_window_too_small_for_the_cache_is_refused() -> None:
+    lm, _, fast = _setup("cpu", torch.float32)
+    g = GraphedLLM(lm, fast, SamplingParams(), decode_windows=(32,))
+    e = _embeds(lm, 1, 0)
+    hist = torch.full((1, SamplingParams().win_size), NO_TOKEN, dtype=torch.long)
+    with pytest.raises(ValueError, match="needs 97 positions"):
+        g.decode_sample([0], e, hist, torch.rand(1, 2), torch.zeros(1, dtype=torch.bool), kv_len=97)
 
 
 def test_graphed_llm_eager_fallback_equals_reference_cpu() -> None:
@@ -94,8 +108,10 @@ def test_graphed_llm_equals_eager_cuda_fp32() -> None:
 @pytest.mark.requires_cuda
 def test_graphed_llm_captures_every_bucket() -> None:
     lm, _, fast = _setup("cuda", torch.bfloat16)
-    g = GraphedLLM(lm, fast, SamplingParams(), decode_buckets=(1, 2, 4), prefill_buckets=(8, 32))
+    g = GraphedLLM(lm, fast, SamplingParams(), decode_buckets=(1, 2, 4), decode_windows=(32,), prefill_buckets=(8, 32))
     g.capture_all()
-    assert sorted(g._decode.captured_keys) == [1, 2, 4]  # type: ignore[type-var]
+    assert sorted(g._decode) == [32, 96]
+    for graphs in g._decode.values():
+        assert sorted(graphs.captured_keys) == [1, 2, 4]  # type: ignore[type-var]
     assert sorted(g._prefill.captured_keys) == [8, 32]  # type: ignore[type-var]
     assert int(fast.lengths.sum()) == 0

@@ -10,7 +10,7 @@ import torch
 
 from tests.conftest import REPO_ROOT
 from voice_out.model.checkpoint import CheckpointError, llm_dims, load_llm, load_state_dict, random_llm
-from voice_out.model.qwen2 import KVCache, LLMDims, SpeechLM
+from voice_out.model.qwen2 import KVCache, LLMDims, SpeechLM, apply_rope, rope_cos_sin, rope_matrices
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
 FULL = REPO_ROOT / "configs" / "models" / "cosyvoice2-0.5b"
@@ -52,6 +52,41 @@ def test_official_dims_and_parameter_count() -> None:
     with torch.device("meta"):
         n_params = sum(p.numel() for p in SpeechLM(dims).parameters())
     assert n_params == 505_803_812  # spec 2.3: 505.8 M unique parameters (no tied lm_head)
+
+
+def test_rope_matrices_rotate_like_apply_rope() -> None:
+    """One batched matmul per row (the decode step's RoPE) equals the rotate-half formula."""
+    pos = torch.tensor([0, 1, 17, 4095])
+    x = torch.randn(4, 3, 64, dtype=torch.float64).float()
+    m = rope_matrices(pos, 64, 1e6)
+    cos, sin = rope_cos_sin(pos[:, None], 64, 1e6)  # [4, 1, 64]
+    want = apply_rope(x[:, :, None], cos, sin)[:, :, 0]  # x as [B, H, L=1, D]
+    torch.testing.assert_close(torch.bmm(x, m), want, atol=1e-6, rtol=1e-6)
+
+
+def test_inactive_rows_leave_their_slots_untouched(tiny: SpeechLM) -> None:
+    """Rows of a slots=None step that are not active append nothing and write nothing to their
+    slot (their K/V go to the scratch slot); the active rows equal a plain step of theirs."""
+    ref = KVCache.allocate(tiny.dims, 5, 30)
+    fast = KVCache.allocate(tiny.dims, 5, 30)
+    for s, p in enumerate(prompts(tiny, (3, 17, 9, 30))):
+        tiny.prefill(ref, s, p)
+        tiny.prefill(fast, s, p)
+    before_k, before_v = fast.k.clone(), fast.v.clone()
+    embeds = tiny.embed_speech(speech_tokens(4, 1)[0])
+    active = torch.tensor([True, False, True, False])
+    # slot 3 is full (30 of 30 positions): an inactive row must not write at its length
+    got = tiny.decode_step(fast, None, embeds, active=active, scratch_slot=4)
+    want = tiny.decode_step(ref, torch.tensor([0, 2]), embeds[[0, 2]])
+    torch.testing.assert_close(got[[0, 2]], want, atol=1e-5, rtol=1e-5)
+    assert fast.lengths.tolist() == [4, 17, 10, 30, 0]
+    for s in (1, 3):
+        assert torch.equal(fast.k[:, s], before_k[:, s]) and torch.equal(fast.v[:, s], before_v[:, s])
+    for s in (0, 2):
+        n = int(fast.lengths[s])
+        torch.testing.assert_close(fast.k[:, s, :, :n], ref.k[:, s, :, :n], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="scratch_slot"):
+        tiny.decode_step(fast, None, embeds, active=active)
 
 
 def test_dims_validation() -> None:

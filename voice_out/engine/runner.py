@@ -70,7 +70,13 @@ class _GraphedLLM(Protocol):
     def prefill(self, slot: int, embeds: Tensor, start: int) -> Tensor: ...
 
     def decode_sample(
-        self, slots: Sequence[int], embeds: Tensor, history: Tensor, uniforms: Tensor, eos_masked: Tensor
+        self,
+        slots: Sequence[int],
+        embeds: Tensor,
+        history: Tensor,
+        uniforms: Tensor,
+        eos_masked: Tensor,
+        kv_len: int | None = None,
     ) -> Tensor: ...
 
     def capture_all(self) -> None: ...
@@ -366,7 +372,9 @@ class Runner:
             return self._sample(work, self.llm.logprobs(self._decode(work)))
         embeds = self.llm.embed_rows([self._rows(w)[0] for w in work])  # [B, H]
         history, uniforms, masked = self._sampling_inputs(work)
-        tokens = self.graphed.decode_sample([w.slot for w in work], embeds, history, uniforms, masked).clone()
+        longest = max(self.slot_len[w.slot] for w in work) + 1
+        slots = [w.slot for w in work]
+        tokens = self.graphed.decode_sample(slots, embeds, history, uniforms, masked, kv_len=longest).clone()
         for w in work:
             self.slot_len[w.slot] += 1
         return tokens

@@ -4,25 +4,31 @@ An eager decode step of the 0.5B backbone launches several hundred small kernels
 to 32 it costs the same ~10 ms on an H200 whatever the batch (launch-bound; the weights take
 ~0.3 ms to read). Replaying one captured graph per batch bucket removes the launch cost.
 
-* :class:`GraphedLLM` ``.decode_sample(slots, embeds, history, uniforms, eos_masked)``: one
-  batched decode step for B rows, the ``llm_decoder`` head, EOS masking and repetition-aware
-  sampling, replayed from the graph of the smallest bucket >= B. Padding rows write into a
-  scratch slot (the cache is allocated with one extra slot for it), so real slots are never
-  touched by padding. Returns int64 token ids ``[B]`` on the device (no host sync inside).
+* :class:`GraphedLLM` ``.decode_sample(slots, embeds, history, uniforms, eos_masked, kv_len)``:
+  one batched decode step, the ``llm_decoder`` head, EOS masking and repetition-aware sampling.
+  Row r of the graph is KV slot r, so the step attends over views of the cache and never
+  gathers K/V (a gather of every layer's K and V cost more than the attention itself); slots
+  that do not decode this step are inactive rows: computed, but nothing is appended (their
+  writes go to a scratch slot, the cache's extra last slot). The graph is the one of the
+  smallest batch bucket above the highest slot used. Returns int64 token ids ``[B]`` on the
+  device (no host sync inside).
 * ``.prefill(slot, embeds, start)``: appends ``[L, H]`` rows to one slot, replayed from the
   graph of the smallest length bucket >= L (rows are padded; the padding's K/V land beyond the
   slot's new length, where they are masked and later overwritten). Returns the hidden state of
   the last real row ``[H]``.
 
-Every graph attends over the whole cache window (``cache.max_len`` positions) so that one graph
-per bucket serves every stream length; the per-row validity mask does the rest. Capture all
+A decode graph is captured per (batch bucket, attention window): a step attends over the
+smallest window of ``decode_windows`` (256, 512, ... and the whole cache) that holds its longest
+row, so short utterances do not pay for attending over the whole cache; the per-row validity
+mask does the rest. Prefill graphs attend over the whole cache. Capture all
 buckets with :meth:`GraphedLLM.capture_all` at start-up, before any stream holds a slot:
 capture runs the step on scratch inputs. GPU worker thread only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -33,6 +39,9 @@ from voice_out.model.sampling import NO_TOKEN, SamplingParams, mask_eos_, ras_sa
 
 DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+#: Attention windows of the decode graphs (positions; the cache's own length is always added):
+#: a step attends over the smallest window that holds every row, not over the whole cache.
+DEFAULT_DECODE_WINDOWS = (256, 512, 1024, 2048)
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int | None:
@@ -61,8 +70,8 @@ def prefill_static(
     cos, sin = rope_cos_sin(positions[None], dims.head_dim, dims.rope_theta)  # [1, Lb, D]
     key_pos = torch.arange(cache.max_len, device=dev)
     causal = (key_pos[None, :] <= positions[:, None])[None]  # [1, Lb, T]
-    mask = group_mask(causal, dims.n_heads // dims.n_kv_heads)
     h = embeds[None].to(lm.llm_decoder.weight.dtype)
+    mask = group_mask(causal, dims.n_heads // dims.n_kv_heads, h.dtype)
     rows = slot.expand(seq)  # [Lb]: index tensors only, so nothing syncs with the host
     for i, layer in enumerate(lm.layers):
         assert isinstance(layer, Block)
@@ -71,8 +80,8 @@ def prefill_static(
         cache.v[i][rows, :, positions] = v[0].transpose(0, 1)
         keys = cache.k[i].index_select(0, slot)  # [1, Hkv, T, D]
         values = cache.v[i].index_select(0, slot)
-        h = h + layer.attn.out(attend(q, keys, values, mask))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = layer.attn.out(attend(q, keys, values, mask), h)
+        h = layer.mlp(layer.post_attention_layernorm(h), h)
     cache.lengths.index_copy_(0, slot, (start + n_valid).to(cache.lengths.dtype))
     last = h[0].index_select(0, n_valid - 1)  # [1, H]
     return lm.norm(last)[0]
@@ -92,6 +101,7 @@ class GraphedLLM:
         sampling: SamplingParams,
         *,
         decode_buckets: Sequence[int] = DEFAULT_DECODE_BUCKETS,
+        decode_windows: Sequence[int] = DEFAULT_DECODE_WINDOWS,
         prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS,
         scratch_slot: int | None = None,
         enabled: bool = True,
@@ -103,24 +113,34 @@ class GraphedLLM:
         self.scratch_slot = cache.n_slots - 1 if scratch_slot is None else scratch_slot
         self.decode_buckets = tuple(sorted(decode_buckets))
         self.prefill_buckets = tuple(b for b in sorted(prefill_buckets) if b <= cache.max_len)
+        self.decode_windows = (*(w for w in sorted(set(decode_windows)) if w < cache.max_len), cache.max_len)
         self.device = lm.llm_decoder.weight.device
         self.enabled = enabled and self.device.type == "cuda"
-        decode_fn = self._decode_fn
+        decode_fn: Callable[..., Tensor] = self._decode_fn
         if compile and self.enabled:
             # Inductor fuses the norms, RoPE, residual adds and the MLP gate into a few kernels per
             # layer; the graphs below then remove the launch cost of what is left.
             # Experimental (scripts/bench_llm_step.py --compile): one compile per bucket shape,
             # ~30-60 s each on an H200, so the engine does not use it (docs/benchmarks.md).
             decode_fn = torch.compile(self._decode_fn, dynamic=False, fullgraph=False)
-        self._decode = GraphedFn(decode_fn, enabled=self.enabled, name="llm.decode_sample")
-        self._prefill = GraphedFn(self._prefill_fn, enabled=self.enabled, name="llm.prefill")
-        self._scratch = torch.tensor([self.scratch_slot], device=self.device)
+        pool = torch.cuda.graph_pool_handle() if self.enabled else None  # one pool for every graph
+        self._decode = {
+            w: GraphedFn(
+                functools.partial(decode_fn, w), enabled=self.enabled, pool=pool, name=f"llm.decode_sample.w{w}"
+            )
+            for w in self.decode_windows
+        }
+        self._prefill = GraphedFn(self._prefill_fn, enabled=self.enabled, pool=pool, name="llm.prefill")
 
     # -- the captured functions -------------------------------------------------------------
 
-    def _decode_fn(self, slots: Tensor, embeds: Tensor, history: Tensor, uniforms: Tensor, masked: Tensor) -> Tensor:
-        self.cache.lengths.index_fill_(0, self._scratch, 0)  # padding rows restart the scratch slot
-        hidden = self.lm.decode_step(self.cache, slots, embeds)
+    def _decode_fn(
+        self, window: int, active: Tensor, embeds: Tensor, history: Tensor, uniforms: Tensor, masked: Tensor
+    ) -> Tensor:
+        # row r is slot r: K/V are views of the cache, never gathered; rows that do not decode
+        # this step are inactive (nothing appended, their writes go to the scratch slot)
+        cache, scratch = self.cache, self.scratch_slot
+        hidden = self.lm.decode_step(cache, None, embeds, kv_len=window, active=active, scratch_slot=scratch)
         logp = mask_eos_(self.lm.logprobs(hidden), masked, self.lm.dims.eos_token)
         return ras_sample_batch(logp, history, uniforms, self.sampling)
 
@@ -130,27 +150,51 @@ class GraphedLLM:
     # -- calls ------------------------------------------------------------------------------
 
     def decode_sample(
-        self, slots: Sequence[int], embeds: Tensor, history: Tensor, uniforms: Tensor, eos_masked: Tensor
+        self,
+        slots: Sequence[int],
+        embeds: Tensor,
+        history: Tensor,
+        uniforms: Tensor,
+        eos_masked: Tensor,
+        kv_len: int | None = None,
     ) -> Tensor:
-        """One decode + sample for ``len(slots)`` rows. ``embeds`` ``[B, H]``, ``history``
-        int64 ``[B, W]``, ``uniforms`` float32 ``[B, 2]``, ``eos_masked`` bool ``[B]``.
-        Returns int64 ``[B]`` (device). Falls back to eager above the largest bucket."""
-        b = len(slots)
-        bucket = _bucket(b, self.decode_buckets) if self.enabled else None
-        if bucket is None:
-            slot_t = torch.tensor(list(slots), dtype=torch.long, device=self.device)
-            return self._decode_fn(slot_t, embeds, history, uniforms, eos_masked)
-        pad = bucket - b
-        slot_t = torch.tensor(list(slots) + [self.scratch_slot] * pad, dtype=torch.long, device=self.device)
-        if pad:
-            embeds = torch.cat([embeds, embeds.new_zeros(pad, embeds.shape[1])])
-            history = torch.cat([history, history.new_full((pad, history.shape[1]), NO_TOKEN)])
-            uniforms = torch.cat([uniforms, uniforms.new_full((pad, 2), 0.5)])
-            eos_masked = torch.cat([eos_masked, eos_masked.new_ones(pad)])
-        out: Tensor = self._decode(
-            bucket, slot_t, embeds.to(self.lm.llm_decoder.weight.dtype), history, uniforms, eos_masked
-        )
-        return out[:b]
+        """One decode + sample for the B streams in ``slots`` (distinct, any order). ``embeds``
+        ``[B, H]``, ``history`` int64 ``[B, W]``, ``uniforms`` float32 ``[B, 2]``, ``eos_masked``
+        bool ``[B]``, row i for ``slots[i]``; ``kv_len``: positions every row needs after this
+        step (the longest row's length + 1), None = the whole cache.
+
+        The graph's row r is slot r: it runs the smallest batch bucket > ``max(slots)`` (so
+        keeping streams in the lowest slots, as the scheduler does, keeps it small) with the
+        slots not in ``slots`` inactive, and the smallest window >= ``kv_len``. Returns int64
+        ``[B]`` (device), in the order of ``slots``. Eager above the largest bucket."""
+        need = self.cache.max_len if kv_len is None else kv_len
+        window = _bucket(need, self.decode_windows)
+        if window is None:
+            raise ValueError(f"decode needs {need} positions, the cache holds {self.cache.max_len}")
+        if not slots or max(slots) >= self.scratch_slot or min(slots) < 0 or len(set(slots)) != len(slots):
+            raise ValueError(f"decode slots must be distinct, in 0..{self.scratch_slot - 1}: {list(slots)}")
+        top = max(slots) + 1
+        bucket = _bucket(top, self.decode_buckets) if self.enabled else top
+        if bucket is None:  # more rows than the largest bucket: eager, same code
+            bucket = top
+        rows = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        dtype = self.lm.llm_decoder.weight.dtype
+        full_embeds = embeds.new_zeros(bucket, embeds.shape[1], dtype=dtype)
+        full_embeds[rows] = embeds.to(dtype)
+        full_history = history.new_full((bucket, history.shape[1]), NO_TOKEN)
+        full_history[rows] = history
+        full_uniforms = uniforms.new_full((bucket, 2), 0.5)
+        full_uniforms[rows] = uniforms
+        full_masked = eos_masked.new_ones(bucket)
+        full_masked[rows] = eos_masked
+        active = torch.zeros(bucket, dtype=torch.bool, device=self.device)
+        active[rows] = True
+        args = (active, full_embeds, full_history, full_uniforms, full_masked)
+        if bucket in self.decode_buckets and self.enabled:
+            out: Tensor = self._decode[window](bucket, *args)
+        else:
+            out = self._decode_fn(window, *args)
+        return out[rows]
 
     def prefill(self, slot: int, embeds: Tensor, start: int) -> Tensor:
         """Append ``embeds`` ``[L, H]`` to ``slot`` from position ``start``; hidden ``[H]``."""
@@ -176,15 +220,16 @@ class GraphedLLM:
         hid = self.lm.dims.hidden_size
         dtype = self.lm.llm_decoder.weight.dtype
         win = self.sampling.win_size
-        for b in self.decode_buckets:
-            self._decode.capture(
-                b,
-                torch.full((b,), self.scratch_slot, dtype=torch.long, device=self.device),
-                torch.zeros(b, hid, device=self.device, dtype=dtype),
-                torch.full((b, win), NO_TOKEN, dtype=torch.long, device=self.device),
-                torch.full((b, 2), 0.5, device=self.device),
-                torch.ones(b, dtype=torch.bool, device=self.device),
-            )
+        for w in self.decode_windows:
+            for b in self.decode_buckets:
+                self._decode[w].capture(
+                    b,
+                    torch.zeros(b, dtype=torch.bool, device=self.device),  # no row active: nothing appended
+                    torch.zeros(b, hid, device=self.device, dtype=dtype),
+                    torch.full((b, win), NO_TOKEN, dtype=torch.long, device=self.device),
+                    torch.full((b, 2), 0.5, device=self.device),
+                    torch.ones(b, dtype=torch.bool, device=self.device),
+                )
         for n in self.prefill_buckets:
             self._prefill.capture(
                 n,

@@ -2,7 +2,8 @@
 
 Pure torch. Everything follows cosyvoice2-spec sections 2.1-2.3:
 
-* ``RMSNorm``: statistic in float32, cast back to the input dtype before the weight multiplies.
+* ``RMSNorm``: statistic in float32 (one fused kernel with the weight; in bf16 that rounds once
+  where HF rounds twice, <= 1 ulp).
 * RoPE in the rotate-half layout with cos/sin computed in float32 from the absolute positions.
 * GQA attention: q/k/v projections with bias (fused into one ``wqkv``), ``wo`` without bias;
   query head ``h`` reads kv head ``h // (n_heads / n_kv_heads)``. Torch SDPA does the math: the
@@ -183,10 +184,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # F.rms_norm is one fused kernel on CUDA: x / sqrt(mean(x^2) + eps) over the last dim,
-        # computed here in float32 and cast back before the weight, as HF Qwen2 does.
-        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * xf.to(x.dtype)
+        # F.rms_norm with the weight is ONE fused kernel on CUDA: the statistic in float32,
+        # x * rsqrt(mean(x^2) + eps) * weight. In float32 that is HF Qwen2's math; in bf16 it
+        # rounds once where HF rounds twice (the normalized value, then the product): <= 1 ulp.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -206,10 +207,34 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out.to(x.dtype)
 
 
-def group_mask(mask: Tensor, group: int) -> Tensor:
-    """bool ``[B, L, S]`` (True = may attend) -> ``[B, 1, group * L, S]`` for :func:`attend`."""
+def rope_matrices(positions: Tensor, head_dim: int, theta: float) -> Tensor:
+    """RoPE of one row per position as a matrix: float32 ``[B, D, D]`` for ``positions`` ``[B]``.
+
+    ``x @ M[b]`` equals ``apply_rope`` of x at position ``positions[b]`` (rotate-half layout):
+    ``M[k, k] = cos_k``, ``M[k + D/2, k] = -sin_k`` and ``M[k, k + D/2] = sin_{k + D/2}`` for
+    k < D/2. The decode step rotates every q and k head of a row with ONE batched matmul
+    instead of a chain of elementwise kernels per layer.
+    """
+    cos, sin = rope_cos_sin(positions, head_dim, theta)  # [B, D]
+    half = head_dim // 2
+    m = torch.diag_embed(cos)  # [B, D, D]
+    k = torch.arange(half, device=positions.device)
+    m[:, k + half, k] = -sin[:, :half]
+    m[:, k, k + half] = sin[:, half:]
+    return m
+
+
+def group_mask(mask: Tensor, group: int, dtype: torch.dtype | None = None) -> Tensor:
+    """bool ``[B, L, S]`` (True = may attend) -> ``[B, 1, group * L, S]`` for :func:`attend`.
+
+    With ``dtype``: an additive mask of that dtype (0 where allowed, -inf elsewhere), which SDPA
+    uses as is; a bool mask is converted by SDPA on every call (every layer).
+    """
     b, seq_q, seq_k = mask.shape
-    return mask[:, None, None].expand(b, 1, group, seq_q, seq_k).reshape(b, 1, group * seq_q, seq_k)
+    out = mask[:, None, None].expand(b, 1, group, seq_q, seq_k).reshape(b, 1, group * seq_q, seq_k)
+    if dtype is None:
+        return out
+    return torch.zeros(out.shape, device=out.device, dtype=dtype).masked_fill_(~out, float("-inf"))
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
@@ -247,10 +272,15 @@ class Attention(nn.Module):
         v = v.view(b, seq, self.n_kv_heads, d).transpose(1, 2)
         return qk[:, : self.n_heads], qk[:, self.n_heads :], v
 
-    def out(self, o: Tensor) -> Tensor:
-        """o ``[B, Hq, L, D]`` -> ``[B, L, H]``."""
+    def out(self, o: Tensor, residual: Tensor) -> Tensor:
+        """``residual + wo(o)``: o ``[B, Hq, L, D]``, residual ``[B, L, H]`` -> ``[B, L, H]``.
+
+        One GEMM with the residual as its C operand (``addmm``) instead of a GEMM and an add.
+        """
         b, _, seq, _ = o.shape
-        return self.wo(o.transpose(1, 2).reshape(b, seq, self.n_heads * self.head_dim))
+        o2 = o.transpose(1, 2).reshape(b * seq, self.n_heads * self.head_dim)
+        out = torch.addmm(residual.reshape(b * seq, -1), o2, self.wo.weight.t())
+        return out.view(residual.shape)
 
 
 class MLP(nn.Module):
@@ -260,9 +290,13 @@ class MLP(nn.Module):
         self.w13 = nn.Linear(dims.hidden_size, 2 * dims.intermediate_size, bias=False)  # [gate; up]
         self.w2 = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor) -> Tensor:
+        """``residual + w2(silu(gate) * up)``, x and residual ``[..., H]``; the residual add is
+        the C operand of the down projection's GEMM (``addmm``)."""
         gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        act = (F.silu(gate) * up).reshape(-1, self.intermediate_size)
+        out = torch.addmm(residual.reshape(-1, residual.shape[-1]), act, self.w2.weight.t())
+        return out.view(residual.shape)
 
 
 class Block(nn.Module):
@@ -327,8 +361,8 @@ class SpeechLM(nn.Module):
         cos, sin = rope_cos_sin(positions, self.dims.head_dim, self.dims.rope_theta)
         key_pos = torch.arange(end, device=dev)
         causal = (key_pos[None, :] <= positions[0, :, None])[None]  # [1, L, end] causal with offset
-        mask = group_mask(causal, self.dims.n_heads // self.dims.n_kv_heads)
         h = embeds[None].to(self.llm_decoder.weight.dtype)  # [1, L, H]
+        mask = group_mask(causal, self.dims.n_heads // self.dims.n_kv_heads, h.dtype)
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, Block)
             q, k, v = layer.attn.qkv(layer.input_layernorm(h), cos, sin)
@@ -336,26 +370,41 @@ class SpeechLM(nn.Module):
             cache.v[i, slot, :, start:end] = v[0]
             keys = cache.k[i, slot : slot + 1, :, :end]
             values = cache.v[i, slot : slot + 1, :, :end]
-            h = h + layer.attn.out(attend(q, keys, values, mask))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = layer.attn.out(attend(q, keys, values, mask), h)
+            h = layer.mlp(layer.post_attention_layernorm(h), h)
         cache.lengths[slot] = end
         return self.norm(h[0, -1])
 
     @torch.no_grad()
-    def decode_step(self, cache: KVCache, slots: Tensor | None, embeds: Tensor, kv_len: int | None = None) -> Tensor:
+    def decode_step(
+        self,
+        cache: KVCache,
+        slots: Tensor | None,
+        embeds: Tensor,
+        kv_len: int | None = None,
+        active: Tensor | None = None,
+        scratch_slot: int | None = None,
+    ) -> Tensor:
         """Append one row to each of B slots; return final-norm hidden states ``[B, H]``.
 
         * ``slots``: int64 ``[B]`` distinct slot indices, or None for slots ``0..B-1`` (views
-          instead of gathers: cheaper when the caller keeps active streams packed at the front).
+          instead of gathers: the K/V of a slot subset must be gathered every layer).
         * ``embeds``: ``[B, H]``; row b goes to position ``cache.lengths[slots[b]]``.
         * ``kv_len``: attend over the first ``kv_len`` positions only (a static bound, e.g. a
-          bucket; must exceed every row's position). None = ``cache.max_len``.
+          bucket; must exceed every active row's position). None = ``cache.max_len``.
+        * ``active`` (with ``slots`` None only): bool ``[B]``, the rows that really decode. An
+          inactive row is computed (static shapes) but appends nothing: its slot's length stays
+          and its K/V go to position 0 of ``scratch_slot`` (a slot no stream owns), so a slot
+          that is mid-utterance but not decoding this step is left exactly as it was.
 
         Static shapes, tensor positions, index writes, no host sync: CUDA-graph capturable.
         """
         b = int(embeds.shape[0])
         window = cache.max_len if kv_len is None else kv_len
         dev = embeds.device
+        dims = self.dims
+        d, hq, hkv = dims.head_dim, dims.n_heads, dims.n_kv_heads
+        dtype = self.llm_decoder.weight.dtype
         if slots is None:
             slot_idx = torch.arange(b, device=dev)
             lengths = cache.lengths[:b]
@@ -363,24 +412,47 @@ class SpeechLM(nn.Module):
             slot_idx = slots
             lengths = cache.lengths.index_select(0, slots)
         pos = lengths.long()  # [B]
-        cos, sin = rope_cos_sin(pos[:, None], self.dims.head_dim, self.dims.rope_theta)  # [B, 1, D]
-        valid = (torch.arange(window, device=dev)[None, :] <= pos[:, None])[:, None]  # [B, 1, W]
-        mask = group_mask(valid, self.dims.n_heads // self.dims.n_kv_heads)
-        h = embeds[:, None].to(self.llm_decoder.weight.dtype)  # [B, 1, H]
+        write_slot, write_pos = slot_idx, pos
+        if active is not None:
+            if slots is not None or scratch_slot is None:
+                raise ValueError("decode_step: active rows need slots=None and a scratch_slot")
+            write_slot = torch.where(active, slot_idx, scratch_slot)
+            write_pos = torch.where(active, pos, 0)
+        # Per step, not per layer: the RoPE matrices and one additive mask [B, 1, 1, W] (0 or
+        # -inf, broadcast by SDPA over heads and query rows). Per layer the step is then ~16
+        # kernels: norm, qkv GEMM, RoPE (cast, batched matmul, cast), two cache writes, (two K/V
+        # gathers unless slots is None), SDPA, wo GEMM with the residual, norm, w13 GEMM, silu,
+        # mul, w2 GEMM with the residual.
+        rope = rope_matrices(pos, d, dims.rope_theta)  # [B, D, D] float32
+        valid = torch.arange(window, device=dev)[None, :] <= pos[:, None]  # [B, W]
+        mask = torch.zeros(b, 1, 1, window, device=dev, dtype=dtype)
+        mask.masked_fill_(~valid[:, None, None], float("-inf"))
+        h = embeds.to(dtype)  # [B, H]
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, Block)
-            q, k, v = layer.attn.qkv(layer.input_layernorm(h), cos, sin)
-            cache.k[i][slot_idx, :, pos] = k[:, :, 0]
-            cache.v[i][slot_idx, :, pos] = v[:, :, 0]
+            attn = layer.attn
+            qkv = attn.wqkv(layer.input_layernorm(h))  # [B, (Hq + 2 Hkv) D]
+            qk = qkv[:, : (hq + hkv) * d].view(b, hq + hkv, d)
+            qk = torch.bmm(qk.float(), rope).to(dtype)  # [B, Hq + Hkv, D], rotated in float32
+            k = qk[:, hq:]  # [B, Hkv, D]
+            v = qkv[:, (hq + hkv) * d :].view(b, hkv, d)
+            cache.k[i][write_slot, :, write_pos] = k
+            cache.v[i][write_slot, :, write_pos] = v
             if slots is None:
                 keys, values = cache.k[i, :b, :, :window], cache.v[i, :b, :, :window]
             else:
                 keys = cache.k[i, :, :, :window].index_select(0, slots)
                 values = cache.v[i, :, :, :window].index_select(0, slots)
-            h = h + layer.attn.out(attend(q, keys, values, mask))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        cache.lengths.index_add_(0, slot_idx, torch.ones_like(slot_idx, dtype=cache.lengths.dtype))
-        return self.norm(h[:, 0])
+            # the G query heads of a kv group are G query rows against that group's keys
+            q = qk[:, :hq].reshape(b, hkv, hq // hkv, d)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G, D]
+            h = torch.addmm(h, o.reshape(b, hq * d), attn.wo.weight.t())
+            h = layer.mlp(layer.post_attention_layernorm(h), h)
+        step = (
+            torch.ones_like(slot_idx, dtype=cache.lengths.dtype) if active is None else active.to(cache.lengths.dtype)
+        )
+        cache.lengths.index_add_(0, slot_idx, step)
+        return self.norm(h)
 
     # -- head -------------------------------------------------------------------------------
 
