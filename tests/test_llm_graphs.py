@@ -38,7 +38,8 @@ def test_static_prefill_equals_prefill_cpu() -> None:
         want = lm.prefill(ref, slot, e, start_pos=start_len)
         padded = torch.cat([e, torch.randn(16 - n, e.shape[1])])  # garbage padding rows
         t = lambda v: torch.tensor([v])  # noqa: E731
-        got = prefill_static(lm, fast, t(slot), t(start_len), t(n), padded)
+        window = None if slot == 0 else 24 + 8 * slot  # the whole cache, or the first 32 / 40
+        got = prefill_static(lm, fast, t(slot), t(start_len), t(n), padded, window)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert fast.lengths[slot] == ref.lengths[slot] == start_len + n
         k_ref = ref.k[:, slot, :, : start_len + n]
@@ -113,5 +114,7 @@ def test_graphed_llm_captures_every_bucket() -> None:
     assert sorted(g._decode) == [32, 96]
     for graphs in g._decode.values():
         assert sorted(graphs.captured_keys) == [1, 2, 4]  # type: ignore[type-var]
-    assert sorted(g._prefill.captured_keys) == [8, 32]  # type: ignore[type-var]
+    assert sorted(g._prefill) == [32, 96]
+    for graphs in g._prefill.values():
+        assert sorted(graphs.captured_keys) == [8, 32]  # type: ignore[type-var]
     assert int(fast.lengths.sum()) == 0

@@ -20,7 +20,7 @@ to 32 it costs the same ~10 ms on an H200 whatever the batch (launch-bound; the 
 A decode graph is captured per (batch bucket, attention window): a step attends over the
 smallest window of ``decode_windows`` (256, 512, ... and the whole cache) that holds its longest
 row, so short utterances do not pay for attending over the whole cache; the per-row validity
-mask does the rest. Prefill graphs attend over the whole cache. Capture all
+mask does the rest. Prefill graphs are per (length bucket, window) too. Capture all
 buckets with :meth:`GraphedLLM.capture_all` at start-up, before any stream holds a slot:
 capture runs the step on scratch inputs. GPU worker thread only.
 """
@@ -53,23 +53,31 @@ def _bucket(n: int, buckets: Sequence[int]) -> int | None:
 
 @torch.no_grad()
 def prefill_static(
-    lm: SpeechLM, cache: KVCache, slot: Tensor, start: Tensor, n_valid: Tensor, embeds: Tensor
+    lm: SpeechLM,
+    cache: KVCache,
+    slot: Tensor,
+    start: Tensor,
+    n_valid: Tensor,
+    embeds: Tensor,
+    window: int | None = None,
 ) -> Tensor:
     """Graph-safe prefill of ``embeds`` ``[Lb, H]`` into ``slot`` (int64 ``[1]``) at ``start``
     (int64 ``[1]``); only the first ``n_valid`` (int64 ``[1]``) rows are real.
 
     Rows at or beyond ``n_valid`` are computed and written too (static shapes) but the slot's
-    length becomes ``start + n_valid``, so they are masked out and overwritten later. The caller
-    guarantees ``start + Lb <= cache.max_len``. Returns the final-norm hidden of row
-    ``n_valid - 1``, ``[H]``.
+    length becomes ``start + n_valid``, so they are masked out and overwritten later. Attention
+    reads the first ``window`` positions of the slot (None: the whole cache); the caller
+    guarantees ``start + Lb <= window``. Returns the final-norm hidden of row ``n_valid - 1``,
+    ``[H]``.
     """
     dims = lm.dims
     seq = embeds.shape[0]
     dev = embeds.device
     positions = start + torch.arange(seq, device=dev)  # [Lb]
     cos, sin = rope_cos_sin(positions[None], dims.head_dim, dims.rope_theta)  # [1, Lb, D]
-    key_pos = torch.arange(cache.max_len, device=dev)
-    causal = (key_pos[None, :] <= positions[:, None])[None]  # [1, Lb, T]
+    win = cache.max_len if window is None else window
+    key_pos = torch.arange(win, device=dev)
+    causal = (key_pos[None, :] <= positions[:, None])[None]  # [1, Lb, W]
     h = embeds[None].to(lm.llm_decoder.weight.dtype)
     mask = group_mask(causal, dims.n_heads // dims.n_kv_heads, h.dtype)
     rows = slot.expand(seq)  # [Lb]: index tensors only, so nothing syncs with the host
@@ -78,8 +86,8 @@ def prefill_static(
         q, k, v = layer.attn.qkv(layer.input_layernorm(h), cos, sin)  # k, v [1, Hkv, Lb, D]
         cache.k[i][rows, :, positions] = k[0].transpose(0, 1)
         cache.v[i][rows, :, positions] = v[0].transpose(0, 1)
-        keys = cache.k[i].index_select(0, slot)  # [1, Hkv, T, D]
-        values = cache.v[i].index_select(0, slot)
+        keys = cache.k[i, :, :, :win].index_select(0, slot)  # [1, Hkv, W, D]
+        values = cache.v[i, :, :, :win].index_select(0, slot)
         h = layer.attn.out(attend(q, keys, values, mask), h)
         h = layer.mlp(layer.post_attention_layernorm(h), h)
     cache.lengths.index_copy_(0, slot, (start + n_valid).to(cache.lengths.dtype))
@@ -130,7 +138,12 @@ class GraphedLLM:
             )
             for w in self.decode_windows
         }
-        self._prefill = GraphedFn(self._prefill_fn, enabled=self.enabled, pool=pool, name="llm.prefill")
+        self._prefill = {
+            w: GraphedFn(
+                functools.partial(self._prefill_fn, w), enabled=self.enabled, pool=pool, name=f"llm.prefill.w{w}"
+            )
+            for w in self.decode_windows
+        }
 
     # -- the captured functions -------------------------------------------------------------
 
@@ -144,8 +157,8 @@ class GraphedLLM:
         logp = mask_eos_(self.lm.logprobs(hidden), masked, self.lm.dims.eos_token)
         return ras_sample_batch(logp, history, uniforms, self.sampling)
 
-    def _prefill_fn(self, slot: Tensor, start: Tensor, n_valid: Tensor, embeds: Tensor) -> Tensor:
-        return prefill_static(self.lm, self.cache, slot, start, n_valid, embeds)
+    def _prefill_fn(self, window: int, slot: Tensor, start: Tensor, n_valid: Tensor, embeds: Tensor) -> Tensor:
+        return prefill_static(self.lm, self.cache, slot, start, n_valid, embeds, window)
 
     # -- calls ------------------------------------------------------------------------------
 
@@ -200,7 +213,8 @@ class GraphedLLM:
         """Append ``embeds`` ``[L, H]`` to ``slot`` from position ``start``; hidden ``[H]``."""
         seq = int(embeds.shape[0])
         bucket = _bucket(seq, self.prefill_buckets) if self.enabled else None
-        if bucket is None or start + bucket > self.cache.max_len:
+        window = _bucket(start + bucket, self.decode_windows) if bucket is not None else None
+        if bucket is None or window is None:
             return self.lm.prefill(self.cache, slot, embeds, start_pos=start)
         padded = embeds.new_zeros(bucket, embeds.shape[1])
         padded[:seq] = embeds
@@ -210,7 +224,7 @@ class GraphedLLM:
             torch.tensor([seq], device=self.device),
             padded.to(self.lm.llm_decoder.weight.dtype),
         )
-        out: Tensor = self._prefill(bucket, *args)
+        out: Tensor = self._prefill[window](bucket, *args)
         return out
 
     def capture_all(self) -> None:
@@ -230,8 +244,8 @@ class GraphedLLM:
                     torch.full((b, 2), 0.5, device=self.device),
                     torch.ones(b, dtype=torch.bool, device=self.device),
                 )
-        for n in self.prefill_buckets:
-            self._prefill.capture(
+        for w, n in ((w, n) for w in self.decode_windows for n in self.prefill_buckets if n <= w):
+            self._prefill[w].capture(
                 n,
                 torch.tensor([self.scratch_slot], device=self.device),
                 torch.zeros(1, dtype=torch.long, device=self.device),
