@@ -78,6 +78,13 @@ def fake_result(plan: StepPlan, *, token: Callable[[str], int] | None = None, fa
     return res
 
 
+def unplan_vocode(sched: Scheduler, plan: StepPlan) -> StepPlan:
+    """The plan without its chunks, as if the scheduler had never planned them."""
+    for w in plan.vocode:
+        sched.requests[w.request_id].vocode_inflight = None
+    return dataclasses.replace(plan, vocode=())
+
+
 def step(sched: Scheduler, **kw: object) -> tuple[StepPlan, list[Output]]:
     plan = sched.plan()
     return plan, sched.update(plan, fake_result(plan, **kw))  # type: ignore[arg-type]
@@ -239,7 +246,7 @@ def test_first_chunks_go_first_then_earliest_deadline() -> None:
         }
         plan = sched.plan()
         if n < 150:  # hold vocoding back so that chunks pile up and compete
-            plan = dataclasses.replace(plan, vocode=())
+            plan = unplan_vocode(sched, plan)
             sched.update(plan, fake_result(plan))
             continue
         sched.update(plan, fake_result(plan))
@@ -270,7 +277,7 @@ def test_a_stream_about_to_run_dry_goes_before_new_first_chunks() -> None:
     fresh = create_requests(sched, 3, text="b" * 20, prefix="new")
     # make the old stream's next chunk ready and every new stream's first chunk ready too
     while True:
-        plan = dataclasses.replace(sched.plan(), vocode=())
+        plan = unplan_vocode(sched, sched.plan())
         sched.update(plan, fake_result(plan))
         req = sched.requests[old]
         if req.schedule.ready(len(req.speech_tokens), False) and all(
@@ -280,7 +287,9 @@ def test_a_stream_about_to_run_dry_goes_before_new_first_chunks() -> None:
     deadline = sched.requests[old].playout_deadline()
     assert deadline == first_audio + sched.requests[old].samples_produced / SAMPLE_RATE
     clock.t = deadline - 2.0  # plenty of audio left: the new streams' first chunks go first
-    assert sched.plan().vocode[0].request_id == fresh[0]
+    plan = sched.plan()
+    assert plan.vocode[0].request_id == fresh[0]
+    unplan_vocode(sched, plan)
     clock.t = deadline - 0.2  # about to run dry: it goes first
     plan = sched.plan()
     assert plan.vocode[0].request_id == old and plan.vocode[0].chunk.index == 1
@@ -562,3 +571,91 @@ def test_fast_first_chunk_makes_the_first_audio_sooner() -> None:
         if plan.empty:
             break
     assert first_ready_at is not None and first_ready_at < 25 + 3  # upstream's first chunk needs 28
+
+
+class PipelinedRunner:
+    """A fake runner that hands each chunk's audio back ``delay`` steps after it was planned
+    (as the CUDA runner does when token2wav runs on a second stream), listing the rest in
+    ``StepResult.inflight``."""
+
+    def __init__(self, delay: int = 2) -> None:
+        self.delay = delay
+        self.pending: list[tuple[int, str, np.ndarray]] = []  # (step due, request id, audio)
+        self.steps = 0
+        self.waits = 0
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.steps += 1
+        res = fake_result(dataclasses.replace(plan, vocode=()))
+        for v in plan.vocode:
+            pcm = np.full(v.chunk.n_samples(SAMPLES_PER_TOKEN), v.chunk.index, dtype=np.float32)
+            self.pending.append((self.steps + self.delay, v.request_id, pcm))
+        if plan.wait_vocode:
+            self.waits += 1
+            self.steps = max(self.steps, min(due for due, _, _ in self.pending))  # block until one is done
+        done = [p for p in self.pending if p[0] <= self.steps]
+        self.pending = [p for p in self.pending if p[0] > self.steps]
+        for _, rid, pcm in done:
+            res.audio[rid] = pcm
+        res.inflight = {rid for _, rid, _ in self.pending}
+        return res
+
+
+def test_pipelined_audio_comes_back_later_in_order_and_nothing_else_is_planned_meanwhile() -> None:
+    sync = create_scheduler(max_chunks_per_step=2)
+    ids = create_requests(sync, 3, text="a" * 40)
+    want = run_until_idle(sync)
+    sched = create_scheduler(max_chunks_per_step=2)
+    create_requests(sched, 3, text="a" * 40)
+    runner = PipelinedRunner(delay=3)
+    outs: list[Output] = []
+    for _ in range(10_000):
+        plan = sched.plan()
+        if plan.empty:
+            break
+        inflight = {r.request_id for r in sched.requests.values() if r.vocode_inflight is not None}
+        # while anything is in flight, no new chunk is planned (the next batch waits for the side stream)
+        assert not (plan.vocode and inflight - {v.request_id for v in plan.vocode})
+        outs += sched.update(plan, runner.execute(plan))
+    else:
+        raise AssertionError("did not finish")
+    assert runner.waits > 0  # at the end only in-flight chunks were left: the plan waited for them
+    for rid in ids:
+        got, ref = chunks_of(outs, rid), chunks_of(want, rid)
+        assert [c.chunk.start_sample for c in got] == [c.chunk.start_sample for c in ref]
+        assert [len(c.chunk.pcm) for c in got] == [len(c.chunk.pcm) for c in ref]
+        assert [int(c.chunk.pcm[0]) for c in got] == list(range(len(got)))  # chunk i's audio as chunk i
+        assert ended(outs, rid).status == RequestStatus.FINISHED
+
+
+def test_a_request_cancelled_with_a_chunk_in_flight_drops_its_late_audio() -> None:
+    sched = create_scheduler()
+    a, b = create_requests(sched, 2, text="a" * 40)
+    runner = PipelinedRunner(delay=4)
+    outs: list[Output] = []
+    while not any(r.vocode_inflight for r in sched.requests.values()):
+        plan = sched.plan()
+        outs += sched.update(plan, runner.execute(plan))
+    victim = next(r.request_id for r in sched.requests.values() if r.vocode_inflight is not None)
+    sched.finish([victim], RequestStatus.ABORTED)
+    for _ in range(10_000):
+        plan = sched.plan()
+        if plan.empty:
+            break
+        outs += sched.update(plan, runner.execute(plan))
+    assert not chunks_of(outs, victim)  # its in-flight audio came back and was dropped
+    other = b if victim == a else a
+    assert ended(outs, other).status == RequestStatus.FINISHED and chunks_of(outs, other)
+
+
+def test_a_chunk_neither_returned_nor_in_flight_fails_its_request() -> None:
+    sched = create_scheduler()
+    (rid,) = create_requests(sched, 1, text="a" * 40)
+    outs: list[Output] = []
+    while rid in sched.requests:
+        plan = sched.plan()
+        res = fake_result(plan)
+        res.audio.clear()  # a runner that forgets the chunk
+        outs += sched.update(plan, res)
+    end = ended(outs, rid)
+    assert end.status == RequestStatus.FAILED and "no audio" in str(end.error)

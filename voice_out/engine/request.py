@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from voice_out.engine.api import SAMPLE_RATE, StreamState
-from voice_out.model.chunk_schedule import ChunkSchedule
+from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
 
 #: Speech-token vocabulary (spec 2.1): ids below it are FSQ speech tokens.
 SPEECH_VOCAB = 6561
@@ -206,6 +206,9 @@ class Request:
     samples_produced: int = 0
     samples_consumed: int = 0
     chunks_produced: int = 0
+    #: The token2wav chunk handed to the runner whose audio has not come back yet (a pipelined
+    #: runner returns it in a later step); no other chunk of the request is planned meanwhile.
+    vocode_inflight: ChunkPlan | None = None
     first_audio_time: float | None = None
     finish_time: float | None = None
     error: str | None = None

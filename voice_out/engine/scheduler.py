@@ -15,6 +15,14 @@ Each worker iteration is ``plan = scheduler.plan()``, ``result = runner.execute(
    first chunks; at most ``max_chunks_per_step``; a request whose delivered audio exceeds
    ``max_ahead_s`` ahead of its consumer is not vocoded (back-pressure).
 
+Pipelined token2wav: a runner may return a chunk's audio in a later step than the one that
+planned it (on CUDA the runner launches token2wav on a second stream and goes on with LLM steps
+while it runs). It lists such requests in ``StepResult.inflight``. While any chunk is in flight
+no new chunk is planned (the next batch waits for the side stream to free up, so the chunks
+that became ready meanwhile run as one batch instead of queueing one after another); when a
+plan has nothing else to do but in-flight chunks exist, it asks the runner to wait for them
+(``StepPlan.wait_vocode``).
+
 Cancellation is ``finish(ids, ABORTED)``: the request leaves at once and its slot is released
 in the next plan. Every method is called from the worker thread only.
 """
@@ -106,10 +114,12 @@ class StepPlan:
     admit: tuple[Admit, ...] = ()
     llm: tuple[LlmWork, ...] = ()
     vocode: tuple[VocodeWork, ...] = ()
+    #: Nothing else to do: block until at least one in-flight chunk's audio is back.
+    wait_vocode: bool = False
 
     @property
     def empty(self) -> bool:
-        return not (self.release or self.admit or self.llm or self.vocode)
+        return not (self.release or self.admit or self.llm or self.vocode or self.wait_vocode)
 
     def request_ids(self) -> set[str]:
         """Requests whose GPU work is in this plan (releases excluded)."""
@@ -121,12 +131,14 @@ class StepPlan:
 
 @dataclass
 class StepResult:
-    """What the runner did: a token per LLM work item, float32 audio per vocode item, and the
-    requests that failed (message per request)."""
+    """What the runner did: a token per LLM work item, float32 audio per finished chunk (of
+    this plan or, pipelined, of an earlier one), the requests whose chunk is still in flight,
+    and the requests that failed (message per request)."""
 
     tokens: dict[str, int] = field(default_factory=dict)
     audio: dict[str, np.ndarray] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    inflight: set[str] = field(default_factory=set)
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,6 +229,10 @@ class Scheduler:
     @property
     def n_used_slots(self) -> int:
         return self.config.max_streams - len(self.free_slots)
+
+    def inflight_ids(self) -> set[str]:
+        """Requests with a chunk handed to the runner whose audio has not come back."""
+        return {rid for rid, r in self.requests.items() if r.vocode_inflight is not None}
 
     def take_outputs(self) -> list[Output]:
         out, self._outputs = self._outputs, []
@@ -335,6 +351,8 @@ class Scheduler:
     def _vocode_candidate(self, req: Request) -> ChunkPlan | None:
         if req.status not in (RequestStatus.RUNNING, RequestStatus.VOCODING):
             return None
+        if req.vocode_inflight is not None:
+            return None
         if req.chunks_produced > 0 and req.buffered_samples() > self._max_ahead:
             return None
         return req.schedule.ready(len(req.speech_tokens), req.llm_done)
@@ -365,7 +383,8 @@ class Scheduler:
             llm.append(LlmWork(req.request_id, req.slot, step, tuple(req.history[-win:])))
 
         ready: list[tuple[Request, ChunkPlan]] = []
-        for req in self.requests.values():
+        inflight = bool(self.inflight_ids())
+        for req in () if inflight else self.requests.values():
             chunk = self._vocode_candidate(req)
             if chunk is not None:
                 ready.append((req, chunk))
@@ -381,8 +400,12 @@ class Scheduler:
             return (0 if deadline - now < self.urgent_s else 2, deadline, order)
 
         ready.sort(key=priority)
-        vocode = tuple(VocodeWork(r.request_id, c, r.speech_tokens) for r, c in ready[: self.max_chunks_per_step])
-        return StepPlan(releases, tuple(admits), tuple(llm), vocode)
+        chosen = ready[: self.max_chunks_per_step]
+        for req, chunk in chosen:
+            req.vocode_inflight = chunk
+        vocode = tuple(VocodeWork(r.request_id, c, r.speech_tokens) for r, c in chosen)
+        wait = inflight and not (releases or admits or llm)
+        return StepPlan(releases, tuple(admits), tuple(llm), vocode, wait_vocode=wait)
 
     def _ordered(self, reqs: Iterable[Request]) -> list[Request]:
         return sorted(reqs, key=lambda r: self._order[r.request_id])
@@ -432,15 +455,11 @@ class Scheduler:
                 else:
                     self._llm_finished(req)
 
-        for vwork in plan.vocode:
-            req = self.requests.get(vwork.request_id)
-            if req is None:
-                continue
-            pcm = result.audio.get(vwork.request_id)
-            if pcm is None:
-                self._fail(req, StreamFailedError("the runner returned no audio"))
-                continue
-            chunk = vwork.chunk
+        for rid, pcm in result.audio.items():
+            req = self.requests.get(rid)
+            if req is None or req.vocode_inflight is None:
+                continue  # cancelled or failed while its chunk was in flight: the audio is dropped
+            chunk, req.vocode_inflight = req.vocode_inflight, None
             req.schedule.commit(chunk)
             end = chunk.token_offset + chunk.hop_tokens
             text_end = req.speech_text_end[end - 1] if end > 0 else req.chars_fed()
@@ -452,4 +471,10 @@ class Scheduler:
             self._outputs.append(Emitted(req.request_id, pcm_chunk))
             if chunk.finalize:
                 self.finish([req.request_id], RequestStatus.FINISHED)
+        # a chunk neither returned nor reported in flight is lost: fail its request, never wait on it
+        lost = [
+            r for r in self.requests.values() if r.vocode_inflight is not None and r.request_id not in result.inflight
+        ]
+        for req in lost:
+            self._fail(req, StreamFailedError("the runner returned no audio"))
         return self.take_outputs()

@@ -330,7 +330,9 @@ class Worker:
             self._failed_steps += 1
             log.exception("engine step failed; failing its %d streams", len(plan.request_ids()))
             message = f"engine step failed: {type(e).__name__}: {e}"
-            result = StepResult(failed=dict.fromkeys(plan.request_ids(), message))
+            failed = plan.request_ids()
+            # chunks of earlier steps may still be in flight in the runner: the next result says
+            result = StepResult(failed=dict.fromkeys(failed, message), inflight=sched.inflight_ids() - failed)
         self._busy_s += time.perf_counter() - t0
         try:
             return sched.update(plan, result)
