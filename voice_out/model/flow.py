@@ -16,6 +16,9 @@ Public API (stable; :mod:`voice_out.model.token2wav` drives it; GPU worker threa
     # Several streams' non-final streaming calls in ONE right-padded pass (each call on a chunk
     # boundary); mels[i] == inference(*items[i], streaming=True, finalize=False).
     mels = flow.inference_batch([(token, prompt_token, prompt_feat, embedding), ...])
+    # = its two halves: host-side layout, then a fixed-shape core (one CUDA graph per (B, T))
+    ids, embedding, cond, spans = flow.batch_inputs(items)  # [B, T + 3], [B, 192], [B, 80, 2T]
+    mel = flow.batch_core(ids, embedding, cond)              # float32 [B, 80, 2T], prompt frames included
 
     # Cached streaming path: each chunk costs only its new tokens.
     prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)   # once per voice; share it
@@ -389,10 +392,10 @@ class Flow(nn.Module):
     # -- pieces ------------------------------------------------------------------------------
 
     def fuse_(self) -> Flow:
-        """Inference-time weight fusion after loading (the estimator's q/k/v in one matmul).
-        Re-run it if the weights change (the loaders call it)."""
-        for block in self.estimator.transformer_blocks():
-            block.fuse_qkv_()
+        """Inference-time weight arrangement after loading (:meth:`Estimator.fuse_`: q/k/v in
+        one matmul, tap-major conv weights, stacked time projections). Re-run it if the
+        weights change (the loaders call it)."""
+        self.estimator.fuse_()
         return self
 
     def speaker(self, embedding: Tensor) -> Tensor:
@@ -422,30 +425,50 @@ class Flow(nn.Module):
         same absolute frames (the same noise for every row); with ``cache`` (B = 1 only) every
         step extends its own estimator state. The estimator sees the CFG batch as
         ``[cond rows (B), uncond rows (B)]``.
+
+        Upstream's loop (spec 3.3) with its per-step constants made once: the time values and
+        their embeddings (:meth:`Estimator.prepare`: one batched time MLP for all steps, the
+        conditions' input buffer, the chunk mask), and the CFG combine and Euler update as two
+        in-place multiply-adds on a float32 state that holds both CFG halves. Fixed shapes, no
+        host sync: capturable as one CUDA graph.
         """
         b, _, n = mu.shape
-        if start + n > self.dims.noise_frames:
-            raise ValueError(f"{start + n} mel frames exceed the flow's {self.dims.noise_frames}-frame noise buffer")
+        d = self.dims
+        if start + n > d.noise_frames:
+            raise ValueError(f"{start + n} mel frames exceed the flow's {d.noise_frames}-frame noise buffer")
         if cache is not None and b != 1:
             raise ValueError("a cached solve runs one stream (batch 1)")
-        x = self.noise[:, :, start : start + n].to(self.device, torch.float32).expand(b, -1, -1)
+        # Upstream's time values: the accumulated t (t_k = t_{k-1} + dt_{k-1}, dt_k = tau_{k+1} - t_k),
+        # made up front so every step's time embedding comes from ONE batched call.
+        tau = self.time_grid()
+        t, dt = tau[0], tau[1] - tau[0]
+        ts, dts = [], []
+        for step in range(1, d.n_timesteps + 1):
+            ts.append(t)
+            dts.append(dt)
+            t = t + dt
+            if step < d.n_timesteps:
+                dt = tau[step + 1] - t
+        # x += dt ((1 + cfg) v_cond - cfg v_uncond), as two multiply-adds per step
+        dt_steps = torch.stack(dts)  # [S]
+        coef_cond, coef_uncond = dt_steps * (1.0 + d.cfg_rate), dt_steps * -d.cfg_rate
         mu_in = torch.cat([mu, torch.zeros_like(mu)]).to(self.dtype)
         spk_in = torch.cat([spk, torch.zeros_like(spk)]).to(self.dtype)
         cond_in = torch.cat([cond, torch.zeros_like(cond)]).to(self.dtype)
-        tau = self.time_grid()
-        t, dt = tau[0], tau[1] - tau[0]
-        cfg = self.dims.cfg_rate
-        for step in range(1, self.dims.n_timesteps + 1):
-            state = cache.estimator_state(step - 1) if cache is not None else None
+        t_steps = torch.stack(ts)
+        prep = self.estimator.prepare(mu_in, spk_in, cond_in, t_steps.unsqueeze(1), streaming, start)
+        # The CFG batch's x: both halves hold the same float32 Euler state, updated together,
+        # so the estimator input needs no concatenation. [2, B, n_mels, L]
+        x = self.noise[:, :, start : start + n].to(self.device, torch.float32).expand(2, b, -1, -1).clone()
+        x_in = x.view(2 * b, -1, n)
+        for step in range(d.n_timesteps):
+            state = cache.estimator_state(step) if cache is not None else None
             v = self.estimator(
-                torch.cat([x, x]).to(self.dtype), mu_in, spk_in, cond_in, t.expand(2 * b), streaming, state, start
-            ).float()
-            v = (1.0 + cfg) * v[:b] - cfg * v[b:]
-            x = x + dt * v
-            t = t + dt
-            if step < self.dims.n_timesteps:
-                dt = tau[step + 1] - t
-        return x
+                x_in, mu_in, spk_in, cond_in, t_steps[step].expand(2 * b), streaming, state, start, prep=prep, step=step
+            ).view(2, b, -1, n)
+            x.addcmul_(v[:1], coef_cond[step])
+            x.addcmul_(v[1:], coef_uncond[step])
+        return x[0]
 
     def _cond(self, prompt_feat: Tensor, start: int, n: int) -> Tensor:
         """Condition frames ``start .. start + n``: the prompt mel where it exists, else zeros."""
@@ -510,6 +533,8 @@ class Flow(nn.Module):
         boundary: ``P_i + N_i - lookahead`` a multiple of the chunk (``FlowDims.chunk_aligned``),
         as every non-final chunk of upstream's schedule does; anything else raises ValueError.
 
+        It is :meth:`batch_inputs` (host side) then :meth:`batch_core` (the pass itself).
+
         Why one padded batch is exact: row i holds its prompt, its tokens and its look-ahead
         tokens, then padding up to the longest row. The pre-lookahead conv of a real token t
         reads tokens t .. t + lookahead, all row i's own; every other conv is causal; attention
@@ -519,10 +544,32 @@ class Flow(nn.Module):
         absolute frames for every row. Padding only adds work for the padded frames, whose
         output is dropped.
         """
+        if not items:
+            return []
+        ids, embedding, cond, spans = self.batch_inputs(items)
+        mel = self.batch_core(ids, embedding, cond)
+        return [mel[i : i + 1, :, start:stop] for i, (start, stop) in enumerate(spans)]
+
+    def batch_inputs(
+        self, items: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]]
+    ) -> tuple[Tensor, Tensor, Tensor, list[tuple[int, int]]]:
+        """Host side of :meth:`inference_batch`: check ``items`` (as there) and lay them out.
+
+        Returns, for B items and T = the longest row's prompt + real tokens (a chunk multiple):
+
+        * ``ids`` ``[B, T + lookahead]`` int64: row i = prompt, real tokens, look-ahead tokens,
+          then padding (id 0);
+        * ``embedding`` ``[B, spk_dim]`` float32: the x-vectors;
+        * ``cond`` ``[B, n_mels, ratio T]`` (flow dtype): the prompt mel, then zeros;
+        * ``spans``: row i's mel frames in :meth:`batch_core`'s output, ``(ratio P_i, ratio
+          (P_i + N_i - lookahead))``.
+
+        Only shapes are read on the host: no device sync.
+        """
         d = self.dims
         la, ratio = d.pre_lookahead, d.token_mel_ratio
         if not items:
-            return []
+            raise ValueError("batch_inputs needs at least one item")
         lengths: list[tuple[int, int]] = []  # (prompt tokens, real tokens incl. the prompt)
         for token, prompt_token, prompt_feat, embedding in items:
             self._check_prompt(prompt_token, prompt_feat, embedding)
@@ -540,20 +587,37 @@ class Flow(nn.Module):
         b = len(items)
         t = max(real for _, real in lengths)
         ids = torch.zeros(b, t + la, dtype=torch.long, device=self.device)  # padding: id 0
-        spk = torch.cat([self.speaker(emb) for _, _, _, emb in items])  # [B, n_mels]
+        embedding = torch.cat([emb.to(self.device, torch.float32) for _, _, _, emb in items])  # [B, spk_dim]
         cond = torch.zeros(b, d.n_mels, ratio * t, device=self.device, dtype=self.dtype)
         for i, (token, prompt_token, prompt_feat, _) in enumerate(items):
             p, real = lengths[i]
             ids[i, :p] = prompt_token[0].to(self.device).long()
             ids[i, p : real + la] = token[0].to(self.device).long()  # real tokens, then look-ahead
             cond[i : i + 1] = self._cond(prompt_feat, 0, ratio * t)
+        return ids, embedding, cond, [(ratio * p, ratio * real) for p, real in lengths]
+
+    def batch_core(self, ids: Tensor, embedding: Tensor, cond: Tensor) -> Tensor:
+        """The batched non-final streaming pass over rows laid out by :meth:`batch_inputs`.
+
+        ids ``[B, T + lookahead]`` int64 (T a multiple of the chunk), embedding ``[B, spk_dim]``,
+        cond ``[B, n_mels, ratio T]`` -> mel float32 ``[B, n_mels, ratio T]``, prompt frames
+        included (row i's are the first ``ratio P_i``; frames past its real tokens are padding).
+        Fixed shapes, no host sync, no value-dependent allocation: capturable as one CUDA graph
+        per (B, T) (``voice_out.model.token2wav`` does).
+        """
+        d = self.dims
+        b, t = ids.shape[0], ids.shape[1] - d.pre_lookahead
+        if ids.dim() != 2 or t <= 0 or tuple(embedding.shape) != (b, d.spk_embed_dim):
+            raise ValueError(f"ids [B, T + {d.pre_lookahead}] and embedding [B, {d.spk_embed_dim}] expected")
+        if tuple(cond.shape) != (b, d.n_mels, d.token_mel_ratio * t):
+            raise ValueError(f"cond must be [{b}, {d.n_mels}, {d.token_mel_ratio * t}], got {tuple(cond.shape)}")
+        spk = self.speaker(embedding)  # [B, n_mels]
         x = self.embed_tokens(ids)
         # The encoder concatenates x and the context again, so row i's conv input is exactly
         # [prompt, tokens, look-ahead, padding].
         h = self.encoder(x[:, :t], x[:, t:], True)
         mu = self.encoder_proj(h).transpose(1, 2)
-        mel = self.solve(mu, spk, cond, True)
-        return [mel[i : i + 1, :, ratio * p : ratio * real] for i, (p, real) in enumerate(lengths)]
+        return self.solve(mu, spk, cond.to(self.device, self.dtype), True)
 
     # -- cached streaming path ---------------------------------------------------------------
 
