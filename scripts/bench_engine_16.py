@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens-per-text-token", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=150, help="speech tokens of the synthetic voice prompt")
     p.add_argument("--max-ahead-s", type=float, default=4.0)
-    p.add_argument("--max-chunks-per-step", type=int, default=4)
+    p.add_argument(
+        "--max-chunks-per-step", type=int, default=None, help="default: the engine's (8 with CUDA graphs, else 4)"
+    )
     p.add_argument("--flow-path", default="rerun", choices=["rerun", "cached"])
     p.add_argument("--kv-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

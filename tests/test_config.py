@@ -23,7 +23,11 @@ def test_priority_file_env_overrides(tmp_path: Path) -> None:
     f.write_text('[server]\nport = 9001\nhost = "0.0.0.0"\n[engine]\nmax_streams = 8\n')
     cfg = load_config(
         f,
-        environ={"VOICE_OUT_SERVER_PORT": "9002", "VOICE_OUT_ENGINE_CUDA_GRAPHS": "off"},
+        environ={
+            "VOICE_OUT_SERVER_PORT": "9002",
+            "VOICE_OUT_ENGINE_CUDA_GRAPHS": "off",
+            "VOICE_OUT_ENGINE_MAX_CHUNKS_PER_STEP": "6",
+        },
         overrides=parse_overrides(["server.port=9003", "engine.graph_batch_buckets=1,2,4"]),
     )
     assert cfg.server.port == 9003
@@ -31,6 +35,7 @@ def test_priority_file_env_overrides(tmp_path: Path) -> None:
     assert cfg.engine.max_streams == 8
     assert cfg.engine.cuda_graphs is False
     assert cfg.engine.graph_batch_buckets == (1, 2, 4)
+    assert cfg.engine.max_chunks_per_step == 6 and Config().engine.max_chunks_per_step is None
 
 
 def test_config_env_var_names_file(tmp_path: Path) -> None:
@@ -51,6 +56,7 @@ def test_config_env_var_names_file(tmp_path: Path) -> None:
         (["engine.graph_batch_buckets=4,2"], "strictly increasing"),
         (["engine.first_hop_tokens=200"], "engine.first_hop_tokens = 200 is invalid"),
         (["engine.max_ahead_s=0"], "engine.max_ahead_s = 0.0 is invalid"),
+        (["engine.max_chunks_per_step=0"], "engine.max_chunks_per_step = 0 is invalid"),
         (["server.auth_token=short"], "at least 8 characters"),
         (["server.nope=1"], "unknown key(s) in [server]: nope"),
     ],

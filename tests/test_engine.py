@@ -146,6 +146,17 @@ def test_engine_implements_the_api(engine: Engine) -> None:
     assert_clean(engine)
 
 
+def test_chunks_per_step_default_follows_token2wav_graphs(tmp_path: Path) -> None:
+    """Unset, ``engine.max_chunks_per_step`` is 4 off CUDA (token2wav graphs are CUDA only,
+    whatever the LLM does); the config, then ``Engine.load``'s argument, override it."""
+    assert make_engine(tmp_path)._max_chunks_per_step == 4
+    cfg = make_engine(tmp_path, max_chunks_per_step=6).config
+    assert Engine.load(cfg, model="random:tiny", device="cpu")._max_chunks_per_step == 6
+    assert Engine.load(cfg, model="random:tiny", device="cpu", max_chunks_per_step=3)._max_chunks_per_step == 3
+    plain = Config(server=cfg.server)
+    assert Engine.load(plain, model="random:tiny", device="cpu", llm_graphs=True)._max_chunks_per_step == 4
+
+
 def test_one_stream_speaks_all_its_tokens(engine: Engine) -> None:
     text = "hi there, bob"  # 13 byte ids -> 39 speech tokens (forced 3 per text token)
     chunks = solo(engine, 5, [text[:4], text[4:9], text[9:]])
@@ -847,6 +858,7 @@ def test_a_failure_in_a_batched_step_fails_only_its_request(engine: Engine, monk
 
 @pytest.mark.requires_cuda
 def test_cuda_engine_overlapping_token2wav_with_the_llm_changes_nothing(tmp_path: Path) -> None:
+    """Pipelined (the default), overlapped within a step, and serial token2wav: same audio."""
     cfg = Config(
         server=ServerConfig(voices_dir=str(tmp_path / "no-voices")),
         engine=EngineConfig(max_streams=8, max_ahead_s=30.0, max_text_chars=200),
@@ -866,12 +878,16 @@ def test_cuda_engine_overlapping_token2wav_with_the_llm_changes_nothing(tmp_path
                 s.end_text()
             return [np.concatenate([c.pcm for c in s]) for s in streams]
 
-        assert runner._side_stream is not None
-        overlapped = run_all()
+        assert runner._side_stream is not None and runner.pipeline_vocode
+        pipelined = run_all()  # chunks come back in later steps while LLM steps go on
+        assert not runner._inflight
+        runner.pipeline_vocode = False
+        overlapped = run_all()  # each step waits for its own chunks
         runner._side_stream = None  # one stream: LLM step, then token2wav
         serial = run_all()
-        for a, b in zip(overlapped, serial, strict=True):
-            assert a.shape == b.shape
-            np.testing.assert_allclose(a, b, atol=1e-4)
+        for a, b, c in zip(pipelined, overlapped, serial, strict=True):
+            assert a.shape == b.shape == c.shape
+            np.testing.assert_allclose(a, c, atol=1e-4)
+            np.testing.assert_allclose(b, c, atol=1e-4)
     finally:
         eng.close()

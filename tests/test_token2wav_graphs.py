@@ -1,13 +1,24 @@
-"""The token2wav fast path (graphed first-chunk flow, graphed vocoder) equals the eager path."""
+"""The token2wav fast path (graphed flow chunks, graphed vocoder) equals the eager path.
+
+Grouped batched chunks (``Token2Wav.use_batch_buckets``, on with CUDA graphs): on the CPU the
+batched GraphedFn runs eagerly, so the grouping by T, the bucket padding and the splitting are
+checked there against ``run_chunk`` per stream (within 1e-5, tiny random models); the
+``requires_cuda`` test checks the replayed graphs against the same rounds run eagerly.
+"""
 
 from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from tests.conftest import REPO_ROOT
 from voice_out.model.checkpoint import random_flow, random_hift
-from voice_out.model.token2wav import Token2Wav
+from voice_out.model.chunk_schedule import ChunkPlan
+from voice_out.model.cuda_graphs import GraphedFn, graphs_disabled
+from voice_out.model.token2wav import Token2Wav, Token2WavStream
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
 
@@ -49,3 +60,234 @@ def test_graphed_token2wav_equals_eager(flow_path: str) -> None:
             torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
     assert t2w._graph_flow is not None and t2w._graph_flow.captured_keys
     assert t2w._graph_hift_cached is not None and t2w._graph_hift_cached.captured_keys
+
+
+# --------------------------------------------------------------------------------------------
+# Grouped batched chunks (Token2Wav.use_batch_buckets): one pass per T, padded to a bucket
+
+
+def _open(t2w: Token2Wav, n_prompt: int, seed: int, device: str = "cpu") -> Token2WavStream:
+    g = torch.Generator().manual_seed(seed)
+    token = torch.randint(0, 6561, (1, n_prompt), generator=g, dtype=torch.int32)
+    feat = torch.randn(1, 2 * n_prompt, 80, generator=g).cumsum(1) * 0.05 - 6.0
+    emb = torch.randn(1, 192, generator=g)
+    return t2w.open_stream(token.to(device), feat.to(device), emb.to(device))
+
+
+def _speech(n: int, seed: int) -> list[int]:
+    return [int(t) for t in torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+def _fork(t2w: Token2Wav, stream: Token2WavStream) -> Token2WavStream:
+    """A second stream in exactly ``stream``'s state (voice, schedule progress, vocoder cache)."""
+    twin = t2w.open_stream(stream.prompt_token, stream.prompt_feat, stream.embedding)
+    twin.schedule = copy.copy(stream.schedule)
+    for name in ("mel", "source", "speech"):
+        getattr(twin.hift_cache, name).copy_(getattr(stream.hift_cache, name))
+    twin.hift_cache.valid = stream.hift_cache.valid
+    return twin
+
+
+def _total(stream: Token2WavStream, plan: ChunkPlan) -> int:
+    return stream.schedule.prompt_tokens + plan.token_len - stream.schedule.lookahead
+
+
+# (prompt tokens, chunk index) of each stream, grouped by T = prompt + real tokens of that
+# chunk (25-token flow chunks: T0 = P rounded up to 25, + 25; T1 = T0 + 50): groups of 1, 2,
+# 3 (padded to 4), 5 (padded to 8) and 9 (8 + one alone)
+GROUPS: dict[int, list[tuple[int, int]]] = {
+    50: [(10, 0)],
+    75: [(30, 0), (0, 1)],
+    100: [(60, 0), (15, 1), (75, 0)],
+    125: [(80, 0), (40, 1), (100, 0), (26, 1), (90, 0)],
+    150: [(101, 0), (55, 1), (105, 0), (70, 1), (110, 0), (51, 1), (120, 0), (75, 1), (125, 0)],
+}
+
+
+@pytest.fixture(scope="module")
+def cpu_t2w() -> Iterator[Token2Wav]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    t2w = Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
+    yield t2w
+    torch.set_num_threads(before)
+
+
+def _mixed_chunks(t2w: Token2Wav) -> tuple[list[tuple[Token2WavStream, ChunkPlan, list[int]]], list[torch.Tensor]]:
+    """One ready chunk per stream of GROUPS (streams advanced alone to their chunk), and each
+    chunk's audio made by ``run_chunk`` on a twin stream in the same state (the reference)."""
+    pairs: list[tuple[Token2WavStream, ChunkPlan, list[int]]] = []
+    want: list[torch.Tensor] = []
+    for total, members in GROUPS.items():
+        for k, (n_prompt, index) in enumerate(members):
+            stream = _open(t2w, n_prompt, seed=total + k)
+            tokens = _speech(200, seed=1000 + total + k)
+            for _ in range(index):  # earlier chunks, alone
+                plan = stream.ready_chunk(len(tokens), llm_finished=False)
+                assert plan is not None
+                stream.run_chunk(plan, tokens)
+            plan = stream.ready_chunk(len(tokens), llm_finished=False)
+            assert plan is not None and plan.index == index and _total(stream, plan) == total
+            want.append(_fork(t2w, stream).run_chunk(plan, tokens))
+            pairs.append((stream, plan, tokens))
+    return pairs, want
+
+
+def test_grouped_batched_chunks_equal_run_chunk_on_cpu(cpu_t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixed prompt lengths and chunk positions, group sizes 1, 2, 3, 5, 9: one padded pass per
+    group (split at bucket 8), the rest alone; every chunk's audio equals ``run_chunk``'s."""
+    t2w = cpu_t2w
+    t2w.use_batch_buckets((2, 4, 8))
+    try:
+        pairs, want = _mixed_chunks(t2w)
+        graph = t2w._graph_flow_batch
+        assert graph is not None
+        passes: list[tuple[int, int]] = []  # (rows, T) of each batched pass
+        core = graph.fn
+
+        def spy(ids: torch.Tensor, embedding: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+            passes.append((int(ids.shape[0]), int(ids.shape[1]) - 3))
+            return core(ids, embedding, cond)  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(graph, "fn", spy)
+        got = t2w.run_chunks(pairs)
+    finally:
+        t2w.use_batch_buckets(())
+    assert sorted(passes) == [(2, 75), (4, 100), (8, 125), (8, 150)]
+    errs = [float((a - b).abs().max()) for a, b in zip(got, want, strict=True)]
+    print("grouped batched chunks vs run_chunk, max abs pcm:", f"{max(errs):.2g}")
+    assert [len(a) for a in got] == [len(b) for b in want]
+    assert max(errs) <= 1e-5
+    assert all(stream.schedule.n_chunks == plan.index + 1 for stream, plan, _ in pairs)
+
+
+def test_uncaptured_groups_run_eagerly(cpu_t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A (bucket, T) key not captured yet (as on CUDA mid-stream) is never captured by
+    ``run_chunks``: chunks whose single-chunk graph replays (here: first chunks) leave the
+    group, the rest run in one eager ``inference_batch`` per group; the audio is the same."""
+    t2w = cpu_t2w
+    t2w.use_batch_buckets((2, 4, 8))
+    try:
+        pairs, want = _mixed_chunks(t2w)
+        graph = t2w._graph_flow_batch
+        assert graph is not None
+        single = GraphedFn(lambda *a: t2w.flow.inference(*a, streaming=True, finalize=False), name="single")
+        monkeypatch.setattr(graph, "would_capture", lambda key, *args: True)
+        monkeypatch.setattr(graph, "fn", lambda *a: pytest.fail("an uncaptured batched key ran"))
+        monkeypatch.setattr(t2w, "_single_graph", lambda stream, plan, token: single if plan.index == 0 else None)
+        rows: list[list[int]] = []
+        real = t2w.flow.inference_batch  # type: ignore[attr-defined]
+
+        def spy(items: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+            rows.append([int(it[1].shape[1]) for it in items])  # each row's prompt length
+            return real(items)  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(t2w.flow, "inference_batch", spy)
+        got = t2w.run_chunks(pairs)
+    finally:
+        monkeypatch.undo()
+        t2w.use_batch_buckets(())
+    # T = 125: the two second chunks (P 40, 26); T = 150: the four second chunks (P 55, 70, 51, 75)
+    assert sorted(sorted(r) for r in rows) == [[26, 40], [51, 55, 70, 75]]
+    assert max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True)) <= 1e-5
+
+
+def test_batch_keys_for_start_up_capture(cpu_t2w: Token2Wav) -> None:
+    """75-token prompt, 500 tokens: non-final chunks end at T = 100, 150, 250 ... 550 (six
+    lengths), each captured for buckets 2, 4, 8; a max batch of 3 needs buckets 2 and 4."""
+    t2w = cpu_t2w
+    t2w.use_batch_buckets((2, 4, 8))
+    try:
+        keys = t2w.batch_keys(75, 500, 8)
+        assert keys == [(b, t) for t in (100, 150, 250, 350, 450, 550) for b in (2, 4, 8)]
+        assert t2w.batch_keys(75, 500, 3) == [(b, t) for t in (100, 150, 250, 350, 450, 550) for b in (2, 4)]
+        assert t2w.batch_keys(75, 500, 1) == []
+        # a fast first chunk (off a chunk boundary) is never batched: its T is not captured
+        assert t2w.batch_keys(75, 100, 2, fast_first=10) == [(2, 125)]  # the realigned second chunk
+    finally:
+        t2w.use_batch_buckets(())
+    assert t2w.batch_keys(75, 500, 8) == []  # grouping off: nothing to capture
+    with pytest.raises(ValueError, match="batch buckets"):
+        t2w.use_batch_buckets((1, 2))
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams of captured and uncaptured prompt lengths joining at different rounds: the
+    chunks of each round (graphed batched groups, eager groups, single graphs) equal the same
+    rounds run eagerly (graphs disabled); float32 also equals each stream alone."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    t2w = Token2Wav(random_flow(TINY, "cuda", dtype), random_hift(TINY, "cuda"))
+    t2w.use_cuda_graphs(True)
+    assert t2w.batch_buckets == (2, 4, 8)
+    voice = _open(t2w, 50, seed=1, device="cuda")
+    n = t2w.capture_stream_shapes(voice.prompt_token, voice.prompt_feat, voice.embedding, 190, max_batch=8)
+    graph = t2w._graph_flow_batch
+    assert graph is not None
+    captured = set(graph.captured_keys)
+    assert captured == {(b, t) for t in (75, 125, 225) for b in (2, 4, 8)} and n > len(captured)
+    # P 50 and 40 share T = 75, 125, 225 (captured); P 60's T = 100, 150, 250 are not
+    prompts = [50, 50, 40, 50, 60, 40, 60, 50, 40, 50]
+    starts = [0, 0, 0, 0, 0, 1, 0, 1, 2, 2]  # the two P 60 streams move in step
+    replays: list[tuple[str, object]] = []
+    call = GraphedFn.__call__
+
+    def spy(self: GraphedFn, key: object, *args: torch.Tensor) -> object:
+        replays.append((self.name, key))
+        return call(self, key, *args)
+
+    def rounds() -> list[list[torch.Tensor]]:
+        streams = [_open(t2w, p, seed=20 + k, device="cuda") for k, p in enumerate(prompts)]
+        tokens = [_speech(150 + 7 * k, seed=40 + k) for k in range(len(prompts))]
+        out: list[list[torch.Tensor]] = [[] for _ in prompts]
+        for rnd in range(50):
+            ready = []
+            for k, stream in enumerate(streams):
+                plan = stream.ready_chunk(len(tokens[k]), llm_finished=True) if rnd >= starts[k] else None
+                if plan is not None:
+                    ready.append((k, plan))
+            if not ready:
+                break
+            audio = t2w.run_chunks([(streams[k], plan, tokens[k]) for k, plan in ready])
+            for (k, _), pcm in zip(ready, audio, strict=True):
+                out[k].append(pcm.clone())
+        assert all(s.finished for s in streams)
+        return out
+
+    eager_rows: list[int] = []
+    real = t2w.flow.inference_batch  # type: ignore[attr-defined]
+
+    def eager_spy(items: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        eager_rows.extend(int(it[1].shape[1]) for it in items)
+        return real(items)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(GraphedFn, "__call__", spy)
+    monkeypatch.setattr(t2w.flow, "inference_batch", eager_spy)
+    got = rounds()
+    monkeypatch.undo()
+    batched = [key for name, key in replays if name == "flow.batch_chunks"]
+    assert batched and set(batched) <= captured  # replayed, and nothing captured mid-stream
+    assert set(graph.captured_keys) == captured
+    assert eager_rows and set(eager_rows) == {60}  # P 60's second chunks: uncaptured, eager batch
+    with graphs_disabled():
+        want = rounds()
+    tol = 2e-4 if dtype == torch.float32 else 2e-2
+    err = 0.0
+    for g, w in zip(got, want, strict=True):
+        assert [len(c) for c in g] == [len(c) for c in w]
+        for a, b in zip(g, w, strict=True):
+            torch.testing.assert_close(a, b, atol=tol, rtol=0)
+            err = max(err, float((a - b).abs().max()))
+    print(f"{dtype}: graphed vs eager rounds, max abs pcm {err:.2g}")
+    if dtype == torch.float32:
+        err = 0.0
+        with graphs_disabled():
+            for k, p in enumerate(prompts):
+                stream = _open(t2w, p, seed=20 + k, device="cuda")
+                alone = list(t2w.stream_all(stream, _speech(150 + 7 * k, seed=40 + k)))
+                for a, b in zip(got[k], alone, strict=True):
+                    torch.testing.assert_close(a, b, atol=tol, rtol=0)
+                    err = max(err, float((a - b).abs().max()))
+        print(f"{dtype}: graphed rounds vs each stream alone, max abs pcm {err:.2g}")

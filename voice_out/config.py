@@ -102,6 +102,10 @@ class EngineConfig:
     cuda_graphs: bool = True
     #: Batch buckets for graph capture; a decode of n streams runs in the smallest bucket >= n.
     graph_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
+    #: Most token2wav chunks per engine step. None: 8 when token2wav runs CUDA graphs (a step's
+    #: chunks of one length are one batched graph replay of up to 8 rows, so 16 first chunks
+    #: take two steps), else 4 (eager chunks cost compute; the other streams' LLM step waits).
+    max_chunks_per_step: int | None = None
     #: Nucleus / top-k / repetition-aware sampling parameters (spec 2.6).
     top_p: float = 0.8
     top_k: int = 25
@@ -143,6 +147,13 @@ class EngineConfig:
             "graph_batch_buckets",
             buckets,
             "a non-empty, strictly increasing list of positive integers",
+        )
+        _check(
+            self.max_chunks_per_step is None or self.max_chunks_per_step >= 1,
+            s,
+            "max_chunks_per_step",
+            self.max_chunks_per_step,
+            "an integer >= 1, or unset (8 with CUDA graphs, else 4)",
         )
         _check(0.0 < self.top_p <= 1.0, s, "top_p", self.top_p, "a number in (0, 1]")
         _check(self.top_k >= 1, s, "top_k", self.top_k, "an integer >= 1")

@@ -156,7 +156,7 @@ class Engine:
         warmup: bool = True,
         flow_path: str = "rerun",
         fault_hook: Any | None = None,
-        max_chunks_per_step: int = 4,
+        max_chunks_per_step: int | None = None,
         noise_prompt_tokens: int = 25,
         text_normalizer: str = "auto",
         llm_graphs: bool | None = None,
@@ -172,7 +172,9 @@ class Engine:
         ``wetext``, ``rules`` or ``none``. ``flow_path``: token2wav's ``rerun`` (upstream) or
         ``cached`` flow. ``fault_hook``: a test hook (see ``Runner``). ``llm_graphs``: run the
         LLM through ``voice_out.model.llm_graphs`` (CUDA graphs per batch bucket; eager code
-        off the GPU); None = ``engine.cuda_graphs`` on a CUDA device.
+        off the GPU); None = ``engine.cuda_graphs`` on a CUDA device. ``max_chunks_per_step``:
+        token2wav chunks per step; None = ``engine.max_chunks_per_step``, whose default is 8
+        with token2wav CUDA graphs and 4 otherwise.
         """
         from voice_out.engine import loading
 

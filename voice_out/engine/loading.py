@@ -8,6 +8,7 @@ and token2wav on the GPU worker thread when the engine starts (CUDA belongs to t
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Token2wav chunks per step when ``engine.max_chunks_per_step`` is unset. With CUDA graphs the
+#: chunks of a step that end at the same length run as ONE graph replay of up to 8 rows (the
+#: largest of ``token2wav.CHUNK_BATCH_BUCKETS``); eagerly a chunk costs its compute, and 4 keeps
+#: the LLM step of the other streams at pace.
+CHUNKS_PER_STEP_GRAPHED = 8
+CHUNKS_PER_STEP_EAGER = 4
 
 
 def resolve_device(device: str) -> torch.device:
@@ -76,7 +83,7 @@ def build_engine(
     warmup: bool,
     flow_path: str,
     fault_hook: Any | None,
-    max_chunks_per_step: int,
+    max_chunks_per_step: int | None,
     noise_prompt_tokens: int,
     text_normalizer: str = "auto",
     llm_graphs: bool | None = None,
@@ -126,6 +133,12 @@ def build_engine(
     except ValueError as e:
         raise ConfigError(f"engine.first_hop_tokens / max_hop_tokens / fast_first_tokens: {e}") from None
     graphs = ec.cuda_graphs and device.type == "cuda" if llm_graphs is None else llm_graphs
+    # token2wav graphs run on CUDA only; the argument, then the config, override the default
+    chunks_per_step = CHUNKS_PER_STEP_GRAPHED if graphs and device.type == "cuda" else CHUNKS_PER_STEP_EAGER
+    if ec.max_chunks_per_step is not None:
+        chunks_per_step = ec.max_chunks_per_step
+    if max_chunks_per_step is not None:
+        chunks_per_step = max_chunks_per_step
 
     def runner_factory() -> StepRunner:
         from voice_out.model.checkpoint import load_flow, load_hift, load_llm, random_flow, random_hift, random_llm
@@ -176,8 +189,15 @@ def build_engine(
             except Exception:  # noqa: BLE001 - no default voice (or an unusable one): captured on first use
                 return
             if isinstance(default_voice.flow, FlowVoice):
-                n = runner.precapture(default_voice.flow)
-                log.info("engine: %d token2wav graphs captured for voice %r", n, default_voice.name)
+                t0 = time.perf_counter()
+                n = runner.precapture(default_voice.flow, max_batch=chunks_per_step)
+                log.info(
+                    "engine: %d token2wav graphs captured for voice %r (batched chunks up to %d) in %.1f s",
+                    n,
+                    default_voice.name,
+                    chunks_per_step,
+                    time.perf_counter() - t0,
+                )
 
     return cls(
         cfg,
@@ -186,7 +206,7 @@ def build_engine(
         voices=book,
         forced=forced,
         warmup=warm if warmup else None,
-        max_chunks_per_step=max_chunks_per_step,
+        max_chunks_per_step=chunks_per_step,
     )
 
 

@@ -83,6 +83,15 @@ class _GraphedLLM(Protocol):
 
 
 @dataclass
+class _Inflight:
+    """Chunks launched on the side stream: (request id, pinned host buffer their audio is being
+    copied into), and the event recorded after the copies."""
+
+    audio: list[tuple[str, Tensor]]
+    done: torch.cuda.Event
+
+
+@dataclass
 class _Live:
     slot: int | None
     generator: torch.Generator
@@ -92,10 +101,16 @@ class _Live:
 class Runner:
     """Owns the model, the KV cache and per-request GPU state (see the module docstring)."""
 
-    #: Run a step's token2wav chunks through ``Token2Wav.run_chunks``: the flow of every
-    #: non-final re-run chunk in ONE batched pass (same audio within float rounding; False:
-    #: one ``run_chunk`` per chunk, bit-identical to a stream running alone).
+    #: Run a step's token2wav chunks through ``Token2Wav.run_chunks``: the flow of the
+    #: non-final re-run chunks batched (eager: one padded pass; CUDA graphs: one graph replay
+    #: per group of chunks ending at the same length), the same audio within float rounding;
+    #: False: one ``run_chunk`` per chunk, bit-identical to a stream running alone.
     batch_chunks: bool = True
+    #: CUDA: launch a step's token2wav chunks on the side stream and return their audio in a
+    #: later step, once done (``StepResult.inflight`` meanwhile), so LLM steps go on while the
+    #: flow runs; the scheduler plans no new chunk until they are back. False: every step waits
+    #: for its own chunks (they still overlap that step's LLM work).
+    pipeline_vocode: bool = True
 
     def __init__(
         self,
@@ -137,8 +152,10 @@ class Runner:
             if buckets[-1] < n_slots:
                 buckets.append(n_slots)
             self.graphed = GraphedLLM(llm, self.cache, self.sampling, decode_buckets=buckets, scratch_slot=n_slots)
-        #: CUDA: the stream token2wav runs on while the LLM step runs on the current one.
-        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        #: CUDA: the stream token2wav runs on while the LLM steps run on the current one. Its
+        #: kernels get the higher priority: a chunk is what a listener waits for.
+        self._side_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        self._inflight: list[_Inflight] = []
         #: Host copy of the cache lengths: no sync is needed to place rows or bound attention.
         self.slot_len = [0] * n_slots
         self.live: dict[str, _Live] = {}
@@ -179,6 +196,13 @@ class Runner:
                 vocode.append((work, self._t2w_stream(work)))
             except Exception as e:  # noqa: BLE001
                 result.failed[work.request_id] = _describe(e)
+        if self.pipeline_vocode and self._side_stream is not None:
+            if vocode:
+                self._launch_vocode(vocode, result)
+            if llm:
+                self._llm_step(llm, result)
+            self._collect_vocode(result, block=plan.wait_vocode)
+            return result
         side = self._side_stream if (llm and vocode) else None
         made: list[tuple[str, Tensor]] = []
         if side is not None:
@@ -204,6 +228,51 @@ class Runner:
                 result.failed[request_id] = _describe(e)
         return result
 
+    def _launch_vocode(self, vocode: Sequence[tuple[VocodeWork, Token2WavStream]], result: StepResult) -> None:
+        """Queue the chunks and their copies to pinned host memory on the side stream; no wait.
+        Their tokens come from earlier steps, so nothing depends on the LLM work queued next."""
+        side = self._side_stream
+        assert side is not None
+        side.wait_stream(torch.cuda.current_stream(self.device))  # admissions, voice copies
+        with torch.cuda.stream(side):
+            made = self._vocode_step(vocode, result)
+            host: list[tuple[str, Tensor]] = []
+            for request_id, audio in made:
+                try:
+                    buf = torch.empty(audio.shape, dtype=torch.float32, pin_memory=True)
+                    buf.copy_(audio, non_blocking=True)
+                    host.append((request_id, buf))
+                except Exception as e:  # noqa: BLE001 - the copy to the host fails alone too
+                    result.failed[request_id] = _describe(e)
+            done = torch.cuda.Event()
+            done.record(side)
+        if host:
+            self._inflight.append(_Inflight(host, done))
+        result.inflight.update(rid for rid, _ in host)
+
+    def _collect_vocode(self, result: StepResult, *, block: bool) -> None:
+        """Hand back the audio of every finished launch (in launch order, the side stream's);
+        with ``block``, first wait for the oldest one. The rest stay in ``result.inflight``."""
+        if block and self._inflight:
+            self._inflight[0].done.synchronize()
+        while self._inflight and self._inflight[0].done.query():
+            for request_id, buf in self._inflight.pop(0).audio:
+                result.audio[request_id] = buf.numpy().copy()
+                result.inflight.discard(request_id)
+        result.inflight.update(rid for f in self._inflight for rid, _ in f.audio)
+
+    def _settle_vocode_reads(self) -> None:
+        """Make the LLM stream wait for the launched chunks (GPU side, the host goes on): state
+        they read (a pooled token2wav stream, a voice's tensors) is about to be rewritten or freed."""
+        if self._side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+
+    def _settle_vocode(self) -> None:
+        """Wait for every launched chunk and drop its audio (shutdown, a failed step)."""
+        if self._side_stream is not None:
+            self._side_stream.synchronize()
+        self._inflight.clear()
+
     def _hook(self, request_id: str, phase: str) -> None:
         if self.fault_hook is not None:
             self.fault_hook(request_id, phase)
@@ -224,6 +293,7 @@ class Runner:
 
     def release_all(self) -> None:
         """Drop every request and reset every slot (after a failed step, or on shutdown)."""
+        self._settle_vocode()
         for rid in list(self.live):
             self._release(Release(rid, self.live[rid].slot, drop=True))
         self.cache.reset()
@@ -242,6 +312,8 @@ class Runner:
             hit = (voice, token, feat, emb, prepared)
             self._voice_cache[id(voice)] = hit
             while len(self._voice_cache) > VOICE_CACHE_SIZE:
+                if self._inflight:  # launched chunks may still read the evicted voice's tensors
+                    self._settle_vocode_reads()
                 self._voice_cache.popitem(last=False)
         else:
             self._voice_cache.move_to_end(id(voice))
@@ -261,6 +333,8 @@ class Runner:
         }
         if self._t2w_pool:
             stream = self._t2w_pool.pop()
+            if self._inflight:  # a cancelled request's chunk may still run on this stream's state
+                self._settle_vocode_reads()
             stream.reset(token, feat, emb, flow_prompt=prepared, **kw)
         else:
             stream = self.t2w.open_stream(token, feat, emb, flow_prompt=prepared, **kw)
@@ -302,12 +376,21 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def precapture(self, voice: FlowVoice, n_tokens: int = 500) -> int:
+    def precapture(self, voice: FlowVoice, n_tokens: int = 500, *, max_batch: int = 1) -> int:
         """Capture the token2wav graphs of ``voice``'s prompt length for its first ``n_tokens``
-        speech tokens (start-up, so no stream stalls on a capture later). Returns graphs held."""
+        speech tokens (start-up, so no stream stalls on a capture later), with the batched-chunk
+        graphs for steps of up to ``max_batch`` chunks (the engine passes its
+        ``max_chunks_per_step``). Returns graphs held."""
         token, feat, emb, _ = self._voice(voice)
         n = self.t2w.capture_stream_shapes(
-            token, feat, emb, n_tokens, first_hop=self.first_hop, max_hop=self.max_hop, fast_first=self.fast_first
+            token,
+            feat,
+            emb,
+            n_tokens,
+            first_hop=self.first_hop,
+            max_hop=self.max_hop,
+            fast_first=self.fast_first,
+            max_batch=max_batch,
         )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -422,9 +505,10 @@ class Runner:
     def _vocode_step(
         self, items: Sequence[tuple[VocodeWork, Token2WavStream]], result: StepResult
     ) -> list[tuple[str, Tensor]]:
-        """The step's token2wav chunks: one ``Token2Wav.run_chunks`` call (the flow of every
-        batchable chunk in one pass), each chunk failing alone. Returns (request id, audio on
-        the device); the caller copies it to the host (no sync here).
+        """The step's token2wav chunks: one ``Token2Wav.run_chunks`` call (the flow of the
+        batchable chunks in one pass, or one per length with CUDA graphs), each chunk failing
+        alone. Returns (request id, audio on the device); the caller copies it to the host (no
+        sync here).
 
         A failure before any chunk was made (a batched flow pass that raises, e.g. out of
         memory) runs every chunk again by itself, so only a chunk that fails alone fails; a

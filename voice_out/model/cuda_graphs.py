@@ -87,6 +87,12 @@ class GraphedFn:
         """Whether ``key`` is captured (a call with it replays instead of capturing)."""
         return key in self._graphs
 
+    def would_capture(self, key: Hashable, *args: torch.Tensor) -> bool:
+        """Whether a call with ``key`` on tensors like ``args`` (same devices) would capture a
+        graph now: graphs active for them and ``key`` not captured yet. False when it would
+        replay, or run ``fn`` eagerly (CPU, graphs disabled)."""
+        return self._active(args) and key not in self._graphs
+
     def _active(self, args: Sequence[torch.Tensor]) -> bool:
         if not self.enabled or getattr(_local, "disabled", False):
             return False

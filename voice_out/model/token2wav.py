@@ -29,20 +29,32 @@ Two flow paths, chosen per stream: ``"rerun"`` calls ``flow.inference`` over the
 every token so far on each chunk (upstream's way); ``"cached"`` uses the flow's incremental API,
 so each chunk costs only its new tokens. Both give the same waveform.
 
-Fast path (CUDA, ``Token2Wav.use_cuda_graphs(True)``): every non-final re-run flow call is ONE
-captured graph, keyed by (prompt length, tokens so far): the schedule makes only a few lengths
-per prompt length (25 + pad, then 50 and 100 more each time), and one graph serves every voice
-of that prompt length. The first chunk, which decides time to first audio, comes from it on
-both flow paths, and every non-final vocoder call replays a graph per mel length. A cached-path
-stream whose first chunk came from the graph replays that chunk into its flow cache at its
-second chunk (off the critical path: the listener already has 1 s of audio). Graph outputs equal
-the eager ones (tests/test_token2wav_graphs.py).
+Fast path (CUDA, ``Token2Wav.use_cuda_graphs(True)``): a non-final re-run flow call of one
+stream is ONE captured graph, keyed by (prompt length, tokens so far): the schedule makes only a
+few lengths per prompt length (25 + pad, then 50 and 100 more each time), and one graph serves
+every voice of that prompt length. First chunks, which decide time to first audio, replay it on
+both flow paths (captured on first use); other lengths replay it once
+:meth:`Token2Wav.capture_stream_shapes` has captured them at start-up, and run eagerly until then
+(a capture mid-stream would stall every stream). Every non-final vocoder call replays a graph per
+mel length. A cached-path stream whose first chunk came from the graph replays that chunk into
+its flow cache at its second chunk (off the critical path: the listener already has 1 s of
+audio). Graph outputs equal the eager ones (tests/test_token2wav_graphs.py).
 
 Batched chunks (:meth:`Token2Wav.run_chunks`): an engine step with chunks of several streams
-runs the flow of every non-final re-run-path chunk in ONE ``flow.inference_batch`` call (rows
-right-padded to the longest; exact because the real tokens of a non-final chunk end on a flow
-chunk boundary), then finishes each chunk as :meth:`Token2Wav.run_chunk` does. A re-run chunk
-at full size is launch-bound, so B chunks cost about what one does.
+computes the flow of its non-final re-run-path chunks batched, then finishes each chunk as
+:meth:`Token2Wav.run_chunk` does. Rows are exact because the real tokens of a non-final chunk
+end on a flow chunk boundary, so right padding never reaches a real frame (see
+``Flow.inference_batch``). Eager (no graphs; the default off CUDA): ONE ``flow.inference_batch``
+call, rows right-padded to the longest. With graphs: the chunks are grouped by T = prompt + real
+tokens (one pass per distinct T, no length padding); a group of n >= 2 is padded with copies of
+its first row to the smallest of ``CHUNK_BATCH_BUCKETS`` (2, 4, 8) >= n (larger groups split at
+8) and replays a graph of ``Flow.batch_core`` keyed by (bucket, T). A key depends on T only, so
+it serves every prompt length whose chunks end there. :meth:`Token2Wav.capture_stream_shapes`
+captures the keys of a prompt length's schedule at start-up (the engine: its default voice, for
+steps of up to its ``max_chunks_per_step`` chunks); an uncaptured key is never captured
+mid-stream: those of its chunks whose own single-chunk graph replays take it, the others run in
+one eager batch. A group of one takes the single-chunk path. A full-size re-run chunk is
+launch-bound, so a batch of B rows is expected to cost far less than B single replays.
 """
 
 from __future__ import annotations
@@ -62,6 +74,9 @@ from voice_out.model.hift import HiFT
 
 MEL_FRAMES_PER_TOKEN = 2  # token_mel_ratio: 25 Hz tokens, 50 Hz mel
 HIFT_CACHE_FRAMES = 8  # vocoder overlap between chunks (160 ms)
+#: Row counts of the graphed batched re-run chunks: a group of n chunks runs in the smallest
+#: bucket >= n (pad rows are copies of its first row); larger groups split at the largest.
+CHUNK_BATCH_BUCKETS = (2, 4, 8)
 
 FlowPath = Literal["rerun", "cached"]
 
@@ -106,9 +121,19 @@ class StreamingFlow(FlowInference, Protocol):
 class BatchFlow(FlowInference, Protocol):
     """The flow's batched entry point (``voice_out.model.flow.Flow.inference_batch``): several
     non-final streaming calls (token, prompt_token, prompt_feat, embedding) -> one mel each,
-    equal to ``inference(..., streaming=True, finalize=False)`` of that item."""
+    equal to ``inference(..., streaming=True, finalize=False)`` of that item.
+
+    ``inference_batch`` is ``batch_inputs`` (host side: ids ``[B, T + 3]``, embedding ``[B,
+    spk_dim]``, cond ``[B, 80, 2T]`` and each row's mel span) then ``batch_core`` (fixed shapes,
+    no host sync: mel float32 ``[B, 80, 2T]``, what the graphed batched chunks capture)."""
 
     def inference_batch(self, items: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]]) -> list[Tensor]: ...
+
+    def batch_inputs(
+        self, items: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]]
+    ) -> tuple[Tensor, Tensor, Tensor, list[tuple[int, int]]]: ...
+
+    def batch_core(self, ids: Tensor, embedding: Tensor, cond: Tensor) -> Tensor: ...
 
 
 class ChunkBatchError(RuntimeError):
@@ -245,13 +270,22 @@ class Token2Wav:
         self._capturing = False  # capture_stream_shapes running: any non-final shape is captured
         self._graph_hift: GraphedFn | None = None
         self._graph_hift_cached: GraphedFn | None = None
+        #: Grouped batched chunks (``use_batch_buckets``): () = off, one eager padded pass.
+        self.batch_buckets: tuple[int, ...] = ()
+        self._graph_flow_batch: GraphedFn | None = None
+        self._flow_pool: Any = None  # CUDA graph memory pool of the flow graphs
 
-    def use_cuda_graphs(self, enabled: bool = True) -> None:
+    def use_cuda_graphs(self, enabled: bool = True, *, batch_buckets: Sequence[int] = CHUNK_BATCH_BUCKETS) -> None:
         """Replay non-final flow calls (every chunk of a re-run-path stream, the first chunk of a
         cached-path one) and non-final vocoder calls from CUDA graphs (CUDA only; a no-op on the
-        CPU). Graphs are captured on first use of each shape (``capture_stream_shapes`` ahead)."""
+        CPU), and run a :meth:`run_chunks` call's batchable chunks in groups of one length, each
+        padded to one of ``batch_buckets`` (:meth:`use_batch_buckets`). Vocoder graphs and the
+        single-chunk flow graphs of first chunks are captured on first use; every other flow
+        key only by :meth:`capture_stream_shapes` (start-up), and runs eagerly until then."""
         if not enabled or self.device.type != "cuda":
             self._graph_flow = self._graph_hift = self._graph_hift_cached = None
+            self._flow_pool = None
+            self.use_batch_buckets(())
             return
         flow = self.flow
 
@@ -264,9 +298,68 @@ class Token2Wav:
         def hift_cached(mel: Tensor, source: Tensor) -> tuple[Tensor, Tensor]:
             return self.hift(mel, source, None)
 
-        self._graph_flow = GraphedFn(rerun_flow, name="flow.rerun_chunk")
+        # one memory pool for the single and the batched flow graphs: only one runs at a time
+        self._flow_pool = torch.cuda.graph_pool_handle()
+        self._graph_flow = GraphedFn(rerun_flow, name="flow.rerun_chunk", pool=self._flow_pool)
         self._graph_hift = GraphedFn(hift_fresh, name="hift.fresh")
         self._graph_hift_cached = GraphedFn(hift_cached, name="hift.cached")
+        self.use_batch_buckets(batch_buckets if hasattr(flow, "batch_core") else ())
+
+    def use_batch_buckets(self, buckets: Sequence[int]) -> None:
+        """How :meth:`run_chunks` batches (``use_cuda_graphs`` sets it; callable alone, e.g. on
+        the CPU to exercise the grouping).
+
+        ``()``: every batchable chunk of the call in ONE eager ``flow.inference_batch``,
+        right-padded to the longest. Buckets (strictly increasing, each >= 2): the batchable
+        chunks are grouped by T (prompt + real tokens); a group of n >= 2 runs as
+        ``flow.batch_core`` over the smallest bucket >= n rows (pad rows: copies of the first,
+        their output dropped) through a :class:`GraphedFn` keyed by (bucket, T), split at the
+        largest bucket; a group of one goes through :meth:`run_chunk`'s path (its own
+        single-chunk graph). On CUDA a (bucket, T) graph is replayed only once captured
+        (:meth:`capture_stream_shapes`); until then the group runs eagerly. Off CUDA the
+        :class:`GraphedFn` runs eagerly, padding included.
+        """
+        buckets = tuple(int(b) for b in buckets)
+        if any(b < 2 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"batch buckets must be strictly increasing integers >= 2, got {buckets}")
+        self.batch_buckets = buckets
+        self._graph_flow_batch = None
+        if buckets:
+            flow = cast(BatchFlow, self.flow)
+            # warm-up 1: the single-chunk graphs and the eager passes have run these kernels
+            self._graph_flow_batch = GraphedFn(
+                flow.batch_core, name="flow.batch_chunks", warmup=1, pool=self._flow_pool
+            )
+
+    def batch_keys(
+        self,
+        prompt_tokens: int,
+        n_tokens: int,
+        max_batch: int,
+        *,
+        first_hop: int = CHUNK_SIZE_TOKENS,
+        max_hop: int = MAX_HOP_TOKENS,
+        fast_first: int = 0,
+    ) -> list[tuple[int, int]]:
+        """The (bucket, T) keys of the grouped batched chunks that streams of this prompt length
+        meet in their first ``n_tokens`` speech tokens, in groups of at most ``max_batch``
+        chunks: every bucket a group of 2 .. ``max_batch`` uses, for the T (prompt + real tokens)
+        of every batchable non-final chunk of the schedule. No tensor work."""
+        if not self.batch_buckets or max_batch < 2:
+            return []
+        buckets = sorted({self._bucket(n) for n in range(2, min(max_batch, self.batch_buckets[-1]) + 1)})
+        sched = ChunkSchedule(prompt_tokens=prompt_tokens, first_hop=first_hop, max_hop=max_hop, fast_first=fast_first)
+        lengths: list[int] = []
+        while (plan := sched.ready(n_tokens, llm_finished=True)) is not None and not plan.finalize:
+            total = prompt_tokens + plan.token_len - sched.lookahead
+            if total % sched.chunk_size == 0 and not (plan.index == 0 and fast_first):
+                lengths.append(total)
+            sched.commit(plan)
+        return [(b, t) for t in lengths for b in buckets]
+
+    def _bucket(self, n: int) -> int:
+        """The smallest batch bucket that holds ``n`` rows (``n`` <= the largest bucket)."""
+        return next(b for b in self.batch_buckets if b >= n)
 
     @torch.inference_mode()
     def capture_stream_shapes(
@@ -279,21 +372,41 @@ class Token2Wav:
         first_hop: int = CHUNK_SIZE_TOKENS,
         max_hop: int = MAX_HOP_TOKENS,
         fast_first: int = 0,
+        max_batch: int = 1,
     ) -> int:
         """Capture now (start-up) the graphs a stream of this prompt length meets in its first
-        ``n_tokens`` speech tokens, instead of mid-stream. Returns the number of graphs held."""
+        ``n_tokens`` speech tokens, instead of mid-stream: its single-chunk flow graphs and
+        vocoder graphs, and (``max_batch`` >= 2, grouped batching on) the batched-chunk graphs
+        of :meth:`batch_keys` for groups of up to ``max_batch`` chunks (a batched key depends
+        on T only, so it serves every prompt length whose chunks end at the same T). Returns
+        the number of graphs held."""
         if self._graph_flow is None:
             return 0
         self._capturing = True
         stream = self.open_stream(
             prompt_token, prompt_feat, embedding, first_hop=first_hop, max_hop=max_hop, fast_first=fast_first
         )
+        dummy = [(7 * i + 1) % 6561 for i in range(n_tokens)]
         try:
-            for _ in self.stream_all(stream, [(7 * i + 1) % 6561 for i in range(n_tokens)]):
+            for _ in self.stream_all(stream, dummy):
                 pass
         finally:
             self._capturing = False
-        graphs = (self._graph_flow, self._graph_hift, self._graph_hift_cached)
+        graph = self._graph_flow_batch
+        prompt_token, prompt_feat = prompt_token.to(self.device), prompt_feat.to(self.device)
+        embedding = embedding.to(self.device)
+        n_prompt = int(prompt_token.shape[1])
+        keys = self.batch_keys(
+            n_prompt, n_tokens, max_batch, first_hop=first_hop, max_hop=max_hop, fast_first=fast_first
+        )
+        for bucket, total in keys:
+            assert graph is not None
+            token = self._as_tokens(dummy[: total - n_prompt + stream.schedule.lookahead])
+            ids, emb, cond, _ = cast(BatchFlow, self.flow).batch_inputs(
+                [(token, prompt_token, prompt_feat, embedding)] * bucket
+            )
+            graph.capture((bucket, total), ids, emb, cond)
+        graphs = (self._graph_flow, self._graph_flow_batch, self._graph_hift, self._graph_hift_cached)
         return sum(len(g.captured_keys) for g in graphs if g is not None)
 
     @property
@@ -398,13 +511,27 @@ class Token2Wav:
         frames, float32 [1, 80, 2 * hop_tokens]. From a graph per (prompt length, tokens so far)
         for first chunks and for lengths start-up captured (``capture_stream_shapes``);
         capturing any other length here would stall every stream, so those run eagerly."""
-        args = (token[:, : plan.token_len], stream.prompt_token, stream.prompt_feat, stream.embedding)
-        key = (int(stream.prompt_token.shape[1]), plan.token_len)
-        graph = self._graph_flow if token.is_cuda else None
+        args = self._rerun_args(stream, plan, token)
+        graph = self._single_graph(stream, plan, token)
         start = MEL_FRAMES_PER_TOKEN * plan.token_offset
-        if graph is not None and (plan.index == 0 or self._capturing or graph.has(key)):
+        if graph is not None:
+            key = (int(stream.prompt_token.shape[1]), plan.token_len)
             return graph(key, *args)[:, :, start:].float().clone()  # the graph reuses its output
         return self.flow.inference(*args, streaming=True, finalize=False)[:, :, start:].float()
+
+    @staticmethod
+    def _rerun_args(stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(tokens so far [1, token_len], prompt_token, prompt_feat, embedding) of a re-run."""
+        return token[:, : plan.token_len], stream.prompt_token, stream.prompt_feat, stream.embedding
+
+    def _single_graph(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> GraphedFn | None:
+        """The single-chunk graph a re-run of ``plan`` replays (a first chunk's is captured on
+        first use), or None: it runs eagerly."""
+        graph = self._graph_flow if token.is_cuda else None
+        key = (int(stream.prompt_token.shape[1]), plan.token_len)
+        if graph is not None and (plan.index == 0 or self._capturing or graph.has(key)):
+            return graph
+        return None
 
     def _as_tokens(self, tokens: Tensor | Sequence[int]) -> Tensor:
         t = tokens if isinstance(tokens, Tensor) else torch.tensor(list(tokens), dtype=torch.int32)
@@ -431,14 +558,13 @@ class Token2Wav:
         return self._finish_chunk(stream, plan, self._flow_mel(stream, plan, token))
 
     def batchable(self, stream: Token2WavStream, plan: ChunkPlan) -> bool:
-        """Whether :meth:`run_chunks` computes this chunk's flow in its batched pass: a
-        non-final chunk of a re-run-path stream that ends on a flow chunk boundary and is not
-        a first chunk taken by the graphed or fast first-chunk path."""
+        """Whether :meth:`run_chunks` may compute this chunk's flow in a batched pass: a
+        non-final chunk of a re-run-path stream that ends on a flow chunk boundary (not a fast
+        first chunk). With grouped batching (:meth:`use_batch_buckets`) a batchable chunk that
+        ends up alone in its group still takes :meth:`run_chunk`'s path."""
         if plan.finalize or plan.hop_tokens == 0 or stream.flow_path != "rerun":
             return False
         if not hasattr(self.flow, "inference_batch"):
-            return False
-        if self._graph_flow is not None:  # graphed chunks beat batched eager ones
             return False
         if plan.index == 0 and stream.schedule.fast_first:
             return False
@@ -449,13 +575,17 @@ class Token2Wav:
     def run_chunks(self, pairs: Sequence[tuple[Token2WavStream, ChunkPlan, Tensor | Sequence[int]]]) -> list[Tensor]:
         """:meth:`run_chunk` for several streams at once: the audio of each, in order.
 
-        The flow of every :meth:`batchable` chunk runs in ONE ``flow.inference_batch`` call
-        (when there are two or more); the rest go through :meth:`run_chunk`'s flow step. Each
+        The flow of the :meth:`batchable` chunks runs batched: without batch buckets (the
+        default off CUDA) all of them in ONE ``flow.inference_batch`` call (when there are two
+        or more); with buckets (``use_cuda_graphs`` on CUDA) one batched pass per group of
+        chunks with the same T, graphed per (bucket, T) once captured (see
+        :meth:`use_batch_buckets`). The rest go through :meth:`run_chunk`'s flow step. Each
         chunk is then finished (vocoder, cross-fade, caches, schedule) as :meth:`run_chunk`
         does. Each stream may appear once.
 
         Failures: a bad pair (not its stream's next chunk, too few tokens) or a failing batched
-        flow pass raises before any stream is touched, so every chunk can be run again (alone).
+        flow pass raises before any stream is touched (every batched pass runs before any
+        chunk is finished), so every chunk can be run again (alone).
         Once the flow pass is done, each chunk is finished on its own; if some fail,
         :class:`ChunkBatchError` carries the audio of those that did and the error of each
         that did not (a failed chunk leaves its stream as a failed :meth:`run_chunk` does:
@@ -465,15 +595,8 @@ class Token2Wav:
             raise ValueError("run_chunks: a stream appears twice")
         tokens = [self._chunk_tokens(stream, plan, tok) for stream, plan, tok in pairs]
         batch = [i for i, (stream, plan, _) in enumerate(pairs) if self.batchable(stream, plan)]
-        mels: dict[int, Tensor] = {}
-        if len(batch) >= 2:
-            flow = cast(BatchFlow, self.flow)
-            args = []
-            for i in batch:
-                stream, plan, _ = pairs[i]
-                args.append((tokens[i][:, : plan.token_len], stream.prompt_token, stream.prompt_feat, stream.embedding))
-            for i, mel in zip(batch, flow.inference_batch(args), strict=True):
-                mels[i] = mel[:, :, MEL_FRAMES_PER_TOKEN * pairs[i][1].token_offset :].float()
+        chunks = [(stream, plan, tokens[i]) for i, (stream, plan, _) in enumerate(pairs)]
+        mels = self._batched_mels(chunks, batch) if self.batch_buckets else self._eager_batch(chunks, batch)
         results: list[Tensor | None] = []
         errors: dict[int, Exception] = {}
         for i, (stream, plan, _) in enumerate(pairs):
@@ -486,6 +609,60 @@ class Token2Wav:
         if errors:
             raise ChunkBatchError(results, errors)
         return [r for r in results if r is not None]
+
+    def _eager_batch(
+        self, chunks: Sequence[tuple[Token2WavStream, ChunkPlan, Tensor]], rows: list[int]
+    ) -> dict[int, Tensor]:
+        """New mel frames of ``chunks[i]`` for i in ``rows``, from ONE eager
+        ``flow.inference_batch`` call (right-padded to the longest); {} for fewer than 2."""
+        if len(rows) < 2:
+            return {}
+        flow = cast(BatchFlow, self.flow)
+        mels = flow.inference_batch([self._rerun_args(*chunks[i]) for i in rows])
+        return {
+            i: mel[:, :, MEL_FRAMES_PER_TOKEN * chunks[i][1].token_offset :].float()
+            for i, mel in zip(rows, mels, strict=True)
+        }
+
+    def _batched_mels(
+        self, chunks: Sequence[tuple[Token2WavStream, ChunkPlan, Tensor]], rows: list[int]
+    ) -> dict[int, Tensor]:
+        """Grouped batching (:meth:`use_batch_buckets`): the new mel frames of the chunks
+        ``rows`` that run batched, by index; the others are left to :meth:`run_chunk`'s path.
+
+        Rows are grouped by T (prompt + real tokens) and each group split at the largest
+        bucket; a part of n >= 2 chunks runs through the (bucket, T) :class:`GraphedFn` with
+        n real rows and bucket - n pad rows (a replay on CUDA; eager elsewhere or with graphs
+        disabled), except while that key is not captured: capturing mid-stream would stall
+        every stream, so then its chunks whose own single-chunk graph replays leave it (as
+        they would alone) and the others (two or more) go in one eager
+        ``flow.inference_batch``."""
+        graph = self._graph_flow_batch
+        assert graph is not None
+        flow = cast(BatchFlow, self.flow)
+        groups: dict[int, list[int]] = {}
+        for i in rows:
+            stream, plan, _ = chunks[i]
+            groups.setdefault(stream.schedule.prompt_tokens + plan.token_len - stream.schedule.lookahead, []).append(i)
+        top = self.batch_buckets[-1]
+        mels: dict[int, Tensor] = {}
+        for total, group in groups.items():
+            for part in (group[k : k + top] for k in range(0, len(group), top)):
+                if len(part) < 2:
+                    continue  # alone: run_chunk's path (its single-chunk graph)
+                bucket = self._bucket(len(part))
+                items = [self._rerun_args(*chunks[i]) for i in part]
+                if graph.would_capture((bucket, total), *items[0]) and not self._capturing:
+                    eager = [i for i in part if self._single_graph(*chunks[i]) is None]
+                    mels.update(self._eager_batch(chunks, eager))
+                    continue
+                items += [items[0]] * (bucket - len(part))  # pad rows: copies of row 0, dropped
+                ids, embedding, cond, spans = flow.batch_inputs(items)
+                out = graph((bucket, total), ids, embedding, cond)  # [bucket, 80, 2T] float32
+                for j, i in enumerate(part):
+                    start = spans[j][0] + MEL_FRAMES_PER_TOKEN * chunks[i][1].token_offset
+                    mels[i] = out[j : j + 1, :, start : spans[j][1]].float().clone()  # the graph reuses out
+        return mels
 
     def _finish_chunk(self, stream: Token2WavStream, plan: ChunkPlan, mel: Tensor) -> Tensor:
         """Vocoder, cross-fade and caches for ``plan``'s new mel [1, 80, F]; commits the plan."""
