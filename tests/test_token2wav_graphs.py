@@ -291,3 +291,23 @@ def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, monkeypatch: pyt
                     torch.testing.assert_close(a, b, atol=tol, rtol=0)
                     err = max(err, float((a - b).abs().max()))
         print(f"{dtype}: graphed rounds vs each stream alone, max abs pcm {err:.2g}")
+
+
+@pytest.mark.requires_cuda
+def test_graphed_final_chunks_equal_eager() -> None:
+    """The final chunk (full attention) replays a start-up graph over tokens padded to the
+    next multiple of 25 (masked): utterances of any length within the captured range."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    t2w = Token2Wav(random_flow(TINY, "cuda"), random_hift(TINY, "cuda"))
+    wants = {n: _stream_all(t2w, "rerun", 50, n, "cuda") for n in (31, 77, 140)}
+    t2w.use_cuda_graphs(True)
+    token, feat, emb = _voice(50, "cuda")
+    t2w.capture_stream_shapes(token, feat, emb, 150)
+    final = t2w._graph_flow_final
+    assert final is not None and sorted(final.captured_keys) == list(range(75, 201, 25))  # type: ignore[type-var]
+    for n, want in wants.items():
+        got = _stream_all(t2w, "rerun", 50, n, "cuda")
+        assert [len(c) for c in got] == [len(c) for c in want]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=0)

@@ -108,9 +108,11 @@ class Runner:
     batch_chunks: bool = True
     #: CUDA: launch a step's token2wav chunks on the side stream and return their audio in a
     #: later step, once done (``StepResult.inflight`` meanwhile), so LLM steps go on while the
-    #: flow runs; the scheduler plans no new chunk until they are back. False: every step waits
-    #: for its own chunks (they still overlap that step's LLM work).
-    pipeline_vocode: bool = True
+    #: flow runs; the scheduler plans no new chunk until they are back. Off by default: in the
+    #: capacity benchmark on an H200 it ran up to 24 streams without an underrun but stalled at
+    #: 32 (steps of ~0.6 s; cause not found yet, docs/benchmarks.md). False: every step waits
+    #: for its own chunks (they still overlap that step's LLM work on the side stream).
+    pipeline_vocode: bool = False
 
     def __init__(
         self,
@@ -152,9 +154,9 @@ class Runner:
             if buckets[-1] < n_slots:
                 buckets.append(n_slots)
             self.graphed = GraphedLLM(llm, self.cache, self.sampling, decode_buckets=buckets, scratch_slot=n_slots)
-        #: CUDA: the stream token2wav runs on while the LLM steps run on the current one. Its
-        #: kernels get the higher priority: a chunk is what a listener waits for.
-        self._side_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        #: CUDA: the stream token2wav runs on while the LLM steps run on the current one. Same
+        #: priority: the LLM steps must keep their pace while a batch of chunks runs.
+        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._inflight: list[_Inflight] = []
         #: Host copy of the cache lengths: no sync is needed to place rows or bound attention.
         self.slot_len = [0] * n_slots

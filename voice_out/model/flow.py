@@ -20,6 +20,12 @@ Public API (stable; :mod:`voice_out.model.token2wav` drives it; GPU worker threa
     ids, embedding, cond, spans = flow.batch_inputs(items)  # [B, T + 3], [B, 192], [B, 80, 2T]
     mel = flow.batch_core(ids, embedding, cond)              # float32 [B, 80, 2T], prompt frames included
 
+    # Several streams' FINAL calls (full attention) in ONE right-padded pass of T tokens (any
+    # T >= every P_i + N_i; one CUDA graph per (B, T)): the mel over spans[i] equals
+    # inference(*items[i], streaming=False, finalize=True).
+    ids, n_valid, embedding, cond, spans = flow.final_inputs(items, total=T)  # [B, T], [B], ..
+    mel = flow.final_core(ids, n_valid, embedding, cond)                      # float32 [B, 80, 2T]
+
     # Cached streaming path: each chunk costs only its new tokens.
     prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)   # once per voice; share it
     cache = flow.new_stream_cache(prompt, capacity=None)                 # per request
@@ -418,13 +424,16 @@ class Flow(nn.Module):
         streaming: bool,
         start: int = 0,
         cache: FlowStreamCache | None = None,
+        key_frames: Tensor | None = None,
     ) -> Tensor:
         """CFM Euler solve for frames ``start .. start + L`` -> float32 ``[B, n_mels, L]``.
 
         mu, cond ``[B, n_mels, L]``; spk ``[B, n_mels]``. x starts from the fixed noise at the
         same absolute frames (the same noise for every row); with ``cache`` (B = 1 only) every
         step extends its own estimator state. The estimator sees the CFG batch as
-        ``[cond rows (B), uncond rows (B)]``.
+        ``[cond rows (B), uncond rows (B)]``. ``key_frames`` ``[B]`` int64 (start = 0, no
+        cache): row b's real frames are its first ``key_frames[b]``; attention reads no key
+        past them (right padding, see :meth:`final_core`).
 
         Upstream's loop (spec 3.3) with its per-step constants made once: the time values and
         their embeddings (:meth:`Estimator.prepare`: one batched time MLP for all steps, the
@@ -456,7 +465,8 @@ class Flow(nn.Module):
         spk_in = torch.cat([spk, torch.zeros_like(spk)]).to(self.dtype)
         cond_in = torch.cat([cond, torch.zeros_like(cond)]).to(self.dtype)
         t_steps = torch.stack(ts)
-        prep = self.estimator.prepare(mu_in, spk_in, cond_in, t_steps.unsqueeze(1), streaming, start)
+        cfg_frames = torch.cat([key_frames, key_frames]) if key_frames is not None else None  # [2B]
+        prep = self.estimator.prepare(mu_in, spk_in, cond_in, t_steps.unsqueeze(1), streaming, start, cfg_frames)
         # The CFG batch's x: both halves hold the same float32 Euler state, updated together,
         # so the estimator input needs no concatenation. [2, B, n_mels, L]
         x = self.noise[:, :, start : start + n].to(self.device, torch.float32).expand(2, b, -1, -1).clone()
@@ -618,6 +628,82 @@ class Flow(nn.Module):
         h = self.encoder(x[:, :t], x[:, t:], True)
         mu = self.encoder_proj(h).transpose(1, 2)
         return self.solve(mu, spk, cond.to(self.device, self.dtype), True)
+
+    def final_inputs(
+        self, items: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]], total: int
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[tuple[int, int]]]:
+        """Host side of the batched final pass: lay ``items`` out as ``total`` right-padded tokens.
+
+        ``items``: (token ``[1, N_i]``, prompt_token ``[1, P_i]``, prompt_feat ``[1, ratio P_i,
+        n_mels]``, embedding ``[1, spk_dim]``) per stream, N_i >= 1; ``total`` = T >= every
+        ``P_i + N_i`` (a bucket size; at most ``FlowDims.max_tokens``). Returns:
+
+        * ``ids`` ``[B, T]`` int64: row i = prompt, tokens, then padding (id 0);
+        * ``n_valid`` ``[B]`` int64: ``P_i + N_i``, the real tokens of each row;
+        * ``embedding`` ``[B, spk_dim]`` float32: the x-vectors;
+        * ``cond`` ``[B, n_mels, ratio T]`` (flow dtype): the prompt mel, then zeros;
+        * ``spans``: row i's mel frames in :meth:`final_core`'s output, ``(ratio P_i, ratio
+          (P_i + N_i))``.
+
+        Only shapes are read on the host: no device sync.
+        """
+        d = self.dims
+        ratio = d.token_mel_ratio
+        if not items:
+            raise ValueError("final_inputs needs at least one item")
+        if not 0 < total <= d.max_tokens:
+            raise ValueError(f"total = {total} tokens: must be in 1 .. {d.max_tokens} (the noise buffer)")
+        lengths: list[tuple[int, int]] = []  # (prompt tokens, real tokens incl. the prompt)
+        for token, prompt_token, prompt_feat, embedding in items:
+            self._check_prompt(prompt_token, prompt_feat, embedding)
+            if token.dim() != 2 or token.shape[0] != 1 or token.shape[1] < 1:
+                raise ValueError(f"token must be [1, N] with N >= 1, got {tuple(token.shape)}")
+            p, n = int(prompt_token.shape[1]), int(token.shape[1])
+            if p + n > total:
+                raise ValueError(f"prompt + tokens = {p + n} exceed total = {total}")
+            lengths.append((p, p + n))
+        b = len(items)
+        ids = torch.zeros(b, total, dtype=torch.long, device=self.device)  # padding: id 0
+        embedding = torch.cat([emb.to(self.device, torch.float32) for _, _, _, emb in items])  # [B, spk_dim]
+        cond = torch.zeros(b, d.n_mels, ratio * total, device=self.device, dtype=self.dtype)
+        for i, (token, prompt_token, prompt_feat, _) in enumerate(items):
+            p, real = lengths[i]
+            ids[i, :p] = prompt_token[0].to(self.device).long()
+            ids[i, p:real] = token[0].to(self.device).long()
+            cond[i : i + 1] = self._cond(prompt_feat, 0, ratio * total)
+        n_valid = torch.tensor([real for _, real in lengths], dtype=torch.long).to(self.device)
+        return ids, n_valid, embedding, cond, [(ratio * p, ratio * real) for p, real in lengths]
+
+    def final_core(self, ids: Tensor, n_valid: Tensor, embedding: Tensor, cond: Tensor) -> Tensor:
+        """The final (full-attention) pass of several streams over rows laid out by
+        :meth:`final_inputs`.
+
+        ids ``[B, T]`` int64, n_valid ``[B]`` int64 (real tokens per row, 1 .. T), embedding
+        ``[B, spk_dim]``, cond ``[B, n_mels, ratio T]`` -> mel float32 ``[B, n_mels, ratio T]``,
+        prompt frames included: row i's frames ``0 .. ratio n_valid[i]`` equal ``inference(...,
+        streaming=False, finalize=True)`` of its prompt + tokens (within float rounding);
+        frames past them are finite padding. Fixed shapes, no host sync, nothing depends on
+        n_valid's values on the host: capturable as one CUDA graph per (B, T).
+
+        Why right padding is exact: the padded tokens' embedded rows are zeroed before the
+        pre-lookahead conv, so the last real tokens see the zero look-ahead the unpadded call
+        gives them; every other conv is causal; every attention (encoder at token and mel rate,
+        estimator) masks the keys past the row's real frames, while a padded query still sees
+        the real keys (no empty softmax); relative positions depend on i - j only; LayerNorms
+        are per frame; the noise is taken at the same absolute frames for every row.
+        """
+        d = self.dims
+        b, t = ids.shape[0], ids.shape[1]
+        if ids.dim() != 2 or tuple(n_valid.shape) != (b,) or tuple(embedding.shape) != (b, d.spk_embed_dim):
+            raise ValueError(f"ids [B, T], n_valid [B] and embedding [B, {d.spk_embed_dim}] expected")
+        if tuple(cond.shape) != (b, d.n_mels, d.token_mel_ratio * t):
+            raise ValueError(f"cond must be [{b}, {d.n_mels}, {d.token_mel_ratio * t}], got {tuple(cond.shape)}")
+        n_valid = n_valid.to(self.device)
+        spk = self.speaker(embedding)  # [B, n_mels]
+        h = self.encoder(self.embed_tokens(ids), None, False, n_valid=n_valid)
+        mu = self.encoder_proj(h).transpose(1, 2)
+        cond = cond.to(self.device, self.dtype)
+        return self.solve(mu, spk, cond, False, key_frames=n_valid * d.token_mel_ratio)
 
     # -- cached streaming path ---------------------------------------------------------------
 

@@ -61,6 +61,13 @@ def rel_index(start: int, t: int, tk: int, r_min: int, rows: int, device: torch.
     return (i - j - r_min).clamp_(0, rows - 1)
 
 
+def valid_keys(n_valid: Tensor, length: int) -> Tensor:
+    """Key-padding "may attend" mask ``[B, 1, 1, length]`` (bool): key j of row b is real iff
+    ``j < n_valid[b]`` (``n_valid`` ``[B]`` int64, on the keys' device). No host sync."""
+    j = torch.arange(length, device=n_valid.device)
+    return (j[None, :] < n_valid[:, None]).view(-1, 1, 1, length)
+
+
 class RelPosAttention(nn.Module):
     """Transformer-XL style relative-position multi-head attention (ESPnet ``rel_selfattn``).
 
@@ -92,10 +99,12 @@ class RelPosAttention(nn.Module):
         kv: tuple[Tensor, Tensor] | None,
         start: int,
     ) -> Tensor:
-        """x ``[1, T, C]`` at absolute positions ``start ..``; pos ``[1, H, R, D]`` positional
+        """x ``[B, T, C]`` at absolute positions ``start ..``; pos ``[1, H, R, D]`` positional
         keys (``project_pos``) and pos_index ``[T, Tk]`` the row of each (query, key) pair
-        (``rel_index``); kv = cached (k, v) ``[1, H, capacity, D]`` written at ``start ..`` (keys
-        then cover 0 .. start + T) or None (start must be 0)."""
+        (``rel_index``); mask: bool "may attend", broadcastable to ``[B, H, T, Tk]`` (``[T,
+        Tk]`` chunk mask, ``[B, 1, 1, Tk]`` key padding or both combined), or None; kv = cached
+        (k, v) ``[1, H, capacity, D]`` written at ``start ..`` (keys then cover 0 .. start + T)
+        or None (start must be 0)."""
         b, t, _ = x.shape
         hd = self.head_dim
         q = self.linear_q(x).view(b, t, self.heads, hd)
@@ -173,19 +182,23 @@ class Encoder(nn.Module):
         chunk: int | None,
         state: tuple[Tensor, Tensor, Tensor] | None,
         pos_valid: int,
+        keys: Tensor | None = None,
     ) -> tuple[Tensor, int]:
-        """Run one conformer stack over ``x`` ``[1, T, C]`` at positions ``start ..``.
+        """Run one conformer stack over ``x`` ``[B, T, C]`` at positions ``start ..``.
 
         ``state`` = cached (k, v, pos) of the stack: k/v ``[L, 1, H, cap, D]`` and projected
         positional keys ``[L, 1, H, cap + chunk - 1, D]`` for r = -(chunk - 1) .. ; the first
-        ``pos_valid`` rows are already filled. Returns the output and the new number of valid
-        rows.
+        ``pos_valid`` rows are already filled. ``keys``: bool ``[B, 1, 1, T]``, the keys each
+        row may attend to (key padding), or None (all). Returns the output and the new number
+        of valid rows.
         """
         t = x.shape[1]
         tk = start + t
         dim = self.dims.enc_dim
         layers = [b for b in blocks if isinstance(b, ConformerBlock)]
         mask = chunk_mask(start, t, tk, chunk, x.device) if chunk is not None else None
+        if keys is not None:
+            mask = keys if mask is None else mask & keys
         if state is None:
             # Reference path: a fresh table for r = -(tk - 1) .. t - 1 (start is 0 here).
             r_min, rows = -(tk - 1), t + tk - 1
@@ -217,18 +230,34 @@ class Encoder(nn.Module):
         streaming: bool,
         cache: FlowStreamCache | None = None,
         start: int = 0,
+        n_valid: Tensor | None = None,
     ) -> Tensor:
-        """xs ``[1, T, input]`` embedded tokens at absolute token positions ``start ..``;
-        context ``[1, lookahead, input]`` (the next tokens, embedded) or None (zeros).
+        """xs ``[B, T, input]`` embedded tokens at absolute token positions ``start ..``;
+        context ``[B, lookahead, input]`` (the next tokens, embedded) or None (zeros).
 
-        With ``cache`` the call continues a stream: it extends the cached keys/values and conv
-        contexts of every layer (``start`` = tokens already in the cache).
+        With ``cache`` (B = 1) the call continues a stream: it extends the cached keys/values
+        and conv contexts of every layer (``start`` = tokens already in the cache).
+
+        ``n_valid`` ``[B]`` int64 (reference path, ``start`` = 0): row b's real tokens are its
+        first ``n_valid[b]``, the rest right padding. Padded positions then act as absent: their
+        embedded rows are zeroed before the pre-lookahead conv (so the last real tokens see the
+        zero look-ahead an unpadded call gives them; ``context`` should then be None) and no
+        attention reads their keys (token and upsampled rate). Real frames equal those of an
+        unpadded call; padded frames are finite garbage. Fixed shapes, no host sync.
         """
         d = self.dims
         scale = math.sqrt(d.enc_dim)
         x = self.embed_norm(self.embed(xs)) * scale
+        keys = up_keys = None
+        if n_valid is not None:
+            if cache is not None:
+                raise ValueError("n_valid (right padding) is for the uncached path only")
+            t_up = x.shape[1] * d.token_mel_ratio
+            keys = valid_keys(n_valid, x.shape[1])  # [B, 1, 1, T]
+            up_keys = valid_keys(n_valid * d.token_mel_ratio, t_up)  # [B, 1, 1, ratio T]
+            x = x.masked_fill(~keys.view(x.shape[0], -1, 1), 0.0)
         if context is None:
-            ctx = x.new_zeros(1, d.pre_lookahead, d.enc_dim)
+            ctx = x.new_zeros(x.shape[0], d.pre_lookahead, d.enc_dim)
         else:
             ctx = self.embed_norm(self.embed(context)) * scale
         # Pre-lookahead: token t sees tokens t..t+lookahead through conv1, then a causal conv2.
@@ -237,7 +266,7 @@ class Encoder(nn.Module):
         x = x + y.transpose(1, 2)
         chunk = d.enc_chunk if streaming else None
         state = (cache.enc_k, cache.enc_v, cache.enc_pos) if cache is not None else None
-        x, valid = self._stage(self.blocks, x, start, chunk, state, cache.enc_pos_valid if cache else 0)
+        x, valid = self._stage(self.blocks, x, start, chunk, state, cache.enc_pos_valid if cache else 0, keys)
         if cache is not None:
             cache.enc_pos_valid = valid
         # x ratio: nearest-neighbour repeat, then a causal conv (k = 2 ratio + 1).
@@ -247,7 +276,7 @@ class Encoder(nn.Module):
         up_chunk = d.up_chunk if streaming else None
         state = (cache.up_k, cache.up_v, cache.up_pos) if cache is not None else None
         x, valid = self._stage(
-            self.up_blocks, x, start * d.token_mel_ratio, up_chunk, state, cache.up_pos_valid if cache else 0
+            self.up_blocks, x, start * d.token_mel_ratio, up_chunk, state, cache.up_pos_valid if cache else 0, up_keys
         )
         if cache is not None:
             cache.up_pos_valid = valid

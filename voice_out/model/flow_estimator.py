@@ -9,7 +9,8 @@ temporal down-sampling, so every stage runs at the mel frame rate. Every convolu
 Shapes: x, mu, cond ``[B, n_mels, L]``; spks ``[B, n_mels]``; t ``[B]``; output ``[B, n_mels, L]``.
 At inference B = 2 (classifier-free guidance: row 0 conditional, row 1 unconditional). The
 upstream padding mask is all ones at batch 1 (every multiplication by it is the identity), so
-it is not represented here.
+it is not represented here; right-padded batches mask the padded keys instead
+(:meth:`Estimator.prepare`'s ``key_frames``).
 
 Few kernels per call: a first streaming chunk is 10 calls on a few hundred frames, so its cost
 is the number of (tiny) kernels launched, not FLOPs or bytes (``scripts/count_kernels_flow.py``
@@ -96,11 +97,12 @@ def chunk_mask(q_start: int, q_len: int, k_len: int, chunk: int, device: torch.d
 
 
 def attention_bias(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """Additive attention bias ``[q, k]`` (0 where ``allowed``, -inf elsewhere) in ``dtype``,
-    laid out with a row stride padded to ``MASK_ALIGN`` elements (a view into a wider buffer)."""
-    q, k = allowed.shape
+    """Additive attention bias (0 where ``allowed``, -inf elsewhere) in ``dtype``, of the shape
+    of ``allowed`` (``[q, k]``, or e.g. ``[B, 1, 1 or q, k]``), laid out with a row stride padded
+    to ``MASK_ALIGN`` elements (a view into a wider buffer)."""
+    *lead, k = allowed.shape
     wide = -(-k // MASK_ALIGN) * MASK_ALIGN
-    bias = torch.full((q, wide), float("-inf"), dtype=dtype, device=allowed.device)[:, :k]
+    bias = torch.full((*lead, wide), float("-inf"), dtype=dtype, device=allowed.device)[..., :k]
     return bias.masked_fill_(allowed, 0.0)
 
 
@@ -229,12 +231,12 @@ class ResBlock(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-LN self-attention (heads x head_dim, q/k/v without bias) + exact-GELU feed-forward.
 
-    Time-major ``[B, T, C]`` (contiguous). ``mask``: additive bias ``[T, keys]`` in the compute
-    dtype (:func:`attention_bias`), or None. With ``kv`` = (k_buf, v_buf) ``[B, H, capacity,
-    D]`` the block writes this call's keys/values at ``start ..`` and attends over
-    ``0 .. start + T``. 10 kernels per call on CUDA (LN, q/k/v GEMM, cuDNN attention with its
-    memset, out GEMM, residual add, LN, FF GEMM, GELU, FF GEMM with bias and residual), plus
-    the two key/value writes with ``kv``.
+    Time-major ``[B, T, C]`` (contiguous). ``mask``: additive bias ``[T, keys]`` or ``[B, 1, 1
+    or T, keys]`` in the compute dtype (:func:`attention_bias`), or None. With ``kv`` = (k_buf,
+    v_buf) ``[B, H, capacity, D]`` the block writes this call's keys/values at ``start ..`` and
+    attends over ``0 .. start + T``. 10 kernels per call on CUDA (LN, q/k/v GEMM, cuDNN
+    attention with its memset, out GEMM, residual add, LN, FF GEMM, GELU, FF GEMM with bias and
+    residual), plus the two key/value writes with ``kv``.
     """
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
@@ -330,8 +332,9 @@ class EstimatorPrep:
       state's, copied in by the call). Scratch: a call overwrites it.
     * ``tproj`` ``[S, R, n_res, C]``: every ResBlock's time projection ``Linear(Mish(temb(t)))``
       for each of S time values, per row (R = B) or shared by all rows (R = 1).
-    * ``mask``: additive attention bias ``[L, start + L]`` in the compute dtype (see
-      :func:`attention_bias`), or None when no key is masked.
+    * ``mask``: additive attention bias in the compute dtype (see :func:`attention_bias`):
+      ``[L, start + L]`` (chunk mask), ``[B, 1, 1, L]`` (key padding, ``key_frames``), ``[B, 1,
+      L, L]`` (both), or None when no key is masked.
     * ``scratch`` ``[B, k-1 + L, C]``: the padded input of every ResBlock's second conv
       (rows 0 .. k-2 zeros, or the state's, copied in by the call). Scratch, like ``inputs``.
     * ``zeros`` ``[B, k-1, max C_in]``: a causal conv's left context when there is no state.
@@ -444,13 +447,23 @@ class Estimator(nn.Module):
         return F.linear(F.mish(temb), weight, bias).view(t.shape[0], -1, self.channels)
 
     def prepare(
-        self, mu: Tensor, spks: Tensor, cond: Tensor, t: Tensor, streaming: bool, start: int = 0
+        self,
+        mu: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        t: Tensor,
+        streaming: bool,
+        start: int = 0,
+        key_frames: Tensor | None = None,
     ) -> EstimatorPrep:
         """The per-solve constants of the velocity calls (see :class:`EstimatorPrep`).
 
         mu, cond ``[B, n_mels, L]``, spks ``[B, n_mels]``: the CFG batch's conditions (fixed
         over the Euler steps); t ``[S, R]``: the time of each step (R = 1: one value for all
         rows, or R = B); ``start``: absolute frame of the first of the L frames.
+        ``key_frames`` ``[B]`` int64 (uncached calls, start = 0): row b's real frames are its
+        first ``key_frames[b]``, the rest right padding whose keys no query attends to (built
+        on the device: no host sync).
         """
         dtype = self.time_linear1.weight.dtype
         b, n_mels, n = mu.shape
@@ -464,6 +477,12 @@ class Estimator(nn.Module):
         s, r = t.shape
         tproj = self.time_projections(t.reshape(s * r)).view(s, r, -1, self.channels)
         allowed = chunk_mask(start, n, start + n, self.chunk_frames, mu.device) if streaming else None
+        if key_frames is not None:
+            if start != 0:
+                raise ValueError("key_frames (right padding) needs start = 0")
+            keys = torch.arange(n, device=mu.device)[None, :] < key_frames.to(mu.device)[:, None]  # [B, L]
+            keys = keys.view(b, 1, 1, n)
+            allowed = keys if allowed is None else allowed & keys
         mask = attention_bias(allowed, dtype) if allowed is not None else None
         scratch = torch.zeros(b, k - 1 + n, self.channels, device=mu.device, dtype=dtype)
         width = max(self.conv_channels())

@@ -136,6 +136,23 @@ class BatchFlow(FlowInference, Protocol):
     def batch_core(self, ids: Tensor, embedding: Tensor, cond: Tensor) -> Tensor: ...
 
 
+class FinalFlow(FlowInference, Protocol):
+    """The flow's graph-safe final pass (``voice_out.model.flow.Flow.final_core``): full
+    attention over each row's prompt + tokens, right-padded to ``total`` tokens and masked, so
+    one graph per ``total`` serves every utterance that ends within it.
+
+    ``final_inputs(items, total)`` -> (ids ``[B, total]``, n_valid ``[B]``, embedding ``[B,
+    spk_dim]``, cond ``[B, 80, 2 total]``, each row's mel span); ``final_core(...)`` -> mel
+    float32 ``[B, 80, 2 total]``, the span of row i equal to ``inference(*items[i],
+    streaming=False, finalize=True)``."""
+
+    def final_inputs(
+        self, items: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]], total: int
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[tuple[int, int]]]: ...
+
+    def final_core(self, ids: Tensor, n_valid: Tensor, embedding: Tensor, cond: Tensor) -> Tensor: ...
+
+
 class ChunkBatchError(RuntimeError):
     """Some chunks of a :meth:`Token2Wav.run_chunks` call failed after its flow pass.
 
@@ -273,6 +290,7 @@ class Token2Wav:
         #: Grouped batched chunks (``use_batch_buckets``): () = off, one eager padded pass.
         self.batch_buckets: tuple[int, ...] = ()
         self._graph_flow_batch: GraphedFn | None = None
+        self._graph_flow_final: GraphedFn | None = None
         self._flow_pool: Any = None  # CUDA graph memory pool of the flow graphs
 
     def use_cuda_graphs(self, enabled: bool = True, *, batch_buckets: Sequence[int] = CHUNK_BATCH_BUCKETS) -> None:
@@ -283,7 +301,7 @@ class Token2Wav:
         single-chunk flow graphs of first chunks are captured on first use; every other flow
         key only by :meth:`capture_stream_shapes` (start-up), and runs eagerly until then."""
         if not enabled or self.device.type != "cuda":
-            self._graph_flow = self._graph_hift = self._graph_hift_cached = None
+            self._graph_flow = self._graph_hift = self._graph_hift_cached = self._graph_flow_final = None
             self._flow_pool = None
             self.use_batch_buckets(())
             return
@@ -303,6 +321,10 @@ class Token2Wav:
         self._graph_flow = GraphedFn(rerun_flow, name="flow.rerun_chunk", pool=self._flow_pool)
         self._graph_hift = GraphedFn(hift_fresh, name="hift.fresh")
         self._graph_hift_cached = GraphedFn(hift_cached, name="hift.cached")
+        self._graph_flow_final = None
+        if hasattr(flow, "final_core"):
+            final_core = cast(FinalFlow, flow).final_core
+            self._graph_flow_final = GraphedFn(final_core, name="flow.final_chunk", warmup=1, pool=self._flow_pool)
         self.use_batch_buckets(batch_buckets if hasattr(flow, "batch_core") else ())
 
     def use_batch_buckets(self, buckets: Sequence[int]) -> None:
@@ -406,7 +428,23 @@ class Token2Wav:
                 [(token, prompt_token, prompt_feat, embedding)] * bucket
             )
             graph.capture((bucket, total), ids, emb, cond)
-        graphs = (self._graph_flow, self._graph_flow_batch, self._graph_hift, self._graph_hift_cached)
+        final = self._graph_flow_final
+        if final is not None:  # the final chunk of an utterance ending anywhere in n_tokens
+            step = stream.schedule.chunk_size
+            first, last = -(-(n_prompt + 1) // step) * step, -(-(n_prompt + n_tokens) // step) * step
+            for total in range(first, last + 1, step):  # every multiple of the chunk a final can round to
+                token = self._as_tokens([(7 * i + 1) % 6561 for i in range(total - n_prompt)])
+                ids, n_valid, emb, cond, _ = cast(FinalFlow, self.flow).final_inputs(
+                    [(token, prompt_token, prompt_feat, embedding)], total
+                )
+                final.capture(total, ids, n_valid, emb, cond)
+        graphs = (
+            self._graph_flow,
+            self._graph_flow_batch,
+            self._graph_flow_final,
+            self._graph_hift,
+            self._graph_hift_cached,
+        )
         return sum(len(g.captured_keys) for g in graphs if g is not None)
 
     @property
@@ -495,9 +533,7 @@ class Token2Wav:
             stream.flow_cache_behind = first and stream.flow_path == "cached"
             return mel
         if stream.flow_path == "rerun":  # the final chunk: full attention over every token
-            args = (token[:, : plan.token_len], stream.prompt_token, stream.prompt_feat, stream.embedding)
-            mel = self.flow.inference(*args, streaming=False, finalize=True)
-            return mel[:, :, MEL_FRAMES_PER_TOKEN * plan.token_offset :].float()
+            return self._final_chunk(stream, plan, token)
         flow = self._streaming_flow()
         if stream.flow_cache_behind:  # take in the first chunk's tokens too, then drop its frames
             stream.flow_cache_behind = False
@@ -518,6 +554,25 @@ class Token2Wav:
             key = (int(stream.prompt_token.shape[1]), plan.token_len)
             return graph(key, *args)[:, :, start:].float().clone()  # the graph reuses its output
         return self.flow.inference(*args, streaming=True, finalize=False)[:, :, start:].float()
+
+    def _final_chunk(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor:
+        """The final chunk (full attention over prompt + every token): its new frames, float32
+        [1, 80, 2 * hop_tokens]. From the graph of ``flow.final_core`` over the tokens right-
+        padded to the next multiple of the flow chunk (T = prompt + tokens rounded up; padding
+        is masked, so it is exact) when start-up captured that T, else eagerly: every utterance
+        ends at its own length, so a capture here would stall every stream."""
+        args = self._rerun_args(stream, plan, token)
+        start = MEL_FRAMES_PER_TOKEN * plan.token_offset
+        graph = self._graph_flow_final if token.is_cuda else None
+        step = stream.schedule.chunk_size
+        total = -(-(stream.schedule.prompt_tokens + plan.token_len) // step) * step
+        if graph is not None and (self._capturing or graph.has(total)):
+            flow = cast(FinalFlow, self.flow)
+            ids, n_valid, emb, cond, spans = flow.final_inputs([args], total)
+            lo, hi = spans[0]
+            return graph(total, ids, n_valid, emb, cond)[:, :, lo + start : hi].float().clone()
+        mel = self.flow.inference(*args, streaming=False, finalize=True)
+        return mel[:, :, start:].float()
 
     @staticmethod
     def _rerun_args(stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
