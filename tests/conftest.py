@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +76,15 @@ def load_case(cases_dir: Path, name: str) -> dict[str, Any]:
         pytest.skip(f"{path} not in the parity directory")
     case: dict[str, Any] = torch.load(path, weights_only=True)
     return case
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Small ops on a shared 2-core machine run far faster on one thread (no spin-waiting).
+    Use per module: ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -20,7 +20,6 @@ a chunk failing after the flow pass fails alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -39,12 +38,7 @@ TOL = 1e-5  # fp32: the batched pass differs from the single one only by matmul 
 Item = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

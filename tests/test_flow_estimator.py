@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -43,12 +42,7 @@ from voice_out.model.flow_estimator import (
 TOL64 = 1e-10  # float64: only rounding differs
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_estimator(seed: int = 0, dtype: torch.dtype = torch.float64) -> Estimator:

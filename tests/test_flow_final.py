@@ -15,8 +15,6 @@ Same small random flow as tests/test_flow_streaming.py. What is proven:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import Tensor
@@ -29,12 +27,7 @@ TOL = 1e-5  # fp32: the padded pass differs from the single one only by matmul b
 Item = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=["fused", "unfused"])

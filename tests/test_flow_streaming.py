@@ -14,8 +14,6 @@ A small random flow (encoder width 512 as upstream requires, everything else tin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import Tensor
@@ -57,13 +55,7 @@ def make_flow(dims: FlowDims, seed: int = 0) -> Flow:
     return init_random_flow_(Flow(dims), seed).eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Small ops on a shared 2-core machine run far faster on one thread (no spin-waiting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

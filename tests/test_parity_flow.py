@@ -8,7 +8,6 @@ the same format with other dims runs the same checks.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,13 +35,7 @@ def report(name: str, ref: torch.Tensor, x: torch.Tensor) -> float:
     return err
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Small ops on a shared 2-core machine run far faster on one thread (no spin-waiting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
