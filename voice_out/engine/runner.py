@@ -5,7 +5,9 @@ stream per admitted request. It never decides policy: it resets the slots it is 
 each LLM work item its inputs (a per-slot prefill for multi-row inputs: prompt, text groups;
 ONE batched decode step for all single-row inputs), samples every row at once with each
 request's own generator, applies forced tokens, and runs the token2wav chunks in the order
-given (the flow of several streams' chunks in one batched call, ``Token2Wav.run_chunks``).
+given (the flow of several streams' chunks in one batched call, ``Token2Wav.run_chunks``), on
+CUDA on a second stream alongside the LLM step (and, with ``pipeline_vocode``, without waiting
+for them: their audio comes back in a later step's result).
 Failures are reported per request in the :class:`StepResult`; an exception escaping
 :meth:`Runner.execute` means the whole step failed (the worker fails the step's requests).
 
