@@ -594,17 +594,26 @@ class Flow(nn.Module):
                     f"prompt start; prompt + tokens = {p + n - la}"
                 )
             lengths.append((p, p + n - la))
-        b = len(items)
         t = max(real for _, real in lengths)
-        ids = torch.zeros(b, t + la, dtype=torch.long, device=self.device)  # padding: id 0
-        embedding = torch.cat([emb.to(self.device, torch.float32) for _, _, _, emb in items])  # [B, spk_dim]
-        cond = torch.zeros(b, d.n_mels, ratio * t, device=self.device, dtype=self.dtype)
-        for i, (token, prompt_token, prompt_feat, _) in enumerate(items):
-            p, real = lengths[i]
-            ids[i, :p] = prompt_token[0].to(self.device).long()
-            ids[i, p : real + la] = token[0].to(self.device).long()  # real tokens, then look-ahead
-            cond[i : i + 1] = self._cond(prompt_feat, 0, ratio * t)
+        ids, embedding, cond = self._padded_rows(items, t + la, t)  # each row: real tokens, then look-ahead
         return ids, embedding, cond, [(ratio * p, ratio * real) for p, real in lengths]
+
+    def _padded_rows(
+        self, items: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]], width: int, cond_tokens: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The batched passes' common layout of checked ``items``: ids ``[B, width]`` int64 (row
+        i = its prompt, then its tokens, then padding id 0), the x-vectors ``[B, spk_dim]``
+        float32, and cond ``[B, n_mels, ratio cond_tokens]`` (the prompt mel, then zeros)."""
+        d = self.dims
+        ids = torch.zeros(len(items), width, dtype=torch.long, device=self.device)
+        embedding = torch.cat([emb.to(self.device, torch.float32) for _, _, _, emb in items])
+        cond = torch.zeros(len(items), d.n_mels, d.token_mel_ratio * cond_tokens, device=self.device, dtype=self.dtype)
+        for i, (token, prompt_token, prompt_feat, _) in enumerate(items):
+            p, n = int(prompt_token.shape[1]), int(token.shape[1])
+            ids[i, :p] = prompt_token[0].to(self.device).long()
+            ids[i, p : p + n] = token[0].to(self.device).long()
+            cond[i : i + 1] = self._cond(prompt_feat, 0, d.token_mel_ratio * cond_tokens)
+        return ids, embedding, cond
 
     def batch_core(self, ids: Tensor, embedding: Tensor, cond: Tensor) -> Tensor:
         """The batched non-final streaming pass over rows laid out by :meth:`batch_inputs`.
@@ -662,15 +671,7 @@ class Flow(nn.Module):
             if p + n > total:
                 raise ValueError(f"prompt + tokens = {p + n} exceed total = {total}")
             lengths.append((p, p + n))
-        b = len(items)
-        ids = torch.zeros(b, total, dtype=torch.long, device=self.device)  # padding: id 0
-        embedding = torch.cat([emb.to(self.device, torch.float32) for _, _, _, emb in items])  # [B, spk_dim]
-        cond = torch.zeros(b, d.n_mels, ratio * total, device=self.device, dtype=self.dtype)
-        for i, (token, prompt_token, prompt_feat, _) in enumerate(items):
-            p, real = lengths[i]
-            ids[i, :p] = prompt_token[0].to(self.device).long()
-            ids[i, p:real] = token[0].to(self.device).long()
-            cond[i : i + 1] = self._cond(prompt_feat, 0, ratio * total)
+        ids, embedding, cond = self._padded_rows(items, total, total)
         n_valid = torch.tensor([real for _, real in lengths], dtype=torch.long).to(self.device)
         return ids, n_valid, embedding, cond, [(ratio * p, ratio * real) for p, real in lengths]
 
