@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from voice_out.model.flow_estimator import causal_conv, chunk_mask
+from voice_out.model.flow_estimator import append_kv, causal_conv, chunk_mask
 
 if TYPE_CHECKING:
     from voice_out.model.flow import FlowDims, FlowStreamCache
@@ -111,11 +111,7 @@ class RelPosAttention(nn.Module):
         k = self.linear_k(x).view(b, t, self.heads, hd).transpose(1, 2)  # [B, H, T, D]
         v = self.linear_v(x).view(b, t, self.heads, hd).transpose(1, 2)
         if kv is not None:
-            k_buf, v_buf = kv
-            k_buf[:, :, start : start + t] = k
-            v_buf[:, :, start : start + t] = v
-            k = k_buf[:, :, : start + t]
-            v = v_buf[:, :, : start + t]
+            k, v = append_kv(kv, k, v, start)
         tk = k.shape[2]
         ac = (q + self.pos_bias_u).transpose(1, 2) @ k.transpose(-2, -1)  # [B, H, T, Tk]
         bd = (q + self.pos_bias_v).transpose(1, 2) @ pos.transpose(-2, -1)  # [B, H, T, R]

@@ -67,6 +67,16 @@ FF_BIAS_CARRIER = 8.0
 FF_PAD = 8  # columns added to the FF width for the carrier (keeps rows 16-byte aligned)
 
 
+def append_kv(kv: tuple[Tensor, Tensor], k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+    """Write this call's keys/values ``[B, H, T, D]`` into the cached buffers ``kv`` ``[B, H,
+    capacity, D]`` at ``start ..``; returns the keys/values of positions ``0 .. start + T``."""
+    k_buf, v_buf = kv
+    t = k.shape[2]
+    k_buf[:, :, start : start + t] = k
+    v_buf[:, :, start : start + t] = v
+    return k_buf[:, :, : start + t], v_buf[:, :, : start + t]
+
+
 def causal_conv(conv: nn.Conv1d, x: Tensor, ctx: Tensor | None) -> Tensor:
     """Causal ``conv`` over x ``[B, C, T]``: left context = zeros, or ``ctx`` ``[B, C, k-1]``.
 
@@ -294,11 +304,7 @@ class TransformerBlock(nn.Module):
         k = k.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         if kv is not None:
-            k_buf, v_buf = kv
-            k_buf[:, :, start : start + t] = k
-            v_buf[:, :, start : start + t] = v
-            k = k_buf[:, :, : start + t]
-            v = v_buf[:, :, : start + t]
+            k, v = append_kv(kv, k, v, start)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         # a view where attention returns [B, T, H, D] memory (the CUDA kernels do)
         x = x + self.to_out(o.transpose(1, 2).reshape(b * t, inner))
