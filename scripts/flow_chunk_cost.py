@@ -27,26 +27,9 @@ from typing import Any
 import torch
 
 from voice_out.model.checkpoint import random_flow
-from voice_out.model.flow import Flow
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def schedule(flow: Flow, n_prompt: int, n_tokens: int) -> list[tuple[int, int, bool]]:
-    """Upstream's chunk plan (offset, hop, finalize): 25 + pad, 50, then 100 tokens."""
-    d = flow.dims
-    hop, pad = d.enc_chunk, -n_prompt % d.enc_chunk
-    plan: list[tuple[int, int, bool]] = []
-    offset, first = 0, True
-    while True:
-        now = hop + pad if first else hop
-        if n_tokens - offset < now + d.pre_lookahead:
-            plan.append((offset, n_tokens - offset, True))
-            return plan
-        plan.append((offset, now, False))
-        offset, first = offset + now, False
-        hop = min(4 * d.enc_chunk, 2 * hop)
 
 
 def timed(device: torch.device, fn: Any) -> tuple[float, Any]:
@@ -90,7 +73,7 @@ def main() -> None:
     prompt_token = torch.randint(0, d.vocab_size, (1, p), generator=gen).to(device)
     prompt_feat = (torch.randn(1, d.token_mel_ratio * p, d.n_mels, generator=gen) - 5.0).to(device)
     embedding = torch.randn(1, d.spk_embed_dim, generator=gen).to(device)
-    plan = schedule(flow, p, n_tokens)
+    plan = flow.dims.upstream_plan(p, n_tokens)
     la = d.pre_lookahead
 
     rows: list[dict[str, Any]] = []

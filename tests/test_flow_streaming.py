@@ -73,25 +73,6 @@ def inputs(flow: Flow, n_prompt: int, n_tokens: int, seed: int = 1) -> tuple[Ten
     return token, prompt_token, prompt_feat, embedding
 
 
-def schedule(flow: Flow, n_prompt: int, n_tokens: int) -> list[tuple[int, int, bool]]:
-    """Upstream's chunk plan: (offset, hop, finalize); hop chunk + pad, then x2 up to 4 chunks."""
-    d = flow.dims
-    hop = d.enc_chunk
-    pad = -n_prompt % hop
-    while not d.chunk_aligned(n_prompt + hop + pad):
-        pad += d.enc_chunk
-    plan, offset, first = [], 0, True
-    while True:
-        now = hop + pad if first else hop
-        if n_tokens - offset < now + d.pre_lookahead:
-            plan.append((offset, n_tokens - offset, True))
-            return plan
-        plan.append((offset, now, False))
-        offset += now
-        first = False
-        hop = min(4 * d.enc_chunk, 2 * hop)
-
-
 def run_stream(
     flow: Flow,
     prompt: FlowPrompt,
@@ -113,7 +94,7 @@ def run_stream(
 def test_cached_equals_rerun_for_every_chunk(flow: Flow, n_prompt: int) -> None:
     """n_prompt 0: no prompt; 2: no prefix; 13 / 24: a prefix and a prompt tail; 20: chunk-aligned."""
     token, prompt_token, prompt_feat, embedding = inputs(flow, n_prompt, 64)
-    plan = schedule(flow, n_prompt, 64)
+    plan = flow.dims.upstream_plan(n_prompt, 64)
     assert sum(not f for _, _, f in plan) >= 4
     ratio, la = flow.dims.token_mel_ratio, flow.dims.pre_lookahead
     with torch.no_grad():
@@ -133,7 +114,7 @@ def test_cached_equals_rerun_for_every_chunk(flow: Flow, n_prompt: int) -> None:
 def test_streaming_chunks_equal_one_streaming_pass(flow: Flow) -> None:
     n_prompt, n_tokens = 13, 71
     token, prompt_token, prompt_feat, embedding = inputs(flow, n_prompt, n_tokens, seed=2)
-    plan = schedule(flow, n_prompt, n_tokens)
+    plan = flow.dims.upstream_plan(n_prompt, n_tokens)
     ratio = flow.dims.token_mel_ratio
     last_offset = plan[-1][0]
     with torch.no_grad():
@@ -154,7 +135,7 @@ def test_work_per_chunk_is_only_the_new_tokens(flow: Flow) -> None:
     """Every layer sees only the new tokens/frames of a chunk, however long the stream is."""
     n_prompt, n_tokens = 24, 160
     token, prompt_token, prompt_feat, embedding = inputs(flow, n_prompt, n_tokens, seed=3)
-    plan = schedule(flow, n_prompt, n_tokens)
+    plan = flow.dims.upstream_plan(n_prompt, n_tokens)
     seen: list[tuple[str, int]] = []
     pos_rows: list[int] = []
     first_pos = flow.encoder.blocks[0].self_attn.linear_pos  # type: ignore[union-attr]
@@ -188,7 +169,7 @@ def test_work_per_chunk_is_only_the_new_tokens(flow: Flow) -> None:
 def test_prompt_state_is_shared_and_caches_reset_in_place(flow: Flow) -> None:
     token, prompt_token, prompt_feat, embedding = inputs(flow, 24, 40, seed=4)
     other_token, *other_prompt = inputs(flow, 13, 40, seed=5)
-    plan = schedule(flow, 24, 40)
+    plan = flow.dims.upstream_plan(24, 40)
     with torch.no_grad():
         prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
         other = flow.prepare_prompt(*other_prompt)
@@ -196,7 +177,7 @@ def test_prompt_state_is_shared_and_caches_reset_in_place(flow: Flow) -> None:
         first = run_stream(flow, prompt, token, plan)
         cache = flow.new_stream_cache(other)
         cache_id = id(cache.est_k)
-        run_stream(flow, other, other_token, schedule(flow, 13, 40))
+        run_stream(flow, other, other_token, flow.dims.upstream_plan(13, 40))
         for req in range(2):  # the same cache object serves request after request
             flow.reset_stream_cache(cache, prompt)
             la = flow.dims.pre_lookahead
@@ -212,7 +193,7 @@ def test_prompt_state_kept_in_host_memory_serves_a_gpu_stream() -> None:
     """A voice store may keep prompt states off the GPU: reset copies them onto the flow's device."""
     flow = make_flow(tiny_dims()).to("cuda")
     token, prompt_token, prompt_feat, embedding = inputs(flow, 24, 30, seed=11)
-    plan = schedule(flow, 24, 30)
+    plan = flow.dims.upstream_plan(24, 30)
     with torch.no_grad():
         prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
         stored = prompt.to("cpu")
@@ -224,7 +205,7 @@ def test_prompt_state_kept_in_host_memory_serves_a_gpu_stream() -> None:
 
 def test_cache_grows_when_capacity_is_exceeded(flow: Flow) -> None:
     token, prompt_token, prompt_feat, embedding = inputs(flow, 13, 50, seed=6)
-    plan = schedule(flow, 13, 50)
+    plan = flow.dims.upstream_plan(13, 50)
     with torch.no_grad():
         prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
         roomy = run_stream(flow, prompt, token, plan, capacity=200)
@@ -267,7 +248,7 @@ def test_other_chunk_geometry_and_bfloat16() -> None:
     """Estimator chunk = 2 x the upsampled encoder chunk; and the cached path in bfloat16."""
     flow = make_flow(tiny_dims(enc_chunk=5, est_chunk=20), seed=9)
     token, prompt_token, prompt_feat, embedding = inputs(flow, 7, 50, seed=10)
-    plan = schedule(flow, 7, 50)
+    plan = flow.dims.upstream_plan(7, 50)
     ratio = flow.dims.token_mel_ratio
     with torch.no_grad():
         single = flow.inference(token, prompt_token, prompt_feat, embedding, streaming=True, finalize=True)

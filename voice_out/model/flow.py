@@ -146,6 +146,26 @@ class FlowDims:
         frames = n_tokens * self.token_mel_ratio
         return n_tokens % self.enc_chunk == 0 and frames % self.est_chunk == 0
 
+    def upstream_plan(self, n_prompt: int, n_tokens: int) -> list[tuple[int, int, bool]]:
+        """Upstream's streaming chunk plan for these dims, as (offset, hop, finalize): a chunk
+        plus the pad that makes the first chunk end aligned (``chunk_aligned``: the encoder's
+        and the estimator's chunks), then x2 up to 4 chunks; the rest is the final chunk. For
+        CosyVoice2's dims it is the engine's ``chunk_schedule`` (25 + pad, 50, 100, ...)."""
+        hop = self.enc_chunk
+        pad = -n_prompt % hop
+        while not self.chunk_aligned(n_prompt + hop + pad):
+            pad += self.enc_chunk
+        plan: list[tuple[int, int, bool]] = []
+        offset, first = 0, True
+        while True:
+            now = hop + pad if first else hop
+            if n_tokens - offset < now + self.pre_lookahead:
+                plan.append((offset, n_tokens - offset, True))
+                return plan
+            plan.append((offset, now, False))
+            offset, first = offset + now, False
+            hop = min(4 * self.enc_chunk, 2 * hop)
+
     @staticmethod
     def from_config(flow: Mapping[str, Any]) -> FlowDims:
         """Build from the kwargs of the ``flow: !new:...CausalMaskedDiffWithXvec`` node."""
