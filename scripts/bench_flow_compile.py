@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from voice_out.bench.timing import time_ms  # noqa: E402
 from voice_out.model.checkpoint import random_flow  # noqa: E402
 from voice_out.model.cuda_graphs import GraphedFn  # noqa: E402
 
@@ -23,17 +24,7 @@ FULL = Path(__file__).resolve().parent.parent / "configs" / "models" / "cosyvoic
 
 
 def timed(fn, iters: int = 20) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    for _ in range(3):
-        fn()
-    ms = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ms.append(a.elapsed_time(b))
-    ms.sort()
+    ms = sorted(time_ms(fn, "cuda", warmup=3, iters=iters))
     return statistics.median(ms), ms[int(0.95 * (len(ms) - 1))]
 
 

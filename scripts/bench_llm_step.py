@@ -24,7 +24,6 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from voice_out.bench.timing import time_ms  # noqa: E402
 from voice_out.model.checkpoint import random_llm  # noqa: E402
 from voice_out.model.llm_graphs import GraphedLLM  # noqa: E402
 from voice_out.model.qwen2 import KVCache, SpeechLM  # noqa: E402
@@ -56,28 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile the graphed decode step")
     p.add_argument("--kernels", action="store_true", help="also count the CUDA kernels of one eager step (profiler)")
     return p.parse_args(argv)
-
-
-def timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> list[float]:
-    """Milliseconds of ``fn`` for each of ``iters`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    out: list[float] = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-    return out
 
 
 def summary(ms: list[float]) -> dict[str, float]:
@@ -115,7 +93,7 @@ def bench_decode(
         if with_sampling:
             ras_sample_batch(lm.logprobs(hidden), history, uniforms, params)
 
-    return summary(timed(step, device, args.warmup, args.iters))
+    return summary(time_ms(step, device, args.warmup, args.iters))
 
 
 def bench_graphed(
@@ -144,7 +122,7 @@ def bench_graphed(
         # the graph of the smallest attention window that holds prompt_len + 1 positions
         fast.decode_sample(slots, embeds, history, uniforms, masked, kv_len=args.prompt_len + 1)
 
-    return summary(timed(step, device, args.warmup, args.iters))
+    return summary(time_ms(step, device, args.warmup, args.iters))
 
 
 def count_kernels(
@@ -201,14 +179,14 @@ def bench_graphed_prefill(
     fast.capture_all()
     rows = [(0, 0)] + [(1, i % lm.dims.text_vocab_size) for i in range(args.prompt_len - 2)] + [(0, 1)]
     embeds = lm.embed_rows(rows)
-    return summary(timed(lambda: fast.prefill(0, embeds, 0), device, args.warmup, args.iters))
+    return summary(time_ms(lambda: fast.prefill(0, embeds, 0), device, args.warmup, args.iters))
 
 
 def bench_prefill(lm: SpeechLM, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     cache = KVCache.allocate(lm.dims, 1, args.max_len, device=device, dtype=dtype)
     rows = [(0, 0)] + [(1, i % lm.dims.text_vocab_size) for i in range(args.prompt_len - 2)] + [(0, 1)]
     embeds = lm.embed_rows(rows)
-    return summary(timed(lambda: lm.prefill(cache, 0, embeds, start_pos=0), device, args.warmup, args.iters))
+    return summary(time_ms(lambda: lm.prefill(cache, 0, embeds, start_pos=0), device, args.warmup, args.iters))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

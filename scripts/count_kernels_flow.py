@@ -49,6 +49,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from voice_out.bench.timing import time_ms  # noqa: E402
 from voice_out.model.checkpoint import random_flow  # noqa: E402
 from voice_out.model.cuda_graphs import GraphedFn  # noqa: E402
 from voice_out.model.flow import Flow  # noqa: E402
@@ -231,17 +232,7 @@ def report(title: str, counts: Counts) -> dict[str, Any]:
 
 def cuda_ms(fn: Callable[[], Any], iters: int = 30) -> float:
     """Median milliseconds of ``fn()`` on the current CUDA stream (after 3 warm-up calls)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(statistics.median(times))
+    return float(statistics.median(time_ms(fn, "cuda", warmup=3, iters=iters)))
 
 
 def main() -> None:

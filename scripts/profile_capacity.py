@@ -18,43 +18,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import sys
-import time
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench import engine_bench as eb  # noqa: E402
+from voice_out.bench.timing import time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
 from voice_out.model.cuda_graphs import GraphedFn  # noqa: E402
 from voice_out.model.flow import Flow  # noqa: E402
 from voice_out.model.token2wav import Token2Wav  # noqa: E402
 
-TIMES: dict[str, list[float]] = defaultdict(list)
-
-
-def wrap(cls: type, name: str, label: Callable[..., str], sync: bool) -> None:
-    fn = getattr(cls, name)
-    cuda = torch.cuda.is_available() and sync
-
-    def timed(*args: Any, **kw: Any) -> Any:
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn(*args, **kw)
-        if cuda:
-            torch.cuda.synchronize()
-        TIMES[label(*args, **kw)].append((time.perf_counter() - t0) * 1e3)
-        return out
-
-    setattr(cls, name, timed)
+TIMES: dict[str, list[float]] = {}
 
 
 def main() -> None:
@@ -78,15 +59,13 @@ def main() -> None:
     engine = eb.load_engine(cfg, opts)
     engine.start(timeout=600)
     Runner.pipeline_vocode = args.pipeline
-    s = args.sync
-    wrap(GraphedFn, "_capture", lambda self, key, a: f"graph capture {self.name}", s)
-    wrap(Flow, "inference", lambda self, *a, **k: f"eager flow (finalize={k.get('finalize')})", s)
-    wrap(Flow, "inference_batch", lambda self, items: f"eager flow batch of {len(items)}", s)
-    wrap(Token2Wav, "_batched_mels", lambda self, chunks, rows: f"batched chunk groups, {len(rows)} rows", s)
-    wrap(Token2Wav, "_vocoder", lambda self, mel, src, noise, final: f"vocoder (final={final})", s)
-    wrap(
-        Runner, "_llm_step", lambda self, work, res: f"LLM step, {len(work) // 8 * 8}-{len(work) // 8 * 8 + 7} rows", s
-    )
+    timer = functools.partial(time_method, times=TIMES, sync=args.sync)
+    timer(GraphedFn, "_capture", lambda self, key, a: f"graph capture {self.name}")
+    timer(Flow, "inference", lambda self, *a, **k: f"eager flow (finalize={k.get('finalize')})")
+    timer(Flow, "inference_batch", lambda self, items: f"eager flow batch of {len(items)}")
+    timer(Token2Wav, "_batched_mels", lambda self, chunks, rows: f"batched chunk groups, {len(rows)} rows")
+    timer(Token2Wav, "_vocoder", lambda self, mel, src, noise, final: f"vocoder (final={final})")
+    timer(Runner, "_llm_step", lambda self, work, res: f"LLM step, {len(work) // 8 * 8}-{len(work) // 8 * 8 + 7} rows")
     try:
         r = asyncio.run(
             eb.capacity_round(engine, args.streams, eb.text_of(opts.capacity_chars), opts, torch.device(args.device))

@@ -19,38 +19,20 @@ import os
 import sys
 import time
 import warnings
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from voice_out.bench.timing import time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.engine import Engine  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
 from voice_out.engine.scheduler import ForcedTokens  # noqa: E402
 from voice_out.model.token2wav import Token2Wav  # noqa: E402
 
-TIMES: dict[str, list[float]] = defaultdict(list)
-
-
-def timed(cls: type, name: str, label: str) -> None:
-    fn = getattr(cls, name, None)
-    if fn is None:
-        return
-
-    def wrapper(*args: Any, **kw: Any) -> Any:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn(*args, **kw)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        TIMES[label].append((time.perf_counter() - t0) * 1e3)
-        return out
-
-    setattr(cls, name, wrapper)
+TIMES: dict[str, list[float]] = {}
 
 
 async def one(engine: Engine, text: str) -> float:
@@ -102,7 +84,7 @@ def main() -> None:
             for _ in range(3):
                 await one(engine, text)  # warm: graph capture for this prompt length
             for cls, name, label in labels:
-                timed(cls, name, label)
+                time_method(cls, name, label, TIMES)
             ttfa = await one(engine, text)
             return {"ttfa_ms_profiled": round(ttfa, 1), **{k: [round(x, 2) for x in v] for k, v in TIMES.items()}}
 

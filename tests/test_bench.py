@@ -222,3 +222,21 @@ def test_bad_options_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> 
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and all(line.startswith("voice-out: error: ") for line in err)
     assert "1,x" in err[0] and "nope" in err[1]
+
+
+def test_component_timers_time_each_call_and_keep_results() -> None:
+    from voice_out.bench.timing import time_method, time_ms
+
+    calls: list[int] = []
+    ms = time_ms(lambda: calls.append(1), "cpu", warmup=2, iters=5)
+    assert len(ms) == 5 and len(calls) == 7 and all(m >= 0 for m in ms)
+
+    class Box:
+        def double(self, x: int) -> int:
+            return 2 * x
+
+    times: dict[str, list[float]] = {}
+    time_method(Box, "double", lambda self, x: f"x={x}", times, sync=False)
+    time_method(Box, "missing", "never", times)  # no such method: left alone
+    assert Box().double(3) == 6 and Box().double(3) == 6 and Box().double(4) == 8
+    assert sorted((k, len(v)) for k, v in times.items()) == [("x=3", 2), ("x=4", 1)]

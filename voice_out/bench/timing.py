@@ -1,0 +1,65 @@
+"""Timers for the component scripts under ``scripts/`` (not used by the engine).
+
+* :func:`time_ms`: milliseconds of each of ``iters`` calls of ``fn`` after ``warmup`` calls,
+  with CUDA events on a GPU and ``perf_counter`` on the CPU;
+* :func:`time_method`: wrap a method of a class so that every call records its duration under a
+  label (optionally synchronising the GPU around it, so a call's own GPU work is in its time).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def time_ms(
+    fn: Callable[[], Any], device: torch.device | str = "cuda", warmup: int = 3, iters: int = 20
+) -> list[float]:
+    """Milliseconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed calls."""
+    dev = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    out: list[float] = []
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def time_method(
+    cls: type, name: str, label: str | Callable[..., str], times: dict[str, list[float]], *, sync: bool = True
+) -> None:
+    """Replace ``cls.name`` by a wrapper that appends each call's milliseconds to
+    ``times[label]`` (``label(*args, **kwargs)`` when callable). With ``sync`` (and CUDA) the
+    GPU is synchronised before and after the call. A missing method is left alone."""
+    fn = getattr(cls, name, None)
+    if fn is None:
+        return
+    cuda = sync and torch.cuda.is_available()
+
+    def timed(*args: Any, **kw: Any) -> Any:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        if cuda:
+            torch.cuda.synchronize()
+        key = label(*args, **kw) if callable(label) else label
+        times.setdefault(key, []).append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    setattr(cls, name, timed)
