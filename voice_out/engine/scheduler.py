@@ -351,8 +351,6 @@ class Scheduler:
     def _vocode_candidate(self, req: Request) -> ChunkPlan | None:
         if req.status not in (RequestStatus.RUNNING, RequestStatus.VOCODING):
             return None
-        if req.vocode_inflight is not None:
-            return None
         if req.chunks_produced > 0 and req.buffered_samples() > self._max_ahead:
             return None
         return req.schedule.ready(len(req.speech_tokens), req.llm_done)
