@@ -408,9 +408,10 @@ class Token2Wav:
         stream = self.open_stream(
             prompt_token, prompt_feat, embedding, first_hop=first_hop, max_hop=max_hop, fast_first=fast_first
         )
-        dummy = [(7 * i + 1) % 6561 for i in range(n_tokens)]
+        # placeholder speech ids; the extra chunk's worth covers a final chunk rounded up
+        dummy = [(7 * i + 1) % 6561 for i in range(n_tokens + stream.schedule.chunk_size)]
         try:
-            for _ in self.stream_all(stream, dummy):
+            for _ in self.stream_all(stream, dummy[:n_tokens]):
                 pass
         finally:
             self._capturing = False
@@ -433,7 +434,7 @@ class Token2Wav:
             step = stream.schedule.chunk_size
             first, last = -(-(n_prompt + 1) // step) * step, -(-(n_prompt + n_tokens) // step) * step
             for total in range(first, last + 1, step):  # every multiple of the chunk a final can round to
-                token = self._as_tokens([(7 * i + 1) % 6561 for i in range(total - n_prompt)])
+                token = self._as_tokens(dummy[: total - n_prompt])
                 ids, n_valid, emb, cond, _ = cast(FinalFlow, self.flow).final_inputs(
                     [(token, prompt_token, prompt_feat, embedding)], total
                 )
