@@ -461,7 +461,8 @@ class Runner:
         history, uniforms, masked = self._sampling_inputs(work)
         longest = max(self.slot_len[w.slot] for w in work) + 1
         slots = [w.slot for w in work]
-        tokens = self.graphed.decode_sample(slots, embeds, history, uniforms, masked, kv_len=longest).clone()
+        # a fresh tensor (gathered from the graph's output rows), not the graph's static buffer
+        tokens = self.graphed.decode_sample(slots, embeds, history, uniforms, masked, kv_len=longest)
         for w in work:
             self.slot_len[w.slot] += 1
         return tokens

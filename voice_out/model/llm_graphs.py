@@ -179,7 +179,8 @@ class GraphedLLM:
         The graph's row r is slot r: it runs the smallest batch bucket > ``max(slots)`` (so
         keeping streams in the lowest slots, as the scheduler does, keeps it small) with the
         slots not in ``slots`` inactive, and the smallest window >= ``kv_len``. Returns int64
-        ``[B]`` (device), in the order of ``slots``. Eager above the largest bucket."""
+        ``[B]`` (device), in the order of ``slots``: a new tensor, not the graph's output buffer.
+        Eager above the largest bucket."""
         need = self.cache.max_len if kv_len is None else kv_len
         window = _bucket(need, self.decode_windows)
         if window is None:
