@@ -28,6 +28,7 @@ from torch import Tensor
 
 from voice_out.engine.request import EOS_TOKEN, LlmInputKind
 from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
+from voice_out.model.llm_graphs import GraphedLLM
 from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT, KVCache, SpeechLM
 from voice_out.model.sampling import (
     NO_TOKEN,
@@ -64,24 +65,6 @@ class FaultHook(Protocol):
     (phase ``"admit"``, ``"llm"`` or ``"vocode"``); raising fails that request only."""
 
     def __call__(self, request_id: str, phase: str) -> None: ...
-
-
-class _GraphedLLM(Protocol):
-    """What the runner uses of ``voice_out.model.llm_graphs.GraphedLLM``."""
-
-    def prefill(self, slot: int, embeds: Tensor, start: int) -> Tensor: ...
-
-    def decode_sample(
-        self,
-        slots: Sequence[int],
-        embeds: Tensor,
-        history: Tensor,
-        uniforms: Tensor,
-        eos_masked: Tensor,
-        kv_len: int | None = None,
-    ) -> Tensor: ...
-
-    def capture_all(self) -> None: ...
 
 
 @dataclass
@@ -141,16 +124,10 @@ class Runner:
         self.fast_first = fast_first
         self.flow_path: FlowPath = "cached" if flow_path == "cached" else "rerun"
         self.fault_hook = fault_hook
-        # with graphs, one extra slot takes the padding rows of a batch bucket
+        # with graphs, one extra slot takes the writes of inactive rows (and capture's padding)
         n_cache = n_slots + 1 if graphs else n_slots
         self.cache = KVCache.allocate(llm.dims, n_cache, max_len, self.device, llm.llm_decoder.weight.dtype)
-        self.graphed: _GraphedLLM | None = None
-        if graphs:
-            try:
-                from voice_out.model.llm_graphs import GraphedLLM
-            except ImportError:  # a build without the graphed LLM: eager is correct, only slower
-                log.warning("voice_out.model.llm_graphs is not available; the LLM runs eagerly")
-                graphs = False
+        self.graphed: GraphedLLM | None = None
         if graphs:
             buckets = [b for b in graph_buckets if b <= n_slots] or [1]
             if buckets[-1] < n_slots:
