@@ -8,7 +8,7 @@ capacity round of ``--streams`` streams and prints, per kind of call, the count,
 the longest. ``--sync`` makes every timer synchronise the GPU (true per-call GPU cost, but it
 serialises the token2wav side stream with the LLM step); without it the figures are host time
 (launch cost, and any wait the call itself makes). ``--pipeline`` turns on pipelined token2wav
-(``Runner.pipeline_vocode``).
+(``engine.pipeline_vocode``).
 
     python scripts/profile_capacity.py --streams 32 --sync
     python scripts/profile_capacity.py --model random:tiny --device cpu --streams 2 --quick
@@ -18,11 +18,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import faulthandler
 import functools
 import json
 import os
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,6 +42,7 @@ from voice_out.model.flow import Flow  # noqa: E402
 from voice_out.model.token2wav import Token2Wav  # noqa: E402
 
 TIMES: dict[str, list[float]] = {}
+RUNNER: dict[str, Any] = {}
 
 
 def main() -> None:
@@ -44,12 +51,23 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--sync", action="store_true", help="timers synchronise the GPU")
-    p.add_argument("--pipeline", action="store_true", help="pipelined token2wav (Runner.pipeline_vocode)")
+    p.add_argument("--pipeline", action="store_true", help="pipelined token2wav (engine.pipeline_vocode)")
     p.add_argument("--quick", action="store_true", help="short texts and a 25-token prompt (CPU smoke run)")
-    args = p.parse_args()
-    cfg = load_config(
-        None, environ={}, overrides=parse_overrides([f"model.model={args.model}", f"model.device={args.device}"])
+    p.add_argument(
+        "--trace-slow",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="profile (torch.profiler) the 3 steps after the first step slower than MS ms; table and trace to $OUT",
     )
+    p.add_argument("--timeout", type=float, default=0.0, help="give up on the round after this many seconds")
+    p.add_argument("--stall", type=float, default=0.0, metavar="S", help="report the GPU state after S s with no step")
+    p.add_argument(
+        "--stacks", type=float, default=0.0, metavar="S", help="print every thread's stack every S seconds of the round"
+    )
+    args = p.parse_args()
+    sets = [f"model.model={args.model}", f"model.device={args.device}", f"engine.pipeline_vocode={args.pipeline}"]
+    cfg = load_config(None, environ={}, overrides=parse_overrides(sets))
     opts = (
         eb.EngineBenchOptions.quick(streams=(args.streams,))
         if args.quick
@@ -58,7 +76,6 @@ def main() -> None:
     cfg = eb.bench_config(cfg, opts)
     engine = eb.load_engine(cfg, opts)
     engine.start(timeout=600)
-    Runner.pipeline_vocode = args.pipeline
     timer = functools.partial(time_method, times=TIMES, sync=args.sync)
     timer(GraphedFn, "_capture", lambda self, key, a: f"graph capture {self.name}")
     timer(Flow, "inference", lambda self, *a, **k: f"eager flow (finalize={k.get('finalize')})")
@@ -66,15 +83,35 @@ def main() -> None:
     timer(Token2Wav, "_batched_mels", lambda self, chunks, rows: f"batched chunk groups, {len(rows)} rows")
     timer(Token2Wav, "_vocoder", lambda self, mel, src, noise, final: f"vocoder (final={final})")
     timer(Runner, "_llm_step", lambda self, work, res: f"LLM step, {len(work) // 8 * 8}-{len(work) // 8 * 8 + 7} rows")
+    timer(Runner, "_launch_vocode", lambda self, vocode, res: f"pipelined launch, {len(vocode)} chunks")
+    timer(Runner, "_collect_vocode", lambda self, res, block: f"pipelined collect (block={block})")
+    step_ms: list[float] = []
+    _watch_steps(step_ms, args.trace_slow)
+    if args.stall:
+        _watchdog(RUNNER, step_ms, args.stall)
+    if args.timeout:
+        opts = dataclasses.replace(opts, timeout_s=args.timeout)
+    r = None
+    if args.stacks:
+        faulthandler.dump_traceback_later(args.stacks, repeat=True)
     try:
         r = asyncio.run(
             eb.capacity_round(engine, args.streams, eb.text_of(opts.capacity_chars), opts, torch.device(args.device))
         )
         summary = f"wall {r.wall_s:.1f} s, step mean {r.mean_step_ms:.1f} ms; {eb.round_summary(r)}"
+    except TimeoutError:
+        summary = f"timed out after {opts.timeout_s:.0f} s"
     finally:
+        faulthandler.cancel_dump_traceback_later()
         engine.close()
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{args.streams} streams, {args.model} on {dev}, sync={args.sync}, pipeline={args.pipeline}: {summary}")
+    if step_ms:
+        q = sorted(step_ms)
+        print(
+            f"  {len(q)} steps: p50 {q[len(q) // 2]:.1f} ms, p95 {q[int(len(q) * 0.95)]:.1f} ms, "
+            f"max {q[-1]:.1f} ms, {sum(1 for x in q if x > 100)} over 100 ms"
+        )
     rows = sorted(TIMES.items(), key=lambda kv: -sum(kv[1]))
     for label, v in rows:
         print(f"  {len(v):6d} calls {sum(v):9.1f} ms  max {max(v):8.1f} ms  {label}")
@@ -82,6 +119,88 @@ def main() -> None:
     if out:
         path = Path(out, f"capacity_profile_{args.streams}.json")
         path.write_text(json.dumps({"summary": summary, "calls": {k: v for k, v in rows}}, indent=1))
+
+
+def _watch_steps(step_ms: list[float], slow_ms: float) -> None:
+    """Time every ``Runner.execute`` (host time, no sync) into ``step_ms``; with ``slow_ms``,
+    profile the 3 steps after the first one slower than that, with CPU and CUDA activity."""
+    execute = Runner.execute
+    state: dict[str, Any] = {"prof": None, "left": 0, "done": False}
+
+    def timed(self: Runner, plan: Any) -> Any:
+        RUNNER["runner"] = self
+        prof = state["prof"]
+        t0 = time.perf_counter()
+        out = execute(self, plan)
+        ms = (time.perf_counter() - t0) * 1e3
+        step_ms.append(ms)
+        if len(step_ms) % 100 == 0:
+            print(f"{len(step_ms)} steps, {sum(step_ms) / 1e3:.1f} s in them", flush=True)
+        if prof is not None:
+            state["left"] -= 1
+            if state["left"] == 0:
+                prof.__exit__(None, None, None)
+                _dump_profile(prof)
+                state["prof"] = None
+        elif slow_ms and not state["done"] and ms > slow_ms:
+            print(f"step {len(step_ms)} took {ms:.0f} ms: profiling the next 3", flush=True)
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            state["prof"] = torch.profiler.profile(activities=acts, record_shapes=False)
+            state["prof"].__enter__()
+            state["left"] = 3
+            state["done"] = True
+        return out
+
+    Runner.execute = timed  # type: ignore[method-assign]
+
+
+def _watchdog(runner_box: dict[str, Any], step_ms: list[float], stall_s: float) -> None:
+    """Background thread: when no step has finished for ``stall_s`` seconds, print what the
+    GPU is doing (stream and in-flight event states, nvidia-smi), then again every 10 s."""
+
+    def run() -> None:
+        last_n, last_t, reported = -1, time.perf_counter(), 0.0
+        while True:
+            time.sleep(0.5)
+            now = time.perf_counter()
+            if len(step_ms) != last_n:
+                last_n, last_t, reported = len(step_ms), now, 0.0
+                continue
+            if now - last_t < stall_s or now - reported < 10:
+                continue
+            reported = now
+            runner = runner_box.get("runner")
+            info = [f"STALL: no step for {now - last_t:.1f} s after step {last_n}"]
+            if torch.cuda.is_available():
+                info.append(f"  current stream done: {torch.cuda.current_stream().query()}")
+            if runner is not None and runner._side_stream is not None:
+                info.append(f"  side stream done: {runner._side_stream.query()}")
+                info.append(f"  inflight launches: {[f.done.query() for f in runner._inflight]}")
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=utilization.gpu,clocks.sm,power.draw,memory.used", "--format=csv"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            info.append("  " + smi.stdout.replace("\n", " | "))
+            print("\n".join(info), flush=True)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def _dump_profile(prof: Any) -> None:
+    cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    print(cpu, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "slow_steps_table.txt").write_text(cpu)
+        if torch.cuda.is_available():
+            Path(out, "slow_steps_cuda.txt").write_text(
+                prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
+            )
+        prof.export_chrome_trace(str(Path(out, "slow_steps_trace.json")))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from voice_out.model.cuda_graphs import GraphedFn, GraphShapeError, graphs_disabled
+from voice_out.model.cuda_graphs import GraphedFn, GraphShapeError, family_stream, graphs_disabled
 
 
 def _fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -34,3 +34,71 @@ def test_graph_replay_equals_eager_per_bucket() -> None:
     with graphs_disabled():
         x = torch.randn(5, 64, device="cuda")
         torch.testing.assert_close(g(4, x, w), _fn(x, w))
+
+
+@pytest.mark.requires_cuda
+def test_family_streams_are_distinct_and_stable() -> None:
+    a, b = family_stream("test-a"), family_stream("test-b")
+    assert family_stream("test-a") is a
+    handles = {a.cuda_stream, b.cuda_stream, torch.cuda.default_stream().cuda_stream}
+    assert len(handles) == 3
+    # many more streams drawn from PyTorch's round-robin pool do not change a family's stream
+    for _ in range(70):
+        torch.cuda.Stream()
+    assert family_stream("test-b").cuda_stream == b.cuda_stream
+
+
+@pytest.mark.requires_cuda
+def test_graphs_of_two_families_capture_on_their_own_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    real = torch.cuda.graph
+
+    def spy(graph: torch.cuda.CUDAGraph, **kw: object) -> object:
+        stream = kw.get("stream")
+        assert isinstance(stream, torch.cuda.Stream)
+        seen.append(stream.cuda_stream)
+        return real(graph, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.cuda, "graph", spy)
+    w = torch.randn(64, 32, device="cuda")
+    x = torch.randn(4, 64, device="cuda")
+    GraphedFn(_fn, family="test-llm").capture(4, x, w)
+    GraphedFn(_fn, family="test-llm").capture(4, x, w)
+    GraphedFn(_fn, family="test-t2w").capture(4, x, w)
+    assert seen == [family_stream("test-llm").cuda_stream] * 2 + [family_stream("test-t2w").cuda_stream]
+    assert seen[0] != seen[2]
+
+
+def concurrent_replay_mismatches(family_one: str, family_two: str, reps: int = 200) -> int:
+    """Replay graphs of skinny GEMM chains (split-K territory, like a decode step's) of the two
+    families at once on two streams ``reps`` times; how many results differ from eager."""
+    w1 = torch.randn(4864, 896, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.randn(896, 4864, device="cuda", dtype=torch.bfloat16)
+
+    def deep(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(8):
+            x = torch.tanh((x @ w1) * 0.03) @ w2 * 0.03
+        return x
+
+    g1, g2 = GraphedFn(deep, family=family_one), GraphedFn(deep, family=family_two)
+    x1 = torch.randn(2, 4864, device="cuda", dtype=torch.bfloat16)
+    x2 = torch.randn(16, 4864, device="cuda", dtype=torch.bfloat16)
+    want1, want2 = deep(x1), deep(x2)
+    g1.capture(2, x1)
+    g2.capture(16, x2)
+    other = family_stream("test-side")
+    outs1, outs2 = [], []
+    for _ in range(reps):
+        other.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(other):
+            outs2.append(g2(16, x2).clone())
+        outs1.append(g1(2, x1).clone())
+    torch.cuda.current_stream().wait_stream(other)
+    torch.cuda.synchronize()
+    bad = sum(not torch.allclose(o, want1, rtol=1e-2, atol=1e-2) for o in outs1)
+    return bad + sum(not torch.allclose(o, want2, rtol=1e-2, atol=1e-2) for o in outs2)
+
+
+@pytest.mark.requires_cuda
+def test_graphs_of_two_families_replay_concurrently() -> None:
+    assert concurrent_replay_mismatches("test-one", "test-two") == 0

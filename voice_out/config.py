@@ -106,6 +106,10 @@ class EngineConfig:
     #: chunks of one length are one batched graph replay of up to 8 rows, so 16 first chunks
     #: take two steps), else 4 (eager chunks cost compute; the other streams' LLM step waits).
     max_chunks_per_step: int | None = None
+    #: CUDA: launch a step's token2wav chunks on the side stream and hand their audio back in a
+    #: later step, so LLM steps go on while the flow runs (docs/engine.md); off: every step
+    #: waits for its own chunks (they still overlap that step's LLM work).
+    pipeline_vocode: bool = False
     #: Nucleus / top-k / repetition-aware sampling parameters (spec 2.6).
     top_p: float = 0.8
     top_k: int = 25

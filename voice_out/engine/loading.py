@@ -178,6 +178,7 @@ def build_engine(
             fault_hook=fault_hook,
             graphs=graphs,
             graph_buckets=ec.graph_batch_buckets,
+            pipeline_vocode=ec.pipeline_vocode,
         )
 
     def warm(runner: StepRunner) -> None:

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from voice_out.engine.request import EOS_TOKEN, LlmInputKind
 from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
+from voice_out.model.cuda_graphs import family_stream
 from voice_out.model.llm_graphs import GraphedLLM
 from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT, KVCache, SpeechLM
 from voice_out.model.sampling import (
@@ -46,6 +47,8 @@ _KIND = {LlmInputKind.SOS: KIND_LLM, LlmInputKind.TASK: KIND_LLM, LlmInputKind.T
 _KIND[LlmInputKind.SPEECH] = KIND_SPEECH
 #: Voices whose device tensors the runner keeps (a re-registered voice is a new entry).
 VOICE_CACHE_SIZE = 32
+#: ``family_stream`` name of the side stream token2wav runs on.
+SIDE_STREAM_FAMILY = "vocode"
 #: Attention window granularity of the batched decode (positions); bounds the K/V gathered.
 KV_WINDOW_STEP = 256
 
@@ -114,8 +117,11 @@ class Runner:
         fault_hook: FaultHook | None = None,
         graphs: bool = False,
         graph_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 48, 64),
+        pipeline_vocode: bool | None = None,
     ) -> None:
         self.llm = llm
+        if pipeline_vocode is not None:
+            self.pipeline_vocode = pipeline_vocode
         self.t2w = t2w
         self.device = llm.llm_decoder.weight.device
         self.sampling = sampling or SamplingParams()
@@ -134,8 +140,10 @@ class Runner:
                 buckets.append(n_slots)
             self.graphed = GraphedLLM(llm, self.cache, self.sampling, decode_buckets=buckets, scratch_slot=n_slots)
         #: CUDA: the stream token2wav runs on while the LLM steps run on the current one. Same
-        #: priority: the LLM steps must keep their pace while a batch of chunks runs.
-        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        #: priority: the LLM steps must keep their pace while a batch of chunks runs. A family
+        #: stream: no graph was captured on it, so its eager GEMMs have a cuBLAS workspace of
+        #: their own (``voice_out.model.cuda_graphs``).
+        self._side_stream = family_stream(SIDE_STREAM_FAMILY, self.device) if self.device.type == "cuda" else None
         self._inflight: list[_Inflight] = []
         #: Host copy of the cache lengths: no sync is needed to place rows or bound attention.
         self.slot_len = [0] * n_slots

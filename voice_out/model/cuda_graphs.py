@@ -7,6 +7,15 @@ CUDA graph in a memory pool shared by all keys, and replays it on later calls. O
 graph's static output tensors: callers must consume (or copy) them before the next call with
 the same key.
 
+Families: every graph records the cuBLAS workspace of the stream it was captured on (PyTorch
+keeps one per (handle, stream)), so graphs captured on one stream share it. Replayed at once on
+two streams, their GEMMs would race on it, and split-K GEMMs then wait on each other's
+semaphores: the GPU spins at full power and the step hangs for a minute. Graphs that may run at
+the same time (the LLM's on the worker's stream, token2wav's on its side stream) therefore
+belong to different ``family`` names, and each family captures on a stream of its own
+(:func:`family_stream`); the runner's side stream is one such stream too, so its eager GEMMs
+have a workspace no graph records.
+
 Switches: ``enabled=False``, the environment variable ``VOICE_OUT_CUDA_GRAPHS=0``, or the
 ``graphs_disabled()`` context manager (per thread). Capture and replay must happen on the one
 thread that owns CUDA (the engine's GPU worker); graphs are not shared across threads.
@@ -24,6 +33,35 @@ from typing import Any
 import torch
 
 _local = threading.local()
+_families: dict[tuple[str, int], torch.cuda.Stream] = {}
+_families_lock = threading.Lock()
+
+
+def family_stream(family: str, device: torch.device | int | None = None) -> torch.cuda.Stream:
+    """The CUDA stream of ``family`` on ``device`` (created on first use, then the same one):
+    a stream no other family and no default stream uses (see the module docstring for why).
+
+    PyTorch hands out streams round-robin from a small pool, so a new stream can be one already
+    in use elsewhere: this draws until its handle differs from every other family's. Any thread."""
+    if isinstance(device, int):
+        index = device
+    elif device is None or device.index is None:
+        index = torch.cuda.current_device()
+    else:
+        index = device.index
+    with _families_lock:
+        stream = _families.get((family, index))
+        if stream is None:
+            taken = {s.cuda_stream for (_, i), s in _families.items() if i == index}
+            taken.add(torch.cuda.default_stream(index).cuda_stream)
+            for _ in range(256):  # the pool cycles through a few dozen streams per priority
+                stream = torch.cuda.Stream(index)
+                if stream.cuda_stream not in taken:
+                    break
+            else:
+                raise RuntimeError(f"no free CUDA stream for graph family {family!r}")
+            _families[(family, index)] = stream
+        return stream
 
 
 def graphs_globally_enabled() -> bool:
@@ -71,8 +109,10 @@ class GraphedFn:
         warmup: int = 2,
         pool: Any | None = None,
         name: str = "fn",
+        family: str = "default",
     ) -> None:
         self.fn = fn
+        self.family = family
         self.enabled = enabled and graphs_globally_enabled()
         self.warmup = warmup
         self.name = name
@@ -136,7 +176,8 @@ class GraphedFn:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        stream = family_stream(self.family, static[0].device if static else None)
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             output = self.fn(*static)
         cap = _Captured(graph=graph, inputs=static, output=output)
         self._graphs[key] = cap

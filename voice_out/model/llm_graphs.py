@@ -37,6 +37,9 @@ from voice_out.model.cuda_graphs import GraphedFn
 from voice_out.model.qwen2 import Block, KVCache, SpeechLM, attend, group_mask, rope_cos_sin
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, mask_eos_, ras_sample_batch
 
+#: The ``GraphedFn`` family of the LLM graphs: they replay alongside token2wav's (family
+#: "token2wav"), so they are captured on a stream of their own (``voice_out.model.cuda_graphs``).
+GRAPH_FAMILY = "llm"
 DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 #: Attention windows of the decode graphs (positions; the cache's own length is always added):
@@ -134,13 +137,21 @@ class GraphedLLM:
         pool = torch.cuda.graph_pool_handle() if self.enabled else None  # one pool for every graph
         self._decode = {
             w: GraphedFn(
-                functools.partial(decode_fn, w), enabled=self.enabled, pool=pool, name=f"llm.decode_sample.w{w}"
+                functools.partial(decode_fn, w),
+                enabled=self.enabled,
+                pool=pool,
+                name=f"llm.decode_sample.w{w}",
+                family=GRAPH_FAMILY,
             )
             for w in self.decode_windows
         }
         self._prefill = {
             w: GraphedFn(
-                functools.partial(self._prefill_fn, w), enabled=self.enabled, pool=pool, name=f"llm.prefill.w{w}"
+                functools.partial(self._prefill_fn, w),
+                enabled=self.enabled,
+                pool=pool,
+                name=f"llm.prefill.w{w}",
+                family=GRAPH_FAMILY,
             )
             for w in self.decode_windows
         }

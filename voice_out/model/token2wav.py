@@ -74,6 +74,9 @@ from voice_out.model.hift import HiFT
 
 MEL_FRAMES_PER_TOKEN = 2  # token_mel_ratio: 25 Hz tokens, 50 Hz mel
 HIFT_CACHE_FRAMES = 8  # vocoder overlap between chunks (160 ms)
+#: The ``GraphedFn`` family of every token2wav graph: they replay alongside the LLM's graphs
+#: (family "llm"), so they are captured on a stream of their own (``voice_out.model.cuda_graphs``).
+GRAPH_FAMILY = "token2wav"
 #: Row counts of the graphed batched re-run chunks: a group of n chunks runs in the smallest
 #: bucket >= n (pad rows are copies of its first row); larger groups split at the largest.
 CHUNK_BATCH_BUCKETS = (2, 4, 8)
@@ -318,13 +321,15 @@ class Token2Wav:
 
         # one memory pool for the single and the batched flow graphs: only one runs at a time
         self._flow_pool = torch.cuda.graph_pool_handle()
-        self._graph_flow = GraphedFn(rerun_flow, name="flow.rerun_chunk", pool=self._flow_pool)
-        self._graph_hift = GraphedFn(hift_fresh, name="hift.fresh")
-        self._graph_hift_cached = GraphedFn(hift_cached, name="hift.cached")
+        self._graph_flow = GraphedFn(rerun_flow, name="flow.rerun_chunk", pool=self._flow_pool, family=GRAPH_FAMILY)
+        self._graph_hift = GraphedFn(hift_fresh, name="hift.fresh", family=GRAPH_FAMILY)
+        self._graph_hift_cached = GraphedFn(hift_cached, name="hift.cached", family=GRAPH_FAMILY)
         self._graph_flow_final = None
         if hasattr(flow, "final_core"):
             final_core = cast(FinalFlow, flow).final_core
-            self._graph_flow_final = GraphedFn(final_core, name="flow.final_chunk", warmup=1, pool=self._flow_pool)
+            self._graph_flow_final = GraphedFn(
+                final_core, name="flow.final_chunk", warmup=1, pool=self._flow_pool, family=GRAPH_FAMILY
+            )
         self.use_batch_buckets(batch_buckets if hasattr(flow, "batch_core") else ())
 
     def use_batch_buckets(self, buckets: Sequence[int]) -> None:
@@ -350,7 +355,7 @@ class Token2Wav:
             flow = cast(BatchFlow, self.flow)
             # warm-up 1: the single-chunk graphs and the eager passes have run these kernels
             self._graph_flow_batch = GraphedFn(
-                flow.batch_core, name="flow.batch_chunks", warmup=1, pool=self._flow_pool
+                flow.batch_core, name="flow.batch_chunks", warmup=1, pool=self._flow_pool, family=GRAPH_FAMILY
             )
 
     def batch_keys(
