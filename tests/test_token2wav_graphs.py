@@ -300,14 +300,29 @@ def test_graphed_final_chunks_equal_eager() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     t2w = Token2Wav(random_flow(TINY, "cuda"), random_hift(TINY, "cuda"))
-    wants = {n: _stream_all(t2w, "rerun", 50, n, "cuda") for n in (31, 77, 140)}
+    wants = {n: _stream_all(t2w, "rerun", 50, n, "cuda") for n in (20, 31, 77, 140)}
     t2w.use_cuda_graphs(True)
     token, feat, emb = _voice(50, "cuda")
     t2w.capture_stream_shapes(token, feat, emb, 150)
     final = t2w._graph_flow_final
     assert final is not None and sorted(final.captured_keys) == list(range(75, 201, 25))  # type: ignore[type-var]
+    # the final vocoder too: every length a final chunk can have (fresh: shorter than the
+    # first chunk, 1..27 tokens; after a cached chunk: 0..102 new tokens)
+    fresh, cached = t2w._graph_hift, t2w._graph_hift_cached
+    assert fresh is not None and cached is not None
+    assert {2 * k for k in range(1, 28)} <= set(fresh.captured_keys)
+    assert {t2w.cache_frames + 2 * k for k in range(103)} <= set(cached.captured_keys)
+    eager_hift: list[int] = []
+    hift = t2w.hift
+
+    def counting_hift(mel: torch.Tensor, *a: object) -> object:
+        eager_hift.append(int(mel.shape[2]))
+        return hift(mel, *a)
+
+    t2w.hift = counting_hift  # type: ignore[assignment]
     for n, want in wants.items():
         got = _stream_all(t2w, "rerun", 50, n, "cuda")
         assert [len(c) for c in got] == [len(c) for c in want]
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
+    assert eager_hift == []  # every vocoder call, the final ones included, replayed a graph

@@ -40,6 +40,7 @@ from voice_out.model.sampling import (
     stream_generator,
 )
 from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2Wav, Token2WavStream
+from voice_out.model.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -459,7 +460,7 @@ class Runner:
         longest = max(self.slot_len[s] for s in slots) + 1
         window = min(self.cache.max_len, -(-longest // KV_WINDOW_STEP) * KV_WINDOW_STEP)
         packed = slots == list(range(len(slots)))
-        slot_t = None if packed else torch.tensor(slots, dtype=torch.long, device=self.device)
+        slot_t = None if packed else to_device(slots, self.device, torch.long)
         h = self.llm.decode_step(self.cache, slot_t, embeds, kv_len=window)  # [B, H]
         for s in slots:
             self.slot_len[s] += 1
@@ -473,8 +474,8 @@ class Runner:
         for w in items:
             recent = list(w.recent[-win:])
             hist_rows.append([NO_TOKEN] * (win - len(recent)) + recent)
-        history = torch.tensor(hist_rows, dtype=torch.long, device=self.device)
-        masked = torch.tensor([not w.step.allow_eos for w in items], device=self.device)
+        history = to_device(hist_rows, self.device, torch.long)
+        masked = to_device([not w.step.allow_eos for w in items], self.device, torch.bool)
         uniforms = draw_uniforms([self.live[w.request_id].generator for w in items], self.device)
         return history, uniforms, masked
 

@@ -68,6 +68,7 @@ from voice_out.model.flow_encoder import (
     Encoder,
 )
 from voice_out.model.flow_estimator import Estimator, EstimatorState
+from voice_out.model.transfer import to_device
 
 #: Fixed by upstream code, in no config file (with the encoder's, see flow_encoder).
 N_TIMESTEPS = 10  # Euler steps of the CFM
@@ -692,7 +693,7 @@ class Flow(nn.Module):
                 raise ValueError(f"prompt + tokens = {p + n} exceed total = {total}")
             lengths.append((p, p + n))
         ids, embedding, cond = self._padded_rows(items, total, total)
-        n_valid = torch.tensor([real for _, real in lengths], dtype=torch.long).to(self.device)
+        n_valid = to_device([real for _, real in lengths], self.device, torch.long)
         return ids, n_valid, embedding, cond, [(ratio * p, ratio * real) for p, real in lengths]
 
     def final_core(self, ids: Tensor, n_valid: Tensor, embedding: Tensor, cond: Tensor) -> Tensor:

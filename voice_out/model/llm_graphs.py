@@ -36,6 +36,7 @@ from torch import Tensor
 from voice_out.model.cuda_graphs import GraphedFn
 from voice_out.model.qwen2 import Block, KVCache, SpeechLM, attend, group_mask, rope_cos_sin
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, mask_eos_, ras_sample_batch
+from voice_out.model.transfer import to_device
 
 #: The ``GraphedFn`` family of the LLM graphs: they replay alongside token2wav's (family
 #: "token2wav"), so they are captured on a stream of their own (``voice_out.model.cuda_graphs``).
@@ -202,7 +203,7 @@ class GraphedLLM:
         bucket = _bucket(top, self.decode_buckets) if self.enabled else top
         if bucket is None:  # more rows than the largest bucket: eager, same code
             bucket = top
-        rows = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        rows = to_device(list(slots), self.device, torch.long)
         dtype = self.lm.llm_decoder.weight.dtype
         full_embeds = embeds.new_zeros(bucket, embeds.shape[1], dtype=dtype)
         full_embeds[rows] = embeds.to(dtype)
@@ -230,12 +231,8 @@ class GraphedLLM:
             return self.lm.prefill(self.cache, slot, embeds, start_pos=start)
         padded = embeds.new_zeros(bucket, embeds.shape[1])
         padded[:seq] = embeds
-        args = (
-            torch.tensor([slot], device=self.device),
-            torch.tensor([start], device=self.device),
-            torch.tensor([seq], device=self.device),
-            padded.to(self.lm.llm_decoder.weight.dtype),
-        )
+        where = to_device([slot, start, seq], self.device, torch.long)
+        args = (where[0:1], where[1:2], where[2:3], padded.to(self.lm.llm_decoder.weight.dtype))
         out: Tensor = self._prefill[window](bucket, *args)
         return out
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from voice_out.model.llm_inputs import KIND_LLM, KIND_SPEECH, KIND_TEXT
+from voice_out.model.transfer import to_device
 
 #: Fixed by the model family (spec 2.1): 6561 FSQ codes, then EOS, a reserved stop id and FILL.
 SPEECH_TOKEN_SIZE = 6561
@@ -333,8 +334,8 @@ class SpeechLM(nn.Module):
         for kind, table in enumerate(tables):
             where = [i for i, (k, _) in enumerate(rows) if k == kind]
             if where:
-                ids = torch.tensor([rows[i][1] for i in where], device=dev)
-                out[torch.tensor(where, device=dev)] = table(ids)
+                ids = to_device([rows[i][1] for i in where], dev, torch.long)
+                out[to_device(where, dev, torch.long)] = table(ids)
         return out
 
     def embed_speech(self, ids: Tensor) -> Tensor:

@@ -71,6 +71,7 @@ from torch import Tensor
 from voice_out.model.chunk_schedule import CHUNK_SIZE_TOKENS, MAX_HOP_TOKENS, ChunkPlan, ChunkSchedule
 from voice_out.model.cuda_graphs import GraphedFn
 from voice_out.model.hift import HiFT
+from voice_out.model.transfer import to_device
 
 MEL_FRAMES_PER_TOKEN = 2  # token_mel_ratio: 25 Hz tokens, 50 Hz mel
 HIFT_CACHE_FRAMES = 8  # vocoder overlap between chunks (160 ms)
@@ -444,6 +445,7 @@ class Token2Wav:
                     [(token, prompt_token, prompt_feat, embedding)], total
                 )
                 final.capture(total, ids, n_valid, emb, cond)
+        self._capture_final_vocoder(stream)
         graphs = (
             self._graph_flow,
             self._graph_flow_batch,
@@ -452,6 +454,33 @@ class Token2Wav:
             self._graph_hift_cached,
         )
         return sum(len(g.captured_keys) for g in graphs if g is not None)
+
+    def _capture_final_vocoder(self, stream: Token2WavStream) -> None:
+        """Capture the vocoder of every final chunk ``stream``'s schedule can end with (start-up).
+
+        A final chunk's mel has a length of its own: the tokens left after the last chunk, fewer
+        than a hop plus the lookahead (so 0 .. max_hop + lookahead - 1 new tokens after the
+        cached frames), or, for an utterance shorter than its first chunk, 1 .. first hop +
+        pad + lookahead - 1 tokens and no cache. HiFT's convolutions look ahead, so a padded
+        length would change the tail: one graph per length (eager was ~40 ms of launches)."""
+        fresh, cached = self._graph_hift, self._graph_hift_cached
+        if fresh is None or cached is None:
+            return
+        sched = stream.schedule
+        per = MEL_FRAMES_PER_TOKEN
+        mels = self.hift.dims.in_channels
+        source = torch.zeros_like(stream.hift_cache.source)
+        first = ChunkSchedule(  # the schedule as it starts: its first hop
+            prompt_tokens=sched.prompt_tokens,
+            first_hop=sched.first_hop,
+            max_hop=sched.max_hop,
+            fast_first=sched.fast_first,
+        )
+        for k in range(1, first.hop_now + sched.lookahead):
+            fresh.capture(per * k, torch.zeros(1, mels, per * k, device=self.device))
+        for k in range(sched.max_hop + sched.lookahead):
+            n = self.cache_frames + per * k
+            cached.capture(n, torch.zeros(1, mels, n, device=self.device), source)
 
     @property
     def samples_per_token(self) -> int:
@@ -595,10 +624,8 @@ class Token2Wav:
         return None
 
     def _as_tokens(self, tokens: Tensor | Sequence[int]) -> Tensor:
-        t = tokens if isinstance(tokens, Tensor) else torch.tensor(list(tokens), dtype=torch.int32)
-        if t.dim() == 1:
-            t = t[None, :]
-        return t.to(self.device)
+        t = to_device(tokens if isinstance(tokens, Tensor) else list(tokens), self.device, torch.int32)
+        return t[None, :] if t.dim() == 1 else t
 
     def _chunk_tokens(self, stream: Token2WavStream, plan: ChunkPlan, tokens: Tensor | Sequence[int]) -> Tensor:
         """Check that ``plan`` can run now (no state is touched): the request's tokens [1, n]."""
@@ -757,10 +784,14 @@ class Token2Wav:
     ) -> tuple[Tensor, Tensor]:
         """HiFT, from a graph per mel length for non-final deterministic calls."""
         graph = self._graph_hift if source is None else self._graph_hift_cached
-        if graph is None or final or noise is not None or not mel.is_cuda:
+        if graph is None or noise is not None or not mel.is_cuda:
+            return self.hift(mel, source, noise)
+        key = int(mel.shape[2])
+        if final and not (self._capturing or graph.has(key)):
+            # a final length start-up did not capture: capturing now would stall every stream
             return self.hift(mel, source, noise)
         args = (mel.contiguous(),) if source is None else (mel.contiguous(), source)
-        speech, src = graph(int(mel.shape[2]), *args)
+        speech, src = graph(key, *args)
         return speech.clone(), src.clone()
 
     # -- conveniences --------------------------------------------------------------------------
