@@ -60,6 +60,7 @@ def main() -> None:
         metavar="MS",
         help="profile (torch.profiler) the 3 steps after the first step slower than MS ms; table and trace to $OUT",
     )
+    p.add_argument("--llm-priority", default="-1", help="Runner.llm_stream_priority: a CUDA priority, or 'none'")
     p.add_argument("--timeout", type=float, default=0.0, help="give up on the round after this many seconds")
     p.add_argument("--stall", type=float, default=0.0, metavar="S", help="report the GPU state after S s with no step")
     p.add_argument(
@@ -74,6 +75,7 @@ def main() -> None:
         else eb.EngineBenchOptions(streams=(args.streams,))
     )
     cfg = eb.bench_config(cfg, opts)
+    Runner.llm_stream_priority = None if args.llm_priority == "none" else int(args.llm_priority)
     engine = eb.load_engine(cfg, opts)
     engine.start(timeout=600)
     timer = functools.partial(time_method, times=TIMES, sync=args.sync)
@@ -105,7 +107,10 @@ def main() -> None:
         faulthandler.cancel_dump_traceback_later()
         engine.close()
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"{args.streams} streams, {args.model} on {dev}, sync={args.sync}, pipeline={args.pipeline}: {summary}")
+    print(
+        f"{args.streams} streams, {args.model} on {dev}, sync={args.sync}, pipeline={args.pipeline}, "
+        f"LLM stream priority {args.llm_priority}: {summary}"
+    )
     if step_ms:
         q = sorted(step_ms)
         print(

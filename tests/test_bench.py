@@ -190,8 +190,8 @@ def test_webrtc_mode_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 def test_update_docs_keeps_other_runs(tmp_path: Path) -> None:
-    def report(mode: str, gpu: str, value: float, name: str = "x.p50") -> Report:
-        r = Report(mode, gpu, f"voice-out bench --mode {mode}", date="2026-01-01T00:00:00+00:00")
+    def report(mode: str, gpu: str, value: float, name: str = "x.p50", extra: str = "") -> Report:
+        r = Report(mode, gpu, f"voice-out bench --mode {mode}{extra}", date="2026-01-01T00:00:00+00:00")
         r.add(name, value, "ms", 1)
         return r
 
@@ -202,15 +202,19 @@ def test_update_docs_keeps_other_runs(tmp_path: Path) -> None:
     update_docs(report("engine", "NVIDIA H100", 3.0), tmp_path)
     update_docs(report("engine", "NVIDIA H100", 5.0, name="y.p50"), tmp_path)  # another scenario adds up
     update_docs(report("engine", "cpu", 4.0), tmp_path)  # replaces the first
+    # a variant (--set ...) keeps its own figures beside the defaults'; a rerun replaces it
+    update_docs(report("engine", "NVIDIA H100", 6.0, extra=" --set engine.fast_first_tokens=12"), tmp_path)
+    update_docs(report("engine", "NVIDIA H100", 7.0, extra=" --set=engine.fast_first_tokens=12 --reps 3"), tmp_path)
     records = json.loads((tmp_path / "benchmarks.json").read_text())
-    assert [(r["gpu"], r["mode"], r["name"], r["value"]) for r in records] == [
+    assert sorted((r["gpu"], r["mode"], r["name"], r["value"]) for r in records) == [
         ("NVIDIA H100", "engine", "x.p50", 3.0),
+        ("NVIDIA H100", "engine", "x.p50", 7.0),
         ("NVIDIA H100", "engine", "y.p50", 5.0),
         ("cpu", "engine", "x.p50", 4.0),
         ("cpu", "webrtc", "x.p50", 2.0),
     ]
     md = (tmp_path / "benchmarks.md").read_text()
-    assert md.count("\n### ") == 5 and md.count(CPU_LABEL) == 6  # heading + gpu line of each CPU run
+    assert md.count("\n### ") == 7 and md.count(CPU_LABEL) == 6  # heading + gpu line of each CPU run
     assert "### 2026-01-01 00:00 UTC, engine mode, NVIDIA H100\n" in md
 
 

@@ -109,7 +109,7 @@ class EngineConfig:
     #: CUDA: launch a step's token2wav chunks on the side stream and hand their audio back in a
     #: later step, so LLM steps go on while the flow runs (docs/engine.md); off: every step
     #: waits for its own chunks (they still overlap that step's LLM work).
-    pipeline_vocode: bool = False
+    pipeline_vocode: bool = True
     #: Nucleus / top-k / repetition-aware sampling parameters (spec 2.6).
     top_p: float = 0.8
     top_k: int = 25

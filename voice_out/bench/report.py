@@ -138,11 +138,25 @@ def write_json(report: Report, path: str | Path) -> None:
     Path(path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
 
 
+def variant(command: str) -> tuple[str, ...]:
+    """What makes a run's figures a variant of the defaults: its ``--set`` overrides and its
+    ``--flow-path`` / ``--dtype`` / ``--tokens-per-text-token`` options, sorted."""
+    words = command.split()
+    out = []
+    for i, w in enumerate(words):
+        name, eq, value = w.partition("=")
+        if name in ("--set", "--flow-path", "--dtype", "--tokens-per-text-token"):
+            out.append(f"{name} {value}" if eq else f"{name} {words[i + 1] if i + 1 < len(words) else ''}")
+    return tuple(sorted(out))
+
+
 def update_docs(report: Report, docs_dir: str | Path) -> tuple[Path, Path]:
     """Append a dated section (command + table) to ``benchmarks.md`` and rewrite
     ``benchmarks.json``: the latest figures, one list of metric records, where this run's
-    records replace earlier records of the same GPU, mode, metric and stream count (so runs of
-    separate scenarios add up; each record keeps its own command and date)."""
+    records replace earlier records of the same GPU, mode, metric, stream count and
+    :func:`variant` (so runs of separate scenarios add up, and a run with ``--set
+    engine.fast_first_tokens=12`` keeps its own figures beside the defaults'; each record keeps
+    its own command and date)."""
     docs = Path(docs_dir)
     md, js = docs / "benchmarks.md", docs / "benchmarks.json"
     if not md.exists():
@@ -159,7 +173,7 @@ def update_docs(report: Report, docs_dir: str | Path) -> tuple[Path, Path]:
         old = loaded if isinstance(loaded, list) else []
 
     def key(r: dict[str, Any]) -> tuple[object, ...]:
-        return (r.get("gpu"), r.get("mode"), r.get("name"), r.get("streams"))
+        return (r.get("gpu"), r.get("mode"), r.get("name"), r.get("streams"), variant(str(r.get("command", ""))))
 
     new = {key(m.as_dict()) for m in report.metrics}
     kept = [r for r in old if key(r) not in new]

@@ -16,6 +16,7 @@ GPU worker thread only: every method, the constructor excepted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -48,8 +49,9 @@ _KIND = {LlmInputKind.SOS: KIND_LLM, LlmInputKind.TASK: KIND_LLM, LlmInputKind.T
 _KIND[LlmInputKind.SPEECH] = KIND_SPEECH
 #: Voices whose device tensors the runner keeps (a re-registered voice is a new entry).
 VOICE_CACHE_SIZE = 32
-#: ``family_stream`` name of the side stream token2wav runs on.
+#: ``family_stream`` names of the side stream token2wav runs on and of the runner's own stream.
 SIDE_STREAM_FAMILY = "vocode"
+MAIN_STREAM_FAMILY = "steps"
 #: Attention window granularity of the batched decode (positions); bounds the K/V gathered.
 KV_WINDOW_STEP = 256
 
@@ -97,11 +99,20 @@ class Runner:
     batch_chunks: bool = True
     #: CUDA: launch a step's token2wav chunks on the side stream and return their audio in a
     #: later step, once done (``StepResult.inflight`` meanwhile), so LLM steps go on while the
-    #: flow runs; the scheduler plans no new chunk until they are back. Off by default: in the
-    #: capacity benchmark on an H200 it ran up to 24 streams without an underrun but stalled at
-    #: 32 (steps of ~0.6 s; cause not found yet, docs/benchmarks.md). False: every step waits
-    #: for its own chunks (they still overlap that step's LLM work on the side stream).
-    pipeline_vocode: bool = False
+    #: flow runs; the scheduler plans no new chunk until they are back (``engine.pipeline_vocode``,
+    #: on by default). False: every step waits for its own chunks (they still overlap that
+    #: step's LLM work on the side stream).
+    pipeline_vocode: bool = True
+    #: CUDA: the priority of the stream the runner's own work (LLM steps, admissions) runs on;
+    #: token2wav's side stream has the default (0). Higher (-1): when both streams have work,
+    #: the GPU starts the LLM step's small kernels first, so a step's latency does not grow
+    #: with the flow batch running beside it. None: the calling thread's current stream.
+    llm_stream_priority: int | None = -1
+    #: Pipelined: a launch holding a first chunk is waited for within its step when the step
+    #: decodes at most this many rows. At light load the wait costs the other streams little,
+    #: and the first chunk then runs without a train of LLM steps beside it on the GPU (on an
+    #: H200 it came ~8 ms sooner at 1 stream); under load the LLM steps go on.
+    first_chunk_wait_rows: int = 4
 
     def __init__(
         self,
@@ -145,6 +156,9 @@ class Runner:
         #: stream: no graph was captured on it, so its eager GEMMs have a cuBLAS workspace of
         #: their own (``voice_out.model.cuda_graphs``).
         self._side_stream = family_stream(SIDE_STREAM_FAMILY, self.device) if self.device.type == "cuda" else None
+        self._main_stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda" and self.llm_stream_priority is not None:
+            self._main_stream = family_stream(MAIN_STREAM_FAMILY, self.device, priority=self.llm_stream_priority)
         self._inflight: list[_Inflight] = []
         #: Host copy of the cache lengths: no sync is needed to place rows or bound attention.
         self.slot_len = [0] * n_slots
@@ -165,8 +179,17 @@ class Runner:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    @torch.inference_mode()
+    def _on_main_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """Every entry point runs its CUDA work on the runner's own stream (one stream: its
+        admissions, resets and LLM steps stay in order)."""
+        return torch.cuda.stream(self._main_stream) if self._main_stream is not None else contextlib.nullcontext()
+
     def execute(self, plan: StepPlan) -> StepResult:
+        with self._on_main_stream():
+            return self._execute(plan)
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepResult:
         result = StepResult()
         for rel in plan.release:
             self._release(rel)
@@ -191,7 +214,8 @@ class Runner:
                 self._launch_vocode(vocode, result)
             if llm:
                 self._llm_step(llm, result)
-            self._collect_vocode(result, block=plan.wait_vocode)
+            first = any(w.chunk.index == 0 for w, _ in vocode) and len(llm) <= self.first_chunk_wait_rows
+            self._collect_vocode(result, block=plan.wait_vocode or first)
             return result
         side = self._side_stream if (llm and vocode) else None
         made: list[tuple[str, Tensor]] = []
@@ -283,6 +307,10 @@ class Runner:
 
     def release_all(self) -> None:
         """Drop every request and reset every slot (after a failed step, or on shutdown)."""
+        with self._on_main_stream():
+            self._release_all()
+
+    def _release_all(self) -> None:
         self._settle_vocode()
         for rid in list(self.live):
             self._release(Release(rid, self.live[rid].slot, drop=True))
@@ -335,6 +363,12 @@ class Runner:
     def warmup(self, voice: FlowVoice) -> None:
         """Run every kind of work once (prefill, batched decode, sampling, a token2wav chunk),
         then reset: first-use costs (kernels, allocator) are paid before the first stream."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the weights, loaded on the default stream
+        with self._on_main_stream():
+            self._warmup(voice)
+
+    def _warmup(self, voice: FlowVoice) -> None:
         with torch.inference_mode():
             dims = self.llm.dims
             rows = [(KIND_LLM, 0)] + [(KIND_TEXT, i % dims.text_vocab_size) for i in range(7)]
@@ -371,6 +405,10 @@ class Runner:
         speech tokens (start-up, so no stream stalls on a capture later), with the batched-chunk
         graphs for steps of up to ``max_batch`` chunks (the engine passes its
         ``max_chunks_per_step``). Returns graphs held."""
+        with self._on_main_stream():
+            return self._precapture(voice, n_tokens, max_batch)
+
+    def _precapture(self, voice: FlowVoice, n_tokens: int, max_batch: int) -> int:
         token, feat, emb, _ = self._voice(voice)
         n = self.t2w.capture_stream_shapes(
             token,

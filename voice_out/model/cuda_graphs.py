@@ -37,9 +37,10 @@ _families: dict[tuple[str, int], torch.cuda.Stream] = {}
 _families_lock = threading.Lock()
 
 
-def family_stream(family: str, device: torch.device | int | None = None) -> torch.cuda.Stream:
-    """The CUDA stream of ``family`` on ``device`` (created on first use, then the same one):
-    a stream no other family and no default stream uses (see the module docstring for why).
+def family_stream(family: str, device: torch.device | int | None = None, *, priority: int = 0) -> torch.cuda.Stream:
+    """The CUDA stream of ``family`` on ``device`` (created on first use with ``priority``,
+    then the same one): a stream no other family and no default stream uses (see the module
+    docstring for why). ``priority``: CUDA's, lower runs first (0 is the default; -1 high).
 
     PyTorch hands out streams round-robin from a small pool, so a new stream can be one already
     in use elsewhere: this draws until its handle differs from every other family's. Any thread."""
@@ -55,7 +56,7 @@ def family_stream(family: str, device: torch.device | int | None = None) -> torc
             taken = {s.cuda_stream for (_, i), s in _families.items() if i == index}
             taken.add(torch.cuda.default_stream(index).cuda_stream)
             for _ in range(256):  # the pool cycles through a few dozen streams per priority
-                stream = torch.cuda.Stream(index)
+                stream = torch.cuda.Stream(index, priority=priority)
                 if stream.cuda_stream not in taken:
                     break
             else:
