@@ -93,6 +93,11 @@ class EngineConfig:
     first_hop_tokens: int = 25
     #: Largest token2wav hop (upstream: 100).
     max_hop_tokens: int = 100
+    #: How the token2wav hop grows after each chunk: "buffered" (never more than the audio
+    #: already made: 25, 25, 50, 100 ...; streams do not run dry when many share the GPU) or
+    #: "double" (upstream's: 25, 50, 100 ...; the second chunk needs the LLM at twice real
+    #: time per stream). voice_out.model.chunk_schedule; docs/benchmarks.md has both measured.
+    hop_growth: str = "buffered"
     #: Fast start: a first token2wav chunk of this many tokens (0 = off, upstream's schedule);
     #: earlier first audio, the first chunk only approximately equal to a single pass.
     fast_first_tokens: int = 0
@@ -135,6 +140,13 @@ class EngineConfig:
             "first_hop_tokens",
             self.first_hop_tokens,
             f"an integer in 1..max_hop_tokens ({self.max_hop_tokens})",
+        )
+        _check(
+            self.hop_growth in ("double", "buffered"),
+            s,
+            "hop_growth",
+            self.hop_growth,
+            '"double" or "buffered"',
         )
         _check(
             0 <= self.fast_first_tokens < self.first_hop_tokens,

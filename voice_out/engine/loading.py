@@ -129,9 +129,14 @@ def build_engine(
 
     ec = cfg.engine
     try:  # the token2wav schedule's own rules (hops are whole flow chunks): fail at load, not per stream
-        ChunkSchedule(first_hop=ec.first_hop_tokens, max_hop=ec.max_hop_tokens, fast_first=ec.fast_first_tokens)
+        ChunkSchedule(
+            first_hop=ec.first_hop_tokens,
+            max_hop=ec.max_hop_tokens,
+            hop_growth=ec.hop_growth,
+            fast_first=ec.fast_first_tokens,
+        )
     except ValueError as e:
-        raise ConfigError(f"engine.first_hop_tokens / max_hop_tokens / fast_first_tokens: {e}") from None
+        raise ConfigError(f"engine.first_hop_tokens / max_hop_tokens / hop_growth / fast_first_tokens: {e}") from None
     graphs = ec.cuda_graphs and device.type == "cuda" if llm_graphs is None else llm_graphs
     # token2wav graphs run on CUDA only; the argument, then the config, override the default
     chunks_per_step = CHUNKS_PER_STEP_GRAPHED if graphs and device.type == "cuda" else CHUNKS_PER_STEP_EAGER
@@ -173,6 +178,7 @@ def build_engine(
             sampling=SamplingParams(top_p=ec.top_p, top_k=ec.top_k, win_size=ec.ras_win_size, tau_r=ec.ras_tau_r),
             first_hop=ec.first_hop_tokens,
             max_hop=ec.max_hop_tokens,
+            hop_growth=ec.hop_growth,
             fast_first=ec.fast_first_tokens,
             flow_path=flow_path,
             fault_hook=fault_hook,

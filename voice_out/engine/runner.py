@@ -124,6 +124,7 @@ class Runner:
         sampling: SamplingParams | None = None,
         first_hop: int = 25,
         max_hop: int = 100,
+        hop_growth: str = "double",
         fast_first: int = 0,
         flow_path: str = "rerun",
         fault_hook: FaultHook | None = None,
@@ -139,6 +140,7 @@ class Runner:
         self.sampling = sampling or SamplingParams()
         self.first_hop = first_hop
         self.max_hop = max_hop
+        self.hop_growth = hop_growth
         self.fast_first = fast_first
         self.flow_path: FlowPath = "cached" if flow_path == "cached" else "rerun"
         self.fault_hook = fault_hook
@@ -346,6 +348,7 @@ class Runner:
         kw: dict[str, Any] = {
             "first_hop": self.first_hop,
             "max_hop": self.max_hop,
+            "hop_growth": self.hop_growth,
             "fast_first": adm.fast_first,
             "flow_path": self.flow_path,
         }
@@ -387,6 +390,7 @@ class Runner:
                 emb,
                 first_hop=self.first_hop,
                 max_hop=self.max_hop,
+                hop_growth=self.hop_growth,
                 flow_path=self.flow_path,
                 flow_prompt=prepared,
             )
@@ -417,6 +421,7 @@ class Runner:
             n_tokens,
             first_hop=self.first_hop,
             max_hop=self.max_hop,
+            hop_growth=self.hop_growth,
             fast_first=self.fast_first,
             max_batch=max_batch,
         )

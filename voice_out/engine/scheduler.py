@@ -253,6 +253,7 @@ class Scheduler:
                 prompt_tokens=voice.flow_prompt_tokens,
                 first_hop=self.config.first_hop_tokens,
                 max_hop=self.config.max_hop_tokens,
+                hop_growth=self.config.hop_growth,
                 fast_first=self.config.fast_first_tokens if fast_first is None else fast_first,
             ),
             seed=seed,

@@ -11,11 +11,20 @@ The rule, with P prompt tokens and hop h (first hop h0, default 25)::
     a chunk is ready when  n_available - offset >= hop_now + lookahead (3)
         -> flow over tokens[:offset + hop_now + 3], non-final; offset += hop_now;
            h = min(max_hop, h * hop_scale)       # 25 -> 50 -> 100 -> 100 ...
+           with hop_growth "buffered": also h <= the tokens made so far, rounded down to whole
+           chunks (25 -> 25 -> 50 -> 100 ...)
     once the LLM has finished and no full chunk is left
         -> final chunk: flow over all tokens with full attention, emits everything left.
 
 Every boundary P + offset is a multiple of ``chunk_size`` tokens, which is what makes the audio
 of a non-final chunk final (the flow's chunk masks count from the prompt start).
+
+Hop growth ("double", upstream's, or "buffered"): upstream doubles the hop after every chunk,
+so its second chunk (50 + 3 tokens) must be decoded while the first chunk's 25 tokens of audio
+play: the LLM must run at twice real time per stream. Under load (dozens of streams in one
+batch) it does not, and every stream runs dry after its first chunk. "buffered" never lets a
+hop exceed the audio already made, so a chunk's tokens take no longer to decode than the
+queued audio lasts at real time: one more chunk per utterance (25, 25, 50, 100 ...).
 
 Unlike upstream, the hop is per request: it starts at ``first_hop`` for every request (upstream
 keeps it on the model object and never resets it, so its second request starts at 100).
@@ -35,6 +44,7 @@ from dataclasses import dataclass
 CHUNK_SIZE_TOKENS = 25  # flow chunk (static_chunk_size of the encoder); also the default first hop
 MAX_HOP_TOKENS = 100
 HOP_SCALE = 2
+HOP_GROWTHS = ("double", "buffered")
 LOOKAHEAD_TOKENS = 3  # flow pre-lookahead: tokens that must exist beyond a non-final chunk
 
 
@@ -79,6 +89,8 @@ class ChunkSchedule:
     first_hop: int = CHUNK_SIZE_TOKENS
     max_hop: int = MAX_HOP_TOKENS
     hop_scale: int = HOP_SCALE
+    #: "double" (upstream) or "buffered" (see the module docstring).
+    hop_growth: str = "double"
     lookahead: int = LOOKAHEAD_TOKENS
     chunk_size: int = CHUNK_SIZE_TOKENS
     #: Tokens of a fast first chunk (0 = off: upstream's first hop of first_hop + pad).
@@ -108,6 +120,8 @@ class ChunkSchedule:
                 raise ValueError(f"{name} must be a positive multiple of the flow chunk ({self.chunk_size}), got {v}")
         if self.hop_scale < 1 or self.lookahead < 0:
             raise ValueError("hop_scale must be >= 1 and lookahead >= 0")
+        if self.hop_growth not in HOP_GROWTHS:
+            raise ValueError(f"hop_growth must be one of {', '.join(HOP_GROWTHS)}, got {self.hop_growth!r}")
         self.prompt_tokens = prompt_tokens
         self.offset = 0
         self.hop = self.first_hop
@@ -163,7 +177,10 @@ class ChunkSchedule:
         self.offset += plan.hop_tokens
         if plan.index == 0 and self.fast_first:
             return  # the realigning second chunk starts from first_hop
-        self.hop = min(self.max_hop, self.hop * self.hop_scale)
+        hop = min(self.max_hop, self.hop * self.hop_scale)
+        if self.hop_growth == "buffered":
+            hop = max(self.chunk_size, min(hop, self.offset // self.chunk_size * self.chunk_size))
+        self.hop = hop
 
 
 def plan_all(

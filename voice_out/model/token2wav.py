@@ -250,6 +250,7 @@ class Token2WavStream:
         *,
         first_hop: int = CHUNK_SIZE_TOKENS,
         max_hop: int = MAX_HOP_TOKENS,
+        hop_growth: str = "double",
         fast_first: int = 0,
         flow_path: FlowPath | None = None,
         noise: torch.Generator | None = None,
@@ -264,6 +265,7 @@ class Token2WavStream:
         self.prompt_token, self.prompt_feat = prompt_token.to(dev), prompt_feat.to(dev)
         self.embedding = embedding.to(dev)
         self.schedule.max_hop = max_hop
+        self.schedule.hop_growth = hop_growth
         self.schedule.reset(int(prompt_token.shape[-1]), first_hop, fast_first)
         self.hift_cache.reset()
         if flow_path is not None:
@@ -367,6 +369,7 @@ class Token2Wav:
         *,
         first_hop: int = CHUNK_SIZE_TOKENS,
         max_hop: int = MAX_HOP_TOKENS,
+        hop_growth: str = "double",
         fast_first: int = 0,
     ) -> list[tuple[int, int]]:
         """The (bucket, T) keys of the grouped batched chunks that streams of this prompt length
@@ -376,7 +379,13 @@ class Token2Wav:
         if not self.batch_buckets or max_batch < 2:
             return []
         buckets = sorted({self._bucket(n) for n in range(2, min(max_batch, self.batch_buckets[-1]) + 1)})
-        sched = ChunkSchedule(prompt_tokens=prompt_tokens, first_hop=first_hop, max_hop=max_hop, fast_first=fast_first)
+        sched = ChunkSchedule(
+            prompt_tokens=prompt_tokens,
+            first_hop=first_hop,
+            max_hop=max_hop,
+            hop_growth=hop_growth,
+            fast_first=fast_first,
+        )
         lengths: list[int] = []
         while (plan := sched.ready(n_tokens, llm_finished=True)) is not None and not plan.finalize:
             total = prompt_tokens + plan.token_len - sched.lookahead
@@ -399,6 +408,7 @@ class Token2Wav:
         *,
         first_hop: int = CHUNK_SIZE_TOKENS,
         max_hop: int = MAX_HOP_TOKENS,
+        hop_growth: str = "double",
         fast_first: int = 0,
         max_batch: int = 1,
     ) -> int:
@@ -412,7 +422,13 @@ class Token2Wav:
             return 0
         self._capturing = True
         stream = self.open_stream(
-            prompt_token, prompt_feat, embedding, first_hop=first_hop, max_hop=max_hop, fast_first=fast_first
+            prompt_token,
+            prompt_feat,
+            embedding,
+            first_hop=first_hop,
+            max_hop=max_hop,
+            hop_growth=hop_growth,
+            fast_first=fast_first,
         )
         # placeholder speech ids; the extra chunk's worth covers a final chunk rounded up
         dummy = [(7 * i + 1) % 6561 for i in range(n_tokens + stream.schedule.chunk_size)]
@@ -426,7 +442,13 @@ class Token2Wav:
         embedding = embedding.to(self.device)
         n_prompt = int(prompt_token.shape[1])
         keys = self.batch_keys(
-            n_prompt, n_tokens, max_batch, first_hop=first_hop, max_hop=max_hop, fast_first=fast_first
+            n_prompt,
+            n_tokens,
+            max_batch,
+            first_hop=first_hop,
+            max_hop=max_hop,
+            hop_growth=hop_growth,
+            fast_first=fast_first,
         )
         for bucket, total in keys:
             assert graph is not None
@@ -496,6 +518,7 @@ class Token2Wav:
         *,
         first_hop: int = CHUNK_SIZE_TOKENS,
         max_hop: int = MAX_HOP_TOKENS,
+        hop_growth: str = "double",
         fast_first: int = 0,
         flow_path: FlowPath = "rerun",
         noise: torch.Generator | None = None,
@@ -514,7 +537,11 @@ class Token2Wav:
             prompt_feat=prompt_feat.to(self.device),
             embedding=embedding.to(self.device),
             schedule=ChunkSchedule(
-                prompt_tokens=int(prompt_token.shape[-1]), first_hop=first_hop, max_hop=max_hop, fast_first=fast_first
+                prompt_tokens=int(prompt_token.shape[-1]),
+                first_hop=first_hop,
+                max_hop=max_hop,
+                hop_growth=hop_growth,
+                fast_first=fast_first,
             ),
             hift_cache=HiFTCache.allocate(
                 self.hift.dims.in_channels, self.cache_frames, self.samples_per_frame, self.device

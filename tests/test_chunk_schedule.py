@@ -1,0 +1,72 @@
+"""Hop growth of the token2wav chunk schedule: upstream's doubling and the "buffered" rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT
+from voice_out.config import ConfigError, EngineConfig
+from voice_out.model.checkpoint import random_flow, random_hift
+from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
+from voice_out.model.token2wav import Token2Wav
+
+TINY = REPO_ROOT / "configs" / "models" / "tiny"
+
+
+def plans_of(n_tokens: int, prompt: int, growth: str, fast_first: int = 0) -> list[ChunkPlan]:
+    schedule = ChunkSchedule(prompt_tokens=prompt, hop_growth=growth, fast_first=fast_first)
+    plans = []
+    while (plan := schedule.ready(n_tokens, llm_finished=True)) is not None:
+        plans.append(plan)
+        schedule.commit(plan)
+    return plans
+
+
+def test_doubling_is_upstreams_and_buffered_waits_one_chunk() -> None:
+    assert [p.hop_tokens for p in plans_of(400, 150, "double")] == [25, 50, 100, 100, 100, 25]
+    assert [p.hop_tokens for p in plans_of(400, 150, "buffered")] == [25, 25, 50, 100, 100, 100]
+    # a first chunk padded to the boundary (P = 140: pad 10) is not "made" beyond its whole chunks
+    assert [p.hop_tokens for p in plans_of(300, 140, "buffered")] == [35, 25, 50, 100, 90]
+
+
+@pytest.mark.parametrize("prompt", [0, 13, 75, 140, 150])
+@pytest.mark.parametrize("fast", [0, 8])
+@pytest.mark.parametrize("n_tokens", [4, 30, 61, 400, 777])
+def test_buffered_hops_never_exceed_the_audio_made(prompt: int, fast: int, n_tokens: int) -> None:
+    plans = plans_of(n_tokens, prompt, "buffered", fast)
+    assert sum(p.hop_tokens for p in plans) == n_tokens
+    assert plans[-1].finalize and not any(p.finalize for p in plans[:-1])
+    for p in plans[1:-1]:
+        assert (prompt + p.token_offset + p.hop_tokens) % 25 == 0  # still on flow chunk boundaries
+        if fast and p.index == 1:
+            continue  # the chunk that realigns after a fast first chunk: 25 + the way to the boundary
+        assert p.hop_tokens <= max(25, p.token_offset)
+        assert p.hop_tokens <= 100
+    doubled = plans_of(n_tokens, prompt, "double", fast)
+    assert len(doubled) <= len(plans) <= len(doubled) + 1  # at most one more chunk
+
+
+def test_bad_growth_is_rejected() -> None:
+    with pytest.raises(ValueError, match="hop_growth"):
+        ChunkSchedule(hop_growth="triple")
+    with pytest.raises(ConfigError, match="hop_growth"):
+        EngineConfig(hop_growth="triple")
+
+
+def test_token2wav_follows_the_buffered_schedule() -> None:
+    torch.set_num_threads(1)
+    t2w = Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
+    g = torch.Generator().manual_seed(3)
+    token = torch.randint(0, 6561, (1, 50), generator=g, dtype=torch.int32)
+    feat = torch.randn(1, 100, 80, generator=g) * 0.3 - 6.0
+    emb = torch.randn(1, 192, generator=g)
+    speech = torch.randint(0, 6561, (160,), generator=g).tolist()
+    out = {}
+    for growth in ("double", "buffered"):
+        stream = t2w.open_stream(token, feat, emb, hop_growth=growth)
+        chunks = list(t2w.stream_all(stream, speech))
+        assert [p.hop_tokens for p in stream.chunk_log] == [p.hop_tokens for p in plans_of(160, 50, growth)]
+        assert sum(len(c) for c in chunks) == 960 * len(speech)
+        out[growth] = chunks
+    torch.testing.assert_close(out["buffered"][0], out["double"][0])  # the same first chunk
