@@ -88,3 +88,15 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def random_voice(n_prompt: int, device: str = "cpu", seed: int = 5) -> tuple[Any, Any, Any]:
+    """A synthetic token2wav voice (torch tensors): prompt tokens int32 ``[1, P]``, a smooth
+    prompt mel float32 ``[1, 2P, 80]`` and a speaker embedding ``[1, 192]``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    token = torch.randint(0, 6561, (1, n_prompt), generator=g, dtype=torch.int32)
+    feat = torch.randn(1, 2 * n_prompt, 80, generator=g).cumsum(1) * 0.05 - 6.0
+    emb = torch.randn(1, 192, generator=g)
+    return token.to(device), feat.to(device), emb.to(device)

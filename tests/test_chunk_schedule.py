@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, random_voice
 from voice_out.config import ConfigError, EngineConfig
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
@@ -57,11 +57,8 @@ def test_bad_growth_is_rejected() -> None:
 def test_token2wav_follows_the_buffered_schedule() -> None:
     torch.set_num_threads(1)
     t2w = Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
-    g = torch.Generator().manual_seed(3)
-    token = torch.randint(0, 6561, (1, 50), generator=g, dtype=torch.int32)
-    feat = torch.randn(1, 100, 80, generator=g) * 0.3 - 6.0
-    emb = torch.randn(1, 192, generator=g)
-    speech = torch.randint(0, 6561, (160,), generator=g).tolist()
+    token, feat, emb = random_voice(50, seed=3)
+    speech = torch.randint(0, 6561, (160,), generator=torch.Generator().manual_seed(3)).tolist()
     out = {}
     for growth in ("double", "buffered"):
         stream = t2w.open_stream(token, feat, emb, hop_growth=growth)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, random_voice
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkSchedule, plan_all
 from voice_out.model.token2wav import Token2Wav
@@ -42,11 +42,8 @@ def test_first_audio_needs_fast_plus_lookahead_tokens() -> None:
 def test_fast_start_cached_equals_rerun_and_keeps_every_sample() -> None:
     torch.set_num_threads(1)
     t2w = Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
-    g = torch.Generator().manual_seed(2)
-    token = torch.randint(0, 6561, (1, 50), generator=g, dtype=torch.int32)
-    feat = torch.randn(1, 100, 80, generator=g) * 0.3 - 6.0
-    emb = torch.randn(1, 192, generator=g)
-    speech = torch.randint(0, 6561, (140,), generator=g).tolist()
+    token, feat, emb = random_voice(50, seed=2)
+    speech = torch.randint(0, 6561, (140,), generator=torch.Generator().manual_seed(2)).tolist()
     out = {}
     for path in ("rerun", "cached"):
         prepared = t2w.prepare_voice(token, feat, emb) if path == "cached" else None

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, random_voice
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkPlan
 from voice_out.model.cuda_graphs import GraphedFn, graphs_disabled
@@ -23,17 +23,9 @@ from voice_out.model.token2wav import Token2Wav, Token2WavStream
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
 
 
-def _voice(n_prompt: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(5)
-    token = torch.randint(0, 6561, (1, n_prompt), generator=g, dtype=torch.int32)
-    feat = torch.randn(1, 2 * n_prompt, 80, generator=g).cumsum(1) * 0.05 - 6.0
-    emb = torch.randn(1, 192, generator=g)
-    return token.to(device), feat.to(device), emb.to(device)
-
-
 def _stream_all(t2w: Token2Wav, flow_path: str, n_prompt: int, n_tokens: int, device: str) -> list[torch.Tensor]:
-    token, feat, emb = _voice(n_prompt, device)
-    prepared = t2w.prepare_voice(token, feat, emb) if flow_path == "cached" else None
+    token, feat, emb = random_voice(n_prompt, device)
+    prepared = t2w.preparerandom_voice(token, feat, emb) if flow_path == "cached" else None
     stream = t2w.open_stream(token, feat, emb, flow_path=flow_path, flow_prompt=prepared)  # type: ignore[arg-type]
     speech = torch.randint(0, 6561, (n_tokens,), generator=torch.Generator().manual_seed(9)).tolist()
     return [c.clone() for c in t2w.stream_all(stream, speech)]
@@ -302,7 +294,7 @@ def test_graphed_final_chunks_equal_eager() -> None:
     t2w = Token2Wav(random_flow(TINY, "cuda"), random_hift(TINY, "cuda"))
     wants = {n: _stream_all(t2w, "rerun", 50, n, "cuda") for n in (20, 31, 77, 140)}
     t2w.use_cuda_graphs(True)
-    token, feat, emb = _voice(50, "cuda")
+    token, feat, emb = random_voice(50, "cuda")
     t2w.capture_stream_shapes(token, feat, emb, 150)
     final = t2w._graph_flow_final
     assert final is not None and sorted(final.captured_keys) == list(range(75, 201, 25))  # type: ignore[type-var]
