@@ -153,10 +153,9 @@ class Runner:
             if buckets[-1] < n_slots:
                 buckets.append(n_slots)
             self.graphed = GraphedLLM(llm, self.cache, self.sampling, decode_buckets=buckets, scratch_slot=n_slots)
-        #: CUDA: the stream token2wav runs on while the LLM steps run on the current one. Same
-        #: priority: the LLM steps must keep their pace while a batch of chunks runs. A family
-        #: stream: no graph was captured on it, so its eager GEMMs have a cuBLAS workspace of
-        #: their own (``voice_out.model.cuda_graphs``).
+        #: CUDA: the stream token2wav runs on while the LLM steps run on the runner's own one
+        #: (``llm_stream_priority``). A family stream: no graph was captured on it, so its eager
+        #: GEMMs have a cuBLAS workspace of their own (``voice_out.model.cuda_graphs``).
         self._side_stream = family_stream(SIDE_STREAM_FAMILY, self.device) if self.device.type == "cuda" else None
         self._main_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda" and self.llm_stream_priority is not None:

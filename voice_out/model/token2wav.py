@@ -809,7 +809,8 @@ class Token2Wav:
     def _vocoder(
         self, mel: Tensor, source: Tensor | None, noise: torch.Generator | None, final: bool
     ) -> tuple[Tensor, Tensor]:
-        """HiFT, from a graph per mel length for non-final deterministic calls."""
+        """HiFT, from a graph per mel length for deterministic calls (a final call only at a
+        length start-up captured, ``_capture_final_vocoder``)."""
         graph = self._graph_hift if source is None else self._graph_hift_cached
         if graph is None or noise is not None or not mel.is_cuda:
             return self.hift(mel, source, noise)
