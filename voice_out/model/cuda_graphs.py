@@ -168,6 +168,10 @@ class GraphedFn:
 
     def _capture(self, key: Hashable, args: Sequence[torch.Tensor]) -> _Captured:
         static = tuple(a.clone() for a in args)
+        # A capture mid-run (a first use) may find another family's graphs still replaying on
+        # another stream; the warm-up below runs on a stream from PyTorch's pool, which may be
+        # that family's capture stream, and would share its cuBLAS workspace: let them finish.
+        torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
