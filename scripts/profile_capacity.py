@@ -7,9 +7,18 @@ batched, graphed batched groups), the vocoder, and graph captures with timers, r
 capacity round of ``--streams`` streams and prints, per kind of call, the count, the total and
 the longest. ``--sync`` makes every timer synchronise the GPU (true per-call GPU cost, but it
 serialises the token2wav side stream with the LLM step); without it the figures are host time
-(launch cost, and any wait the call itself makes). ``--pipeline`` turns on pipelined token2wav
-(``engine.pipeline_vocode``).
+(launch cost, and any wait the call itself makes). ``--no-pipeline`` turns pipelined token2wav
+off (``engine.pipeline_vocode``, on by default); ``--llm-priority`` sets the priority of the
+runner's own CUDA stream (``Runner.llm_stream_priority``).
 
+Diagnostics for a round that stalls: ``--stall S`` prints the state of both CUDA streams, of
+the launches in flight and nvidia-smi whenever no step has finished for S seconds; ``--stacks S``
+dumps every thread's Python stack every S seconds; ``--timeout S`` gives up on the round.
+``--trace-slow MS`` runs torch's profiler over the 3 steps after the first step slower than MS
+(checked on the CPU only: on CUDA the profiler, started on the worker thread, crashed the
+process at exit when the round ended before those 3 steps).
+
+    python scripts/profile_capacity.py --streams 32 --stall 2 --timeout 60
     python scripts/profile_capacity.py --streams 32 --sync
     python scripts/profile_capacity.py --model random:tiny --device cpu --streams 2 --quick
 """
@@ -51,7 +60,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--sync", action="store_true", help="timers synchronise the GPU")
-    p.add_argument("--pipeline", action="store_true", help="pipelined token2wav (engine.pipeline_vocode)")
+    p.add_argument(
+        "--pipeline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pipelined token2wav (engine.pipeline_vocode; default on)",
+    )
     p.add_argument("--quick", action="store_true", help="short texts and a 25-token prompt (CPU smoke run)")
     p.add_argument(
         "--trace-slow",
