@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import site
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
@@ -46,7 +47,22 @@ from voice_out.server.track import Clock
 
 log = logging.getLogger(__name__)
 
-WEB_DIR = Path(__file__).resolve().parent.parent.parent / "web"
+
+def find_web_dir(candidates: Sequence[Path] | None = None) -> Path | None:
+    """Where the demo page's files are: ``web/`` next to the package in a source checkout (and
+    an editable install), else where a wheel put them (``<prefix>/share/voice_out/web``, the
+    user scheme's likewise); the first candidate holding ``index.html``, or None."""
+    if candidates is None:
+        share = Path("share", "voice_out", "web")
+        candidates = [
+            Path(__file__).resolve().parent.parent.parent / "web",
+            Path(sys.prefix) / share,
+            Path(site.getuserbase()) / share,
+        ]
+    return next((d for d in candidates if (d / "index.html").is_file()), None)
+
+
+WEB_DIR = find_web_dir()
 #: Prompt audio uploads: 30 s of 48 kHz stereo 16-bit WAV is ~5.8 MB.
 MAX_UPLOAD_BYTES = 16 * 1024 * 1024
 #: An SDP offer is a few KiB.
