@@ -8,14 +8,14 @@ import torch
 from tests.conftest import REPO_ROOT, random_voice
 from voice_out.config import ConfigError, EngineConfig
 from voice_out.model.checkpoint import random_flow, random_hift
-from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
+from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy
 from voice_out.model.token2wav import Token2Wav
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
 
 
 def plans_of(n_tokens: int, prompt: int, growth: str, fast_first: int = 0) -> list[ChunkPlan]:
-    schedule = ChunkSchedule(prompt_tokens=prompt, hop_growth=growth, fast_first=fast_first)
+    schedule = HopPolicy(growth=growth).schedule(prompt, fast_first)
     plans = []
     while (plan := schedule.ready(n_tokens, llm_finished=True)) is not None:
         plans.append(plan)
@@ -61,7 +61,7 @@ def test_token2wav_follows_the_buffered_schedule() -> None:
     speech = torch.randint(0, 6561, (160,), generator=torch.Generator().manual_seed(3)).tolist()
     out = {}
     for growth in ("double", "buffered"):
-        stream = t2w.open_stream(token, feat, emb, hop_growth=growth)
+        stream = t2w.open_stream(token, feat, emb, hops=HopPolicy(growth=growth))
         chunks = list(t2w.stream_all(stream, speech))
         assert [p.hop_tokens for p in stream.chunk_log] == [p.hop_tokens for p in plans_of(160, 50, growth)]
         assert sum(len(c) for c in chunks) == 960 * len(speech)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from tests.conftest import load_case
 from voice_out.model.checkpoint import load_hift
-from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule, plan_all
+from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy, plan_all
 from voice_out.model.hift import HiFT
 from voice_out.model.token2wav import Token2Wav, hamming
 
@@ -378,7 +378,9 @@ def test_case_f_nonstreaming_end_to_end(flow: Any, hift: HiFT, case_f: dict[str,
 def test_case_f2_first_hop_100_reproduces_upstreams_second_request(flow: Any, hift: HiFT, cases_dir: Path) -> None:
     """Optional case f2: upstream's leaked hop, reproduced on purpose through ``first_hop=100``."""
     f2 = load_case(cases_dir, "f2_quirk_second_stream_call")
-    chunks = run_stream(Token2Wav(flow, hift), f2, first_hop=int(f2["hop_len_after_first_call"]), flow_path="cached")
+    chunks = run_stream(
+        Token2Wav(flow, hift), f2, hops=HopPolicy(first_hop=int(f2["hop_len_after_first_call"])), flow_path="cached"
+    )
     assert [c.shape[0] for c in chunks] == f2["second_call_chunk_samples"].tolist()
     assert_wave_close("f2 second_call_stream_concat", f2["second_call_stream_concat"][0], torch.cat(chunks))
 

@@ -19,11 +19,10 @@ from voice_out.config import Config, ConfigError
 from voice_out.engine.engine import NOISE_VOICE, VoiceBook, random_dims_dir, warn_random
 from voice_out.engine.request import TextPiece, TextPipeline, VoicePrompt
 from voice_out.engine.runner import FlowVoice, Runner, noise_voice
-from voice_out.engine.scheduler import ForcedTokens
+from voice_out.engine.scheduler import ForcedTokens, hop_policy
 from voice_out.engine.textfeed import TokenizerPipeline
 from voice_out.engine.worker import StepRunner
 from voice_out.hub import resolve_model
-from voice_out.model.chunk_schedule import ChunkSchedule
 
 if TYPE_CHECKING:
     from voice_out.engine.engine import Engine
@@ -129,12 +128,7 @@ def build_engine(
 
     ec = cfg.engine
     try:  # the token2wav schedule's own rules (hops are whole flow chunks): fail at load, not per stream
-        ChunkSchedule(
-            first_hop=ec.first_hop_tokens,
-            max_hop=ec.max_hop_tokens,
-            hop_growth=ec.hop_growth,
-            fast_first=ec.fast_first_tokens,
-        )
+        hop_policy(ec).schedule(0, ec.fast_first_tokens)
     except ValueError as e:
         raise ConfigError(f"engine.first_hop_tokens / max_hop_tokens / hop_growth / fast_first_tokens: {e}") from None
     graphs = ec.cuda_graphs and device.type == "cuda" if llm_graphs is None else llm_graphs
@@ -176,9 +170,7 @@ def build_engine(
             n_slots=ec.max_streams,
             max_len=kv_len,
             sampling=SamplingParams(top_p=ec.top_p, top_k=ec.top_k, win_size=ec.ras_win_size, tau_r=ec.ras_tau_r),
-            first_hop=ec.first_hop_tokens,
-            max_hop=ec.max_hop_tokens,
-            hop_growth=ec.hop_growth,
+            hops=hop_policy(ec),
             fast_first=ec.fast_first_tokens,
             flow_path=flow_path,
             fault_hook=fault_hook,

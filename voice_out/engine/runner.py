@@ -29,6 +29,7 @@ from torch import Tensor
 
 from voice_out.engine.request import EOS_TOKEN, LlmInputKind
 from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
+from voice_out.model.chunk_schedule import HopPolicy
 from voice_out.model.cuda_graphs import family_stream
 from voice_out.model.llm_graphs import GraphedLLM
 from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT, KVCache, SpeechLM
@@ -122,9 +123,7 @@ class Runner:
         n_slots: int,
         max_len: int,
         sampling: SamplingParams | None = None,
-        first_hop: int = 25,
-        max_hop: int = 100,
-        hop_growth: str = "double",
+        hops: HopPolicy | None = None,
         fast_first: int = 0,
         flow_path: str = "rerun",
         fault_hook: FaultHook | None = None,
@@ -138,9 +137,7 @@ class Runner:
         self.t2w = t2w
         self.device = llm.llm_decoder.weight.device
         self.sampling = sampling or SamplingParams()
-        self.first_hop = first_hop
-        self.max_hop = max_hop
-        self.hop_growth = hop_growth
+        self.hops = hops or HopPolicy()
         self.fast_first = fast_first
         self.flow_path: FlowPath = "cached" if flow_path == "cached" else "rerun"
         self.fault_hook = fault_hook
@@ -345,9 +342,7 @@ class Runner:
         token, feat, emb, prepared = self._voice(flow_voice)
         # the same first/max hop as the scheduler's copy of the schedule: it hands us its plans
         kw: dict[str, Any] = {
-            "first_hop": self.first_hop,
-            "max_hop": self.max_hop,
-            "hop_growth": self.hop_growth,
+            "hops": self.hops,
             "fast_first": adm.fast_first,
             "flow_path": self.flow_path,
         }
@@ -387,9 +382,7 @@ class Runner:
                 token,
                 feat,
                 emb,
-                first_hop=self.first_hop,
-                max_hop=self.max_hop,
-                hop_growth=self.hop_growth,
+                hops=self.hops,
                 flow_path=self.flow_path,
                 flow_prompt=prepared,
             )
@@ -418,9 +411,7 @@ class Runner:
             feat,
             emb,
             n_tokens,
-            first_hop=self.first_hop,
-            max_hop=self.max_hop,
-            hop_growth=self.hop_growth,
+            hops=self.hops,
             fast_first=self.fast_first,
             max_batch=max_batch,
         )

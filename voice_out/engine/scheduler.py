@@ -57,7 +57,7 @@ from voice_out.engine.request import (
     VoicePrompt,
 )
 from voice_out.engine.textfeed import BistreamFeed
-from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
+from voice_out.model.chunk_schedule import ChunkPlan, HopPolicy
 from voice_out.text.bistream import BistreamConfig
 
 Clock = Callable[[], float]
@@ -187,6 +187,12 @@ def _default_feed(voice: VoicePrompt, config: EngineConfig) -> TextFeed:
     return BistreamFeed(voice.prompt_text_ids, voice.prompt_speech_ids, feed_config)
 
 
+def hop_policy(config: EngineConfig) -> HopPolicy:
+    """The chunk hops of ``config`` (``engine.first_hop_tokens``, ``max_hop_tokens``,
+    ``hop_growth``): the scheduler's schedules and the runner's token2wav streams use this one."""
+    return HopPolicy(config.first_hop_tokens, config.max_hop_tokens, config.hop_growth)
+
+
 class Scheduler:
     """Decides what each worker step does (see the module docstring). Worker thread only."""
 
@@ -204,6 +210,7 @@ class Scheduler:
         if max_chunks_per_step < 1:
             raise ValueError("max_chunks_per_step must be >= 1")
         self.config = config
+        self.hops = hop_policy(config)
         self.clock = clock
         self.forced = forced
         self.max_chunks_per_step = max_chunks_per_step
@@ -249,12 +256,8 @@ class Scheduler:
             voice=voice,
             feed=self._feed_factory(voice, self.config),
             pipeline=self._pipeline_factory(),
-            schedule=ChunkSchedule(
-                prompt_tokens=voice.flow_prompt_tokens,
-                first_hop=self.config.first_hop_tokens,
-                max_hop=self.config.max_hop_tokens,
-                hop_growth=self.config.hop_growth,
-                fast_first=self.config.fast_first_tokens if fast_first is None else fast_first,
+            schedule=self.hops.schedule(
+                voice.flow_prompt_tokens, self.config.fast_first_tokens if fast_first is None else fast_first
             ),
             seed=seed,
             arrival_time=self.clock(),

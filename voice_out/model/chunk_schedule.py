@@ -183,11 +183,32 @@ class ChunkSchedule:
         self.hop = hop
 
 
+@dataclass(frozen=True)
+class HopPolicy:
+    """How every request's hop goes (see the module docstring): its first hop, the largest hop
+    and how it grows ("double" or "buffered"). The engine makes one from its config; the
+    scheduler's and token2wav's schedules of a request both come from it, so they agree."""
+
+    first_hop: int = CHUNK_SIZE_TOKENS
+    max_hop: int = MAX_HOP_TOKENS
+    growth: str = "double"
+
+    def schedule(self, prompt_tokens: int = 0, fast_first: int = 0) -> ChunkSchedule:
+        """A new request's schedule (ValueError for a policy or ``fast_first`` out of range)."""
+        return ChunkSchedule(
+            prompt_tokens=prompt_tokens,
+            first_hop=self.first_hop,
+            max_hop=self.max_hop,
+            hop_growth=self.growth,
+            fast_first=fast_first,
+        )
+
+
 def plan_all(
     n_tokens: int, prompt_tokens: int, first_hop: int = CHUNK_SIZE_TOKENS, fast_first: int = 0
 ) -> list[ChunkPlan]:
     """The whole schedule of a request whose ``n_tokens`` speech tokens are all known."""
-    schedule = ChunkSchedule(prompt_tokens=prompt_tokens, first_hop=first_hop, fast_first=fast_first)
+    schedule = HopPolicy(first_hop=first_hop).schedule(prompt_tokens, fast_first)
     plans: list[ChunkPlan] = []
     while (plan := schedule.ready(n_tokens, llm_finished=True)) is not None:
         plans.append(plan)

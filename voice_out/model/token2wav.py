@@ -68,11 +68,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from voice_out.model.chunk_schedule import CHUNK_SIZE_TOKENS, MAX_HOP_TOKENS, ChunkPlan, ChunkSchedule
+from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy
 from voice_out.model.cuda_graphs import GraphedFn
 from voice_out.model.hift import HiFT
 from voice_out.model.transfer import to_device
 
+#: upstream's hops (25, 50, 100): what a stream gets unless told otherwise
+DEFAULT_HOPS = HopPolicy()
 MEL_FRAMES_PER_TOKEN = 2  # token_mel_ratio: 25 Hz tokens, 50 Hz mel
 HIFT_CACHE_FRAMES = 8  # vocoder overlap between chunks (160 ms)
 #: The ``GraphedFn`` family of every token2wav graph: they replay alongside the LLM's graphs
@@ -248,9 +250,7 @@ class Token2WavStream:
         prompt_feat: Tensor,
         embedding: Tensor,
         *,
-        first_hop: int = CHUNK_SIZE_TOKENS,
-        max_hop: int = MAX_HOP_TOKENS,
-        hop_growth: str = "double",
+        hops: HopPolicy = DEFAULT_HOPS,
         fast_first: int = 0,
         flow_path: FlowPath | None = None,
         noise: torch.Generator | None = None,
@@ -264,9 +264,7 @@ class Token2WavStream:
         dev = self.model.device
         self.prompt_token, self.prompt_feat = prompt_token.to(dev), prompt_feat.to(dev)
         self.embedding = embedding.to(dev)
-        self.schedule.max_hop = max_hop
-        self.schedule.hop_growth = hop_growth
-        self.schedule.reset(int(prompt_token.shape[-1]), first_hop, fast_first)
+        self.schedule = hops.schedule(int(prompt_token.shape[-1]), fast_first)
         self.hift_cache.reset()
         if flow_path is not None:
             self.flow_path = flow_path
@@ -367,9 +365,7 @@ class Token2Wav:
         n_tokens: int,
         max_batch: int,
         *,
-        first_hop: int = CHUNK_SIZE_TOKENS,
-        max_hop: int = MAX_HOP_TOKENS,
-        hop_growth: str = "double",
+        hops: HopPolicy = DEFAULT_HOPS,
         fast_first: int = 0,
     ) -> list[tuple[int, int]]:
         """The (bucket, T) keys of the grouped batched chunks that streams of this prompt length
@@ -379,13 +375,7 @@ class Token2Wav:
         if not self.batch_buckets or max_batch < 2:
             return []
         buckets = sorted({self._bucket(n) for n in range(2, min(max_batch, self.batch_buckets[-1]) + 1)})
-        sched = ChunkSchedule(
-            prompt_tokens=prompt_tokens,
-            first_hop=first_hop,
-            max_hop=max_hop,
-            hop_growth=hop_growth,
-            fast_first=fast_first,
-        )
+        sched = hops.schedule(prompt_tokens, fast_first)
         lengths: list[int] = []
         while (plan := sched.ready(n_tokens, llm_finished=True)) is not None and not plan.finalize:
             total = prompt_tokens + plan.token_len - sched.lookahead
@@ -406,9 +396,7 @@ class Token2Wav:
         embedding: Tensor,
         n_tokens: int,
         *,
-        first_hop: int = CHUNK_SIZE_TOKENS,
-        max_hop: int = MAX_HOP_TOKENS,
-        hop_growth: str = "double",
+        hops: HopPolicy = DEFAULT_HOPS,
         fast_first: int = 0,
         max_batch: int = 1,
     ) -> int:
@@ -421,15 +409,7 @@ class Token2Wav:
         if self._graph_flow is None:
             return 0
         self._capturing = True
-        stream = self.open_stream(
-            prompt_token,
-            prompt_feat,
-            embedding,
-            first_hop=first_hop,
-            max_hop=max_hop,
-            hop_growth=hop_growth,
-            fast_first=fast_first,
-        )
+        stream = self.open_stream(prompt_token, prompt_feat, embedding, hops=hops, fast_first=fast_first)
         # placeholder speech ids; the extra chunk's worth covers a final chunk rounded up
         dummy = [(7 * i + 1) % 6561 for i in range(n_tokens + stream.schedule.chunk_size)]
         try:
@@ -441,15 +421,7 @@ class Token2Wav:
         prompt_token, prompt_feat = prompt_token.to(self.device), prompt_feat.to(self.device)
         embedding = embedding.to(self.device)
         n_prompt = int(prompt_token.shape[1])
-        keys = self.batch_keys(
-            n_prompt,
-            n_tokens,
-            max_batch,
-            first_hop=first_hop,
-            max_hop=max_hop,
-            hop_growth=hop_growth,
-            fast_first=fast_first,
-        )
+        keys = self.batch_keys(n_prompt, n_tokens, max_batch, hops=hops, fast_first=fast_first)
         for bucket, total in keys:
             assert graph is not None
             token = self._as_tokens(dummy[: total - n_prompt + stream.schedule.lookahead])
@@ -467,7 +439,7 @@ class Token2Wav:
                     [(token, prompt_token, prompt_feat, embedding)], total
                 )
                 final.capture(total, ids, n_valid, emb, cond)
-        self._capture_final_vocoder(stream)
+        self._capture_final_vocoder(stream, hops, fast_first)
         graphs = (
             self._graph_flow,
             self._graph_flow_batch,
@@ -477,8 +449,9 @@ class Token2Wav:
         )
         return sum(len(g.captured_keys) for g in graphs if g is not None)
 
-    def _capture_final_vocoder(self, stream: Token2WavStream) -> None:
-        """Capture the vocoder of every final chunk ``stream``'s schedule can end with (start-up).
+    def _capture_final_vocoder(self, stream: Token2WavStream, hops: HopPolicy, fast_first: int) -> None:
+        """Capture the vocoder of every final chunk a stream like ``stream`` (its prompt, ``hops``
+        and ``fast_first``) can end with (start-up).
 
         A final chunk's mel has a length of its own: the tokens left after the last chunk, fewer
         than a hop plus the lookahead (so 0 .. max_hop + lookahead - 1 new tokens after the
@@ -488,19 +461,13 @@ class Token2Wav:
         fresh, cached = self._graph_hift, self._graph_hift_cached
         if fresh is None or cached is None:
             return
-        sched = stream.schedule
+        first = hops.schedule(stream.schedule.prompt_tokens, fast_first)  # as it starts: its first hop
         per = MEL_FRAMES_PER_TOKEN
         mels = self.hift.dims.in_channels
         source = torch.zeros_like(stream.hift_cache.source)
-        first = ChunkSchedule(  # the schedule as it starts: its first hop
-            prompt_tokens=sched.prompt_tokens,
-            first_hop=sched.first_hop,
-            max_hop=sched.max_hop,
-            fast_first=sched.fast_first,
-        )
-        for k in range(1, first.hop_now + sched.lookahead):
+        for k in range(1, first.hop_now + first.lookahead):
             fresh.capture(per * k, torch.zeros(1, mels, per * k, device=self.device))
-        for k in range(sched.max_hop + sched.lookahead):
+        for k in range(hops.max_hop + first.lookahead):
             n = self.cache_frames + per * k
             cached.capture(n, torch.zeros(1, mels, n, device=self.device), source)
 
@@ -516,9 +483,7 @@ class Token2Wav:
         prompt_feat: Tensor,
         embedding: Tensor,
         *,
-        first_hop: int = CHUNK_SIZE_TOKENS,
-        max_hop: int = MAX_HOP_TOKENS,
-        hop_growth: str = "double",
+        hops: HopPolicy = DEFAULT_HOPS,
         fast_first: int = 0,
         flow_path: FlowPath = "rerun",
         noise: torch.Generator | None = None,
@@ -527,8 +492,8 @@ class Token2Wav:
         """A new per-request state.
 
         ``fast_first``: tokens of a fast first chunk (0 = off; see ``chunk_schedule``).
-        ``first_hop`` / ``max_hop`` (multiples of 25) must match the engine's own schedule for
-        the request; ``noise`` None = deterministic vocoder source; ``flow_prompt`` as in
+        ``hops``: the hop policy, the same as the engine's own schedule for the request uses;
+        ``noise`` None = deterministic vocoder source; ``flow_prompt`` as in
         :meth:`Token2WavStream.reset`.
         """
         stream = Token2WavStream(
@@ -536,13 +501,7 @@ class Token2Wav:
             prompt_token=prompt_token.to(self.device),
             prompt_feat=prompt_feat.to(self.device),
             embedding=embedding.to(self.device),
-            schedule=ChunkSchedule(
-                prompt_tokens=int(prompt_token.shape[-1]),
-                first_hop=first_hop,
-                max_hop=max_hop,
-                hop_growth=hop_growth,
-                fast_first=fast_first,
-            ),
+            schedule=hops.schedule(int(prompt_token.shape[-1]), fast_first),
             hift_cache=HiFTCache.allocate(
                 self.hift.dims.in_channels, self.cache_frames, self.samples_per_frame, self.device
             ),
