@@ -25,7 +25,7 @@ TINY = REPO_ROOT / "configs" / "models" / "tiny"
 
 def _stream_all(t2w: Token2Wav, flow_path: str, n_prompt: int, n_tokens: int, device: str) -> list[torch.Tensor]:
     token, feat, emb = random_voice(n_prompt, device)
-    prepared = t2w.preparerandom_voice(token, feat, emb) if flow_path == "cached" else None
+    prepared = t2w.prepare_voice(token, feat, emb) if flow_path == "cached" else None
     stream = t2w.open_stream(token, feat, emb, flow_path=flow_path, flow_prompt=prepared)  # type: ignore[arg-type]
     speech = torch.randint(0, 6561, (n_tokens,), generator=torch.Generator().manual_seed(9)).tolist()
     return [c.clone() for c in t2w.stream_all(stream, speech)]
