@@ -100,3 +100,10 @@ def random_voice(n_prompt: int, device: str = "cpu", seed: int = 5) -> tuple[Any
     feat = torch.randn(1, 2 * n_prompt, 80, generator=g).cumsum(1) * 0.05 - 6.0
     emb = torch.randn(1, 192, generator=g)
     return token.to(device), feat.to(device), emb.to(device)
+
+
+def random_speech(n: int, seed: int) -> list[int]:
+    """``n`` random speech token ids."""
+    import torch
+
+    return [int(t) for t in torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(seed))]

@@ -5,22 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, random_voice
+from tests.conftest import REPO_ROOT, random_speech, random_voice
 from voice_out.config import ConfigError, EngineConfig
 from voice_out.model.checkpoint import random_flow, random_hift
-from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy
+from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy, plan_all
 from voice_out.model.token2wav import Token2Wav
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def plans_of(n_tokens: int, prompt: int, growth: str, fast_first: int = 0) -> list[ChunkPlan]:
-    schedule = HopPolicy(growth=growth).schedule(prompt, fast_first)
-    plans = []
-    while (plan := schedule.ready(n_tokens, llm_finished=True)) is not None:
-        plans.append(plan)
-        schedule.commit(plan)
-    return plans
+    return plan_all(n_tokens, prompt, HopPolicy(growth=growth), fast_first)
 
 
 def test_doubling_is_upstreams_and_buffered_waits_one_chunk() -> None:
@@ -55,10 +51,9 @@ def test_bad_growth_is_rejected() -> None:
 
 
 def test_token2wav_follows_the_buffered_schedule() -> None:
-    torch.set_num_threads(1)
     t2w = Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
     token, feat, emb = random_voice(50, seed=3)
-    speech = torch.randint(0, 6561, (160,), generator=torch.Generator().manual_seed(3)).tolist()
+    speech = random_speech(160, 3)
     out = {}
     for growth in ("double", "buffered"):
         stream = t2w.open_stream(token, feat, emb, hops=HopPolicy(growth=growth))

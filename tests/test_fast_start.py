@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, random_voice
+from tests.conftest import REPO_ROOT, random_speech, random_voice
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkSchedule, plan_all
 from voice_out.model.token2wav import Token2Wav
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("prompt", [0, 13, 75, 87, 150])
@@ -40,10 +41,9 @@ def test_first_audio_needs_fast_plus_lookahead_tokens() -> None:
 
 
 def test_fast_start_cached_equals_rerun_and_keeps_every_sample() -> None:
-    torch.set_num_threads(1)
     t2w = Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
     token, feat, emb = random_voice(50, seed=2)
-    speech = torch.randint(0, 6561, (140,), generator=torch.Generator().manual_seed(2)).tolist()
+    speech = random_speech(140, 2)
     out = {}
     for path in ("rerun", "cached"):
         prepared = t2w.prepare_voice(token, feat, emb) if path == "cached" else None

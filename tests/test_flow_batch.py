@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, random_speech, random_voice
 from tests.test_flow_streaming import inputs, make_flow, tiny_dims
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkPlan
@@ -183,19 +183,8 @@ class BatchSpy:
         return out
 
 
-def voice(n_prompt: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    token = torch.randint(0, 6561, (1, n_prompt), generator=g, dtype=torch.int32)
-    feat = torch.randn(1, 2 * n_prompt, 80, generator=g).cumsum(1) * 0.05 - 6.0
-    return token, feat, torch.randn(1, 192, generator=g)
-
-
-def speech(n: int, seed: int) -> list[int]:
-    return [int(t) for t in torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(seed))]
-
-
 def open_stream(t2w: Token2Wav, n_prompt: int, seed: int, **kw: Any) -> Token2WavStream:
-    token, feat, emb = voice(n_prompt, seed)
+    token, feat, emb = random_voice(n_prompt, seed=seed)
     if kw.get("flow_path") == "cached":
         kw["flow_prompt"] = t2w.prepare_voice(token, feat, emb)
     return t2w.open_stream(token, feat, emb, **kw)
@@ -215,7 +204,7 @@ STREAMS: list[tuple[int, int, dict[str, Any]]] = [
 def run_together(t2w: Token2Wav, starts: list[int]) -> tuple[list[list[Tensor]], list[Token2WavStream]]:
     """Stream k joins at round ``starts[k]``; each round runs every ready chunk in one call."""
     streams = [open_stream(t2w, p, 40 + k, **kw) for k, (p, _, kw) in enumerate(STREAMS)]
-    tokens = [speech(n, 60 + k) for k, (_, n, _) in enumerate(STREAMS)]
+    tokens = [random_speech(n, 60 + k) for k, (_, n, _) in enumerate(STREAMS)]
     out: list[list[Tensor]] = [[] for _ in STREAMS]
     for rnd in range(100):
         ready = []
@@ -235,12 +224,11 @@ def run_alone(t2w: Token2Wav) -> list[list[Tensor]]:
     out = []
     for k, (p, n, kw) in enumerate(STREAMS):
         stream = open_stream(t2w, p, 40 + k, **kw)
-        out.append([c.clone() for c in t2w.stream_all(stream, speech(n, 60 + k))])
+        out.append([c.clone() for c in t2w.stream_all(stream, random_speech(n, 60 + k))])
     return out
 
 
 def test_run_chunks_equals_each_stream_alone(t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
-    torch.set_num_threads(1)
     alone = run_alone(t2w)
     spy = BatchSpy(t2w, monkeypatch)
     together, streams = run_together(t2w, starts=[0, 0, 1, 2, 0, 1])
@@ -263,10 +251,9 @@ def test_run_chunks_equals_each_stream_alone(t2w: Token2Wav, monkeypatch: pytest
 
 
 def test_one_batchable_chunk_runs_alone_bit_for_bit(t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
-    torch.set_num_threads(1)
     spy = BatchSpy(t2w, monkeypatch)
     a, b = open_stream(t2w, 10, 1), open_stream(t2w, 10, 1)
-    tokens = speech(60, 2)
+    tokens = random_speech(60, 2)
     plan = a.ready_chunk(len(tokens), False)
     assert plan is not None and t2w.batchable(a, plan)
     (got,) = t2w.run_chunks([(a, plan, tokens)])
@@ -275,7 +262,7 @@ def test_one_batchable_chunk_runs_alone_bit_for_bit(t2w: Token2Wav, monkeypatch:
 
 def test_a_bad_pair_fails_before_any_stream_moves(t2w: Token2Wav) -> None:
     a, b = open_stream(t2w, 10, 3), open_stream(t2w, 37, 4)
-    tokens = speech(60, 5)
+    tokens = random_speech(60, 5)
     pa, pb = a.ready_chunk(60, False), b.ready_chunk(60, False)
     assert pa is not None and pb is not None
     with pytest.raises(ValueError, match="needs"):
@@ -287,10 +274,9 @@ def test_a_bad_pair_fails_before_any_stream_moves(t2w: Token2Wav) -> None:
 
 
 def test_a_chunk_failing_after_the_flow_pass_fails_alone(t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
-    torch.set_num_threads(1)
     streams = [open_stream(t2w, p, 7 + k) for k, p in enumerate([10, 37, 0])]
     refs = [open_stream(t2w, p, 7 + k) for k, p in enumerate([10, 37, 0])]
-    tokens = speech(80, 6)
+    tokens = random_speech(80, 6)
     plans = [s.ready_chunk(80, False) for s in streams]
     finish = t2w._finish_chunk
 

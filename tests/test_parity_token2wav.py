@@ -147,7 +147,7 @@ def test_schedule_of_case_f(case_f: dict[str, Any]) -> None:
 def test_schedule_with_first_hop_100_is_upstreams_second_request(cases_dir: Path) -> None:
     """Case f2: upstream's leaked hop (100) as an explicit per-request first hop."""
     f2 = load_case(cases_dir, "f2_quirk_second_stream_call")
-    plans = plan_all(int(f2["token"].shape[1]), int(f2["prompt_token"].shape[1]), first_hop=100)
+    plans = plan_all(int(f2["token"].shape[1]), int(f2["prompt_token"].shape[1]), HopPolicy(first_hop=100))
     assert [p.token_len for p in plans] == f2["second_call_chunk_token_len"].tolist()
     assert [p.n_samples() for p in plans] == f2["second_call_chunk_samples"].tolist()
     default = plan_all(int(f2["token"].shape[1]), int(f2["prompt_token"].shape[1]))
@@ -158,7 +158,7 @@ def test_schedule_with_first_hop_100_is_upstreams_second_request(cases_dir: Path
 @pytest.mark.parametrize("first_hop", [25, 50, 100])
 def test_schedule_properties(prompt_tokens: int, first_hop: int) -> None:
     for n_tokens in [0, 1, 27, 28 + 25, 140, 333, 1000]:
-        plans = plan_all(n_tokens, prompt_tokens, first_hop)
+        plans = plan_all(n_tokens, prompt_tokens, HopPolicy(first_hop=first_hop))
         assert plans[-1].finalize and not any(p.finalize for p in plans[:-1])
         assert sum(p.n_samples() for p in plans) == SAMPLES_PER_TOKEN * n_tokens
         hops = [p.hop_tokens for p in plans[:-1]]

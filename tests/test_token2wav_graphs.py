@@ -9,12 +9,11 @@ checked there against ``run_chunk`` per stream (within 1e-5, tiny random models)
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, random_voice
+from tests.conftest import REPO_ROOT, random_speech, random_voice
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkPlan
 from voice_out.model.cuda_graphs import GraphedFn, graphs_disabled
@@ -59,15 +58,7 @@ def test_graphed_token2wav_equals_eager(flow_path: str) -> None:
 
 
 def _open(t2w: Token2Wav, n_prompt: int, seed: int, device: str = "cpu") -> Token2WavStream:
-    g = torch.Generator().manual_seed(seed)
-    token = torch.randint(0, 6561, (1, n_prompt), generator=g, dtype=torch.int32)
-    feat = torch.randn(1, 2 * n_prompt, 80, generator=g).cumsum(1) * 0.05 - 6.0
-    emb = torch.randn(1, 192, generator=g)
-    return t2w.open_stream(token.to(device), feat.to(device), emb.to(device))
-
-
-def _speech(n: int, seed: int) -> list[int]:
-    return [int(t) for t in torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(seed))]
+    return t2w.open_stream(*random_voice(n_prompt, device, seed))
 
 
 def _fork(t2w: Token2Wav, stream: Token2WavStream) -> Token2WavStream:
@@ -97,12 +88,8 @@ GROUPS: dict[int, list[tuple[int, int]]] = {
 
 
 @pytest.fixture(scope="module")
-def cpu_t2w() -> Iterator[Token2Wav]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    t2w = Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
-    yield t2w
-    torch.set_num_threads(before)
+def cpu_t2w(one_torch_thread: None) -> Token2Wav:
+    return Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
 
 
 def _mixed_chunks(t2w: Token2Wav) -> tuple[list[tuple[Token2WavStream, ChunkPlan, list[int]]], list[torch.Tensor]]:
@@ -113,7 +100,7 @@ def _mixed_chunks(t2w: Token2Wav) -> tuple[list[tuple[Token2WavStream, ChunkPlan
     for total, members in GROUPS.items():
         for k, (n_prompt, index) in enumerate(members):
             stream = _open(t2w, n_prompt, seed=total + k)
-            tokens = _speech(200, seed=1000 + total + k)
+            tokens = random_speech(200, seed=1000 + total + k)
             for _ in range(index):  # earlier chunks, alone
                 plan = stream.ready_chunk(len(tokens), llm_finished=False)
                 assert plan is not None
@@ -232,7 +219,7 @@ def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, monkeypatch: pyt
 
     def rounds() -> list[list[torch.Tensor]]:
         streams = [_open(t2w, p, seed=20 + k, device="cuda") for k, p in enumerate(prompts)]
-        tokens = [_speech(150 + 7 * k, seed=40 + k) for k in range(len(prompts))]
+        tokens = [random_speech(150 + 7 * k, seed=40 + k) for k in range(len(prompts))]
         out: list[list[torch.Tensor]] = [[] for _ in prompts]
         for rnd in range(50):
             ready = []
@@ -278,7 +265,7 @@ def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, monkeypatch: pyt
         with graphs_disabled():
             for k, p in enumerate(prompts):
                 stream = _open(t2w, p, seed=20 + k, device="cuda")
-                alone = list(t2w.stream_all(stream, _speech(150 + 7 * k, seed=40 + k)))
+                alone = list(t2w.stream_all(stream, random_speech(150 + 7 * k, seed=40 + k)))
                 for a, b in zip(got[k], alone, strict=True):
                     torch.testing.assert_close(a, b, atol=tol, rtol=0)
                     err = max(err, float((a - b).abs().max()))

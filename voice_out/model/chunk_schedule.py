@@ -204,11 +204,10 @@ class HopPolicy:
         )
 
 
-def plan_all(
-    n_tokens: int, prompt_tokens: int, first_hop: int = CHUNK_SIZE_TOKENS, fast_first: int = 0
-) -> list[ChunkPlan]:
-    """The whole schedule of a request whose ``n_tokens`` speech tokens are all known."""
-    schedule = HopPolicy(first_hop=first_hop).schedule(prompt_tokens, fast_first)
+def plan_all(n_tokens: int, prompt_tokens: int, hops: HopPolicy | None = None, fast_first: int = 0) -> list[ChunkPlan]:
+    """The whole schedule of a request whose ``n_tokens`` speech tokens are all known (``hops``
+    None: upstream's)."""
+    schedule = (hops or HopPolicy()).schedule(prompt_tokens, fast_first)
     plans: list[ChunkPlan] = []
     while (plan := schedule.ready(n_tokens, llm_finished=True)) is not None:
         plans.append(plan)
