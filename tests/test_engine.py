@@ -616,7 +616,6 @@ def test_a_real_model_directory_speaks_in_a_registered_voice(parity_dir: Path, t
 def test_the_graphed_llm_path_speaks_like_the_eager_one(engine: Engine) -> None:
     """``voice_out.model.llm_graphs`` (its eager code on the CPU): same audio as the plain path,
     and real sampling (no forced tokens) runs through its decode+sample step."""
-    pytest.importorskip("voice_out.model.llm_graphs")
     texts = [["graphs ", "or not"], ["x"]]
     eager = [solo(engine, 60 + i, t) for i, t in enumerate(texts)]
     kw: dict[str, object] = {"warmup": True, "text_normalizer": "none", "noise_prompt_tokens": 0, "kv_len": 512}

@@ -54,12 +54,10 @@ def _decode_reference(
     return ras_sample_batch(mask_eos_(lm.logprobs(h), masked, lm.dims.eos_token), hist, u, SamplingParams())
 
 
-def _run_equivalence(device: str, dtype: torch.dtype, enabled: bool) -> None:
+def _run_equivalence(device: str, dtype: torch.dtype) -> None:
     lm, ref, fast = _setup(device, dtype)
     params = SamplingParams()
-    fast_llm = GraphedLLM(
-        lm, fast, params, decode_buckets=(1, 2, 4), decode_windows=(32, 64), prefill_buckets=(8, 32), enabled=enabled
-    )
+    fast_llm = GraphedLLM(lm, fast, params, decode_buckets=(1, 2, 4), decode_windows=(32, 64), prefill_buckets=(8, 32))
     assert fast_llm.decode_windows == (32, 64, 96)
     fast_llm.capture_all()
     for slot, n in enumerate([9, 4, 20, 13, 30]):
@@ -97,13 +95,13 @@ def test_decode_window_too_small_for_the_cache_is_refused() -> None:
 
 
 def test_graphed_llm_eager_fallback_equals_reference_cpu() -> None:
-    _run_equivalence("cpu", torch.float32, enabled=True)  # CPU: graphs off, same code
+    _run_equivalence("cpu", torch.float32)  # CPU: graphs off, same code
 
 
 @pytest.mark.requires_cuda
 def test_graphed_llm_equals_eager_cuda_fp32() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
-    _run_equivalence("cuda", torch.float32, enabled=True)
+    _run_equivalence("cuda", torch.float32)
 
 
 @pytest.mark.requires_cuda
