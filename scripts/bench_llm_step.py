@@ -1,13 +1,16 @@
 """Time one batched LLM decode step and a prompt prefill with random full-size weights.
 
 Builds the CosyVoice2-0.5B speech LM (dims from configs/models/cosyvoice2-0.5b) with random
-weights directly on the device, eager PyTorch (no CUDA graphs, no compile), and reports:
+weights directly on the device and reports:
 
-* ms per ``decode_step`` at each batch size (every stream already holding ``--prompt-len``
-  positions), for slots given as an index tensor (``gather``: K/V gathered) and for packed
-  slots 0..B-1 (``packed``), and for packed slots plus the head and batched RAS sampling
-  (``packed+head+ras``: the whole LLM part of one engine step, uniforms pre-drawn);
-* ms per ``prefill`` of a ``--prompt-len`` row prompt into one slot.
+* ms per eager ``decode_step`` at each batch size (every stream already holding
+  ``--prompt-len`` positions), for slots given as an index tensor (``gather``: K/V gathered)
+  and for packed slots 0..B-1 (``packed``), and for packed slots plus the head and batched RAS
+  sampling (``packed+head+ras``: the whole LLM part of one engine step, uniforms pre-drawn);
+* on CUDA, the same step as the engine runs it: ``GraphedLLM.decode_sample`` replayed from its
+  CUDA graph (``graphed+head+ras``; ``--compile`` compiles it first), and with ``--kernels``
+  the number of CUDA kernels of one eager step (torch profiler);
+* ms per ``prefill`` of a ``--prompt-len`` row prompt into one slot, eager and (CUDA) graphed.
 
 Median and p95 over ``--iters`` timed runs after ``--warmup`` runs; CUDA events on a GPU,
 ``perf_counter`` on the CPU. With ``OUT`` set the results also go to ``$OUT/llm_step.json``.
@@ -206,13 +209,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "dtype": args.dtype,
-        "mode": "eager",
+        "mode": "eager and CUDA graphs" if device.type == "cuda" else "eager",
         "prompt_len": args.prompt_len,
         "cache_max_len": args.max_len,
         "build_s": round(build_s, 2),
         "decode": {},
     }
-    print(f"{dims_dir.name}: {n_params / 1e6:.1f} M parameters, {args.dtype}, {result['device']}, eager")
+    print(f"{dims_dir.name}: {n_params / 1e6:.1f} M parameters, {args.dtype}, {result['device']}, {result['mode']}")
     with torch.inference_mode():
         for batch in (int(b) for b in args.batches.split(",")):
             for name, packed, sampling in (
