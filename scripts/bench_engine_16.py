@@ -1,7 +1,7 @@
 """Engine benchmark: N concurrent streams (default 16) with a real-time listener each.
 
 Runs the in-process engine (no WebRTC) at the full CosyVoice2-0.5B shape with random weights
-(eager PyTorch), with the LLM forced to a fixed number of speech tokens per text token so that
+(eager PyTorch unless ``--cuda-graphs``), with the LLM forced to a fixed number of speech tokens per text token so that
 every stream speaks a realistic length. Each stream gets its text at once (or at ``--text-rate``
 characters per second, like an LLM streaming), and a simulated listener plays its audio in real
 time from the first chunk on, acknowledging what it has played (so back-pressure follows the
@@ -30,17 +30,11 @@ from pathlib import Path
 
 import torch
 
+from voice_out.bench.engine_bench import TEXT, text_of
 from voice_out.bench.listener import Listener, percentile, run_stream
 from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig
-from voice_out.engine.api import SAMPLE_RATE
 from voice_out.engine.engine import Engine
 from voice_out.engine.scheduler import ForcedTokens
-
-TEXT = (
-    "Sure! I can help with that. Your order shipped this morning, and it should arrive on Thursday "
-    "before noon. Would you like me to send the tracking link to your phone, or to your email address? "
-    "I can also set a reminder for the delivery window if that helps. "
-)
 
 
 async def bench(engine: Engine, args: argparse.Namespace, stats_out: dict[str, float]) -> list[Listener]:
@@ -84,11 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flow-path", default="rerun", choices=["rerun", "cached"])
     p.add_argument("--kv-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--cuda-graphs", action="store_true", help="graph the LLM step (default: eager)")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="engine.cuda_graphs: the LLM step and token2wav from CUDA graphs, 8 chunks per step (default: eager)",
+    )
     p.add_argument("--fast-first", type=int, default=0, help="tokens of a fast first chunk (0: upstream's 25)")
     p.add_argument("--json", help="also write the JSON result here")
     args = p.parse_args(argv)
-    args.text = (TEXT * (args.chars // len(TEXT) + 1))[: args.chars]
+    args.text = text_of(args.chars)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
@@ -100,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             max_text_chars=100_000,
             cuda_graphs=args.cuda_graphs,
             fast_first_tokens=args.fast_first,
+            max_chunks_per_step=args.max_chunks_per_step,
         ),
         server=ServerConfig(voices_dir=str(Path(os.devnull) / "none")),
     )
@@ -109,7 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         forced=ForcedTokens(args.tokens_per_text_token),
         kv_len=args.kv_len,
         flow_path=args.flow_path,
-        max_chunks_per_step=args.max_chunks_per_step,
         noise_prompt_tokens=args.prompt_tokens,
         text_normalizer="none",
     )
@@ -117,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     listeners = asyncio.run(bench(engine, args, engine_stats))
     wall = time.perf_counter() - t0
 
-    ttfa = [(lis.t_first - lis.t_text) * 1000 for lis in listeners if lis.t_first is not None]
-    audio_s = [lis.received / SAMPLE_RATE for lis in listeners]
+    ttfa = [1000 * t for lis in listeners if (t := lis.ttfa_s) is not None]
+    audio_s = [lis.audio_s for lis in listeners]
     lag = [
-        (lis.chunk_times[-1] - lis.t_first - lis.stall_s) - (lis.received / SAMPLE_RATE)
+        (lis.chunk_times[-1] - lis.t_first - lis.stall_s) - lis.audio_s
         for lis in listeners
         if lis.t_first is not None and lis.chunk_times
     ] or [float("nan")]
@@ -162,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": wall,
         "per_stream": [
             {k: v for k, v in asdict(lis).items() if k != "chunk_times"}
-            | {"ttfa_ms": (lis.t_first - lis.t_text) * 1000 if lis.t_first else None, "chunks": len(lis.chunk_times)}
+            | {"ttfa_ms": 1000 * lis.ttfa_s if lis.ttfa_s is not None else None, "chunks": len(lis.chunk_times)}
             for lis in listeners
         ],
     }
