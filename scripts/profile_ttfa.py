@@ -17,36 +17,26 @@ import asyncio
 import json
 import os
 import sys
-import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.timing import time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.engine import Engine  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
-from voice_out.engine.scheduler import ForcedTokens  # noqa: E402
 from voice_out.model.token2wav import Token2Wav  # noqa: E402
 
 TIMES: dict[str, list[float]] = {}
 
 
 async def one(engine: Engine, text: str) -> float:
+    """One utterance, the whole text at once: ms to its first chunk (the bench's measurement)."""
     TIMES.clear()
-    stream = engine.open_stream()
-    t0 = time.perf_counter()
-    stream.push_text(text)
-    stream.end_text()
-    async for _ in stream:
-        break
-    ttfa = (time.perf_counter() - t0) * 1e3
-    stream.cancel()
-    await engine.await_idle()
-    return ttfa
+    return 1e3 * await eb.first_chunk_s(engine, 0, [text], 0.0, timeout_s=120.0)
 
 
 def main() -> None:
@@ -59,15 +49,9 @@ def main() -> None:
     args = p.parse_args()
     over = parse_overrides([f"model.model={args.model}", f"model.device={args.device}"])
     over.setdefault("engine", {})["fast_first_tokens"] = args.fast_first
-    cfg = load_config(None, environ={}, overrides=over)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        engine = Engine.load(
-            cfg, forced=ForcedTokens(3), kv_len=1024, noise_prompt_tokens=args.prompt_tokens, text_normalizer="none"
-        )
-    text = ("Sure! I can help with that. Your order shipped this morning, and it should arrive soon. " * 3)[
-        : args.chars
-    ]
+    opts = eb.EngineBenchOptions(streams=(1,), prompt_tokens=args.prompt_tokens, ttfa_chars=args.chars)
+    engine = eb.load_engine(eb.bench_config(load_config(None, environ={}, overrides=over), opts), opts)
+    text = eb.text_of(args.chars)
     labels: list[tuple[type, str, str]] = [
         (Runner, "execute", "step (all)"),
         (Runner, "_prefill", "LLM prefill"),
