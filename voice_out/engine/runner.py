@@ -16,12 +16,12 @@ GPU worker thread only: every method, the constructor excepted.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -45,6 +45,8 @@ from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2Wav, Toke
 from voice_out.model.transfer import to_device
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _KIND = {LlmInputKind.SOS: KIND_LLM, LlmInputKind.TASK: KIND_LLM, LlmInputKind.TEXT: KIND_TEXT}
 _KIND[LlmInputKind.SPEECH] = KIND_SPEECH
@@ -90,6 +92,20 @@ class _Live:
     t2w: Token2WavStream
 
 
+def _on_main_stream(method: Callable[Concatenate[Runner, P], R]) -> Callable[Concatenate[Runner, P], R]:
+    """A runner entry point that runs its CUDA work on the runner's own stream (one stream: its
+    admissions, resets and LLM steps stay in order; ``Runner.llm_stream_priority``)."""
+
+    @functools.wraps(method)
+    def on_stream(self: Runner, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self._main_stream is None:
+            return method(self, *args, **kwargs)
+        with torch.cuda.stream(self._main_stream):
+            return method(self, *args, **kwargs)
+
+    return on_stream
+
+
 class Runner:
     """Owns the model, the KV cache and per-request GPU state (see the module docstring)."""
 
@@ -98,12 +114,6 @@ class Runner:
     #: per group of chunks ending at the same length), the same audio within float rounding;
     #: False: one ``run_chunk`` per chunk, bit-identical to a stream running alone.
     batch_chunks: bool = True
-    #: CUDA: launch a step's token2wav chunks on the side stream and return their audio in a
-    #: later step, once done (``StepResult.inflight`` meanwhile), so LLM steps go on while the
-    #: flow runs; the scheduler plans no new chunk until they are back (``engine.pipeline_vocode``,
-    #: on by default). False: every step waits for its own chunks (they still overlap that
-    #: step's LLM work on the side stream).
-    pipeline_vocode: bool = True
     #: CUDA: the priority of the stream the runner's own work (LLM steps, admissions) runs on;
     #: token2wav's side stream has the default (0). Higher (-1): when both streams have work,
     #: the GPU starts the LLM step's small kernels first, so a step's latency does not grow
@@ -129,11 +139,15 @@ class Runner:
         fault_hook: FaultHook | None = None,
         graphs: bool = False,
         graph_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 48, 64),
-        pipeline_vocode: bool | None = None,
+        pipeline_vocode: bool = True,
     ) -> None:
         self.llm = llm
-        if pipeline_vocode is not None:
-            self.pipeline_vocode = pipeline_vocode
+        #: CUDA: launch a step's token2wav chunks on the side stream and return their audio in
+        #: a later step, once done (``StepResult.inflight`` meanwhile), so LLM steps go on while
+        #: the flow runs; the scheduler plans no new chunk until they are back
+        #: (``engine.pipeline_vocode``). False: every step waits for its own chunks (they still
+        #: overlap that step's LLM work on the side stream).
+        self.pipeline_vocode = pipeline_vocode
         self.t2w = t2w
         self.device = llm.llm_decoder.weight.device
         self.sampling = sampling or SamplingParams()
@@ -177,17 +191,9 @@ class Runner:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def _on_main_stream(self) -> contextlib.AbstractContextManager[Any]:
-        """Every entry point runs its CUDA work on the runner's own stream (one stream: its
-        admissions, resets and LLM steps stay in order)."""
-        return torch.cuda.stream(self._main_stream) if self._main_stream is not None else contextlib.nullcontext()
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        with self._on_main_stream():
-            return self._execute(plan)
-
+    @_on_main_stream
     @torch.inference_mode()
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan) -> StepResult:
         result = StepResult()
         for rel in plan.release:
             self._release(rel)
@@ -260,7 +266,6 @@ class Runner:
             done.record(side)
         if host:
             self._inflight.append(_Inflight(host, done))
-        result.inflight.update(rid for rid, _ in host)
 
     def _collect_vocode(self, result: StepResult, *, block: bool) -> None:
         """Hand back the audio of every finished launch (in launch order, the side stream's);
@@ -270,8 +275,7 @@ class Runner:
         while self._inflight and self._inflight[0].done.query():
             for request_id, buf in self._inflight.pop(0).audio:
                 result.audio[request_id] = buf.numpy().copy()
-                result.inflight.discard(request_id)
-        result.inflight.update(rid for f in self._inflight for rid, _ in f.audio)
+        result.inflight = {rid for f in self._inflight for rid, _ in f.audio}
 
     def _settle_vocode_reads(self) -> None:
         """Make the LLM stream wait for the launched chunks (GPU side, the host goes on): state
@@ -303,12 +307,9 @@ class Runner:
             del self.live[rel.request_id]
             self._t2w_pool.append(live.t2w)
 
+    @_on_main_stream
     def release_all(self) -> None:
         """Drop every request and reset every slot (after a failed step, or on shutdown)."""
-        with self._on_main_stream():
-            self._release_all()
-
-    def _release_all(self) -> None:
         self._settle_vocode()
         for rid in list(self.live):
             self._release(Release(rid, self.live[rid].slot, drop=True))
@@ -357,15 +358,12 @@ class Runner:
         self.slot_len[adm.slot] = 0
         self.live[adm.request_id] = _Live(adm.slot, stream_generator(adm.seed, self.device), stream)
 
+    @_on_main_stream
     def warmup(self, voice: FlowVoice) -> None:
         """Run every kind of work once (prefill, batched decode, sampling, a token2wav chunk),
         then reset: first-use costs (kernels, allocator) are paid before the first stream."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the weights, loaded on the default stream
-        with self._on_main_stream():
-            self._warmup(voice)
-
-    def _warmup(self, voice: FlowVoice) -> None:
         with torch.inference_mode():
             dims = self.llm.dims
             rows = [(KIND_LLM, 0)] + [(KIND_TEXT, i % dims.text_vocab_size) for i in range(7)]
@@ -396,15 +394,12 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @_on_main_stream
     def precapture(self, voice: FlowVoice, n_tokens: int = 500, *, max_batch: int = 1) -> int:
         """Capture the token2wav graphs of ``voice``'s prompt length for its first ``n_tokens``
         speech tokens (start-up, so no stream stalls on a capture later), with the batched-chunk
         graphs for steps of up to ``max_batch`` chunks (the engine passes its
         ``max_chunks_per_step``). Returns graphs held."""
-        with self._on_main_stream():
-            return self._precapture(voice, n_tokens, max_batch)
-
-    def _precapture(self, voice: FlowVoice, n_tokens: int, max_batch: int) -> int:
         token, feat, emb, _ = self._voice(voice)
         n = self.t2w.capture_stream_shapes(
             token,
