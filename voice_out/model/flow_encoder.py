@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from voice_out.model.flow_estimator import append_kv, causal_conv, chunk_mask
+from voice_out.model.flow_estimator import append_kv, causal_conv, chunk_mask, valid_keys
 
 if TYPE_CHECKING:
     from voice_out.model.flow import FlowDims, FlowStreamCache
@@ -59,13 +59,6 @@ def rel_index(start: int, t: int, tk: int, r_min: int, rows: int, device: torch.
     i = torch.arange(start, start + t, device=device).unsqueeze(1)
     j = torch.arange(tk, device=device).unsqueeze(0)
     return (i - j - r_min).clamp_(0, rows - 1)
-
-
-def valid_keys(n_valid: Tensor, length: int) -> Tensor:
-    """Key-padding "may attend" mask ``[B, 1, 1, length]`` (bool): key j of row b is real iff
-    ``j < n_valid[b]`` (``n_valid`` ``[B]`` int64, on the keys' device). No host sync."""
-    j = torch.arange(length, device=n_valid.device)
-    return (j[None, :] < n_valid[:, None]).view(-1, 1, 1, length)
 
 
 class RelPosAttention(nn.Module):

@@ -93,6 +93,13 @@ def causal_conv(conv: nn.Conv1d, x: Tensor, ctx: Tensor | None) -> Tensor:
     return conv(xp)
 
 
+def valid_keys(n_valid: Tensor, length: int) -> Tensor:
+    """Key-padding "may attend" mask ``[B, 1, 1, length]`` (bool): key j of row b is real iff
+    ``j < n_valid[b]`` (``n_valid`` ``[B]`` int64, on the keys' device). No host sync."""
+    j = torch.arange(length, device=n_valid.device)
+    return (j[None, :] < n_valid[:, None]).view(-1, 1, 1, length)
+
+
 def chunk_mask(q_start: int, q_len: int, k_len: int, chunk: int, device: torch.device) -> Tensor | None:
     """Chunk-causal "may attend" matrix ``[q_len, k_len]`` (bool) for queries at absolute
     positions ``q_start ..`` and keys ``0 .. k_len - 1``: j < chunk * (i // chunk + 1).
@@ -486,8 +493,7 @@ class Estimator(nn.Module):
         if key_frames is not None:
             if start != 0:
                 raise ValueError("key_frames (right padding) needs start = 0")
-            keys = torch.arange(n, device=mu.device)[None, :] < key_frames.to(mu.device)[:, None]  # [B, L]
-            keys = keys.view(b, 1, 1, n)
+            keys = valid_keys(key_frames.to(mu.device), n)  # [B, 1, 1, L]
             allowed = keys if allowed is None else allowed & keys
         mask = attention_bias(allowed, dtype) if allowed is not None else None
         scratch = torch.zeros(b, k - 1 + n, self.channels, device=mu.device, dtype=dtype)
