@@ -72,7 +72,7 @@ def _fork(t2w: Token2Wav, stream: Token2WavStream) -> Token2WavStream:
 
 
 def _total(stream: Token2WavStream, plan: ChunkPlan) -> int:
-    return stream.schedule.prompt_tokens + plan.token_len - stream.schedule.lookahead
+    return stream.schedule.flow_end(plan)
 
 
 # (prompt tokens, chunk index) of each stream, grouped by T = prompt + real tokens of that

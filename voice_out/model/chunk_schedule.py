@@ -161,6 +161,15 @@ class ChunkSchedule:
             return ChunkPlan(self.n_chunks, self.offset, n_available, n_available - self.offset, True)
         return None
 
+    def flow_end(self, plan: ChunkPlan) -> int:
+        """T of a non-final ``plan``: prompt + the tokens its audio covers (its lookahead
+        excluded), where its flow pass ends; a multiple of ``chunk_size`` on a boundary."""
+        return self.prompt_tokens + plan.token_len - self.lookahead
+
+    def round_up(self, n_tokens: int) -> int:
+        """``n_tokens`` rounded up to a whole flow chunk."""
+        return -(-n_tokens // self.chunk_size) * self.chunk_size
+
     def check(self, plan: ChunkPlan) -> None:
         """Raise ValueError unless ``plan`` is the next chunk of this schedule."""
         if self.finished or plan.index != self.n_chunks or plan.token_offset != self.offset:

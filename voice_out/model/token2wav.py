@@ -378,7 +378,7 @@ class Token2Wav:
         sched = hops.schedule(prompt_tokens, fast_first)
         lengths: list[int] = []
         while (plan := sched.ready(n_tokens, llm_finished=True)) is not None and not plan.finalize:
-            total = prompt_tokens + plan.token_len - sched.lookahead
+            total = sched.flow_end(plan)
             if total % sched.chunk_size == 0 and not (plan.index == 0 and fast_first):
                 lengths.append(total)
             sched.commit(plan)
@@ -431,9 +431,8 @@ class Token2Wav:
             graph.capture((bucket, total), ids, emb, cond)
         final = self._graph_flow_final
         if final is not None:  # the final chunk of an utterance ending anywhere in n_tokens
-            step = stream.schedule.chunk_size
-            first, last = -(-(n_prompt + 1) // step) * step, -(-(n_prompt + n_tokens) // step) * step
-            for total in range(first, last + 1, step):  # every multiple of the chunk a final can round to
+            sched = stream.schedule  # every multiple of the chunk a final can round to:
+            for total in range(sched.round_up(n_prompt + 1), sched.round_up(n_prompt + n_tokens) + 1, sched.chunk_size):
                 token = self._as_tokens(dummy[: total - n_prompt])
                 ids, n_valid, emb, cond, _ = cast(FinalFlow, self.flow).final_inputs(
                     [(token, prompt_token, prompt_feat, embedding)], total
@@ -585,8 +584,7 @@ class Token2Wav:
         args = self._rerun_args(stream, plan, token)
         start = MEL_FRAMES_PER_TOKEN * plan.token_offset
         graph = self._graph_flow_final if token.is_cuda else None
-        step = stream.schedule.chunk_size
-        total = -(-(stream.schedule.prompt_tokens + plan.token_len) // step) * step
+        total = stream.schedule.round_up(stream.schedule.prompt_tokens + plan.token_len)
         if graph is not None and (self._capturing or graph.has(total)):
             flow = cast(FinalFlow, self.flow)
             ids, n_valid, emb, cond, spans = flow.final_inputs([args], total)
@@ -642,8 +640,7 @@ class Token2Wav:
             return False
         if plan.index == 0 and stream.schedule.fast_first:
             return False
-        sched = stream.schedule
-        return (sched.prompt_tokens + plan.token_len - sched.lookahead) % sched.chunk_size == 0
+        return stream.schedule.flow_end(plan) % stream.schedule.chunk_size == 0
 
     @torch.inference_mode()
     def run_chunks(self, pairs: Sequence[tuple[Token2WavStream, ChunkPlan, Tensor | Sequence[int]]]) -> list[Tensor]:
@@ -717,7 +714,7 @@ class Token2Wav:
         groups: dict[int, list[int]] = {}
         for i in rows:
             stream, plan, _ = chunks[i]
-            groups.setdefault(stream.schedule.prompt_tokens + plan.token_len - stream.schedule.lookahead, []).append(i)
+            groups.setdefault(stream.schedule.flow_end(plan), []).append(i)
         top = self.batch_buckets[-1]
         mels: dict[int, Tensor] = {}
         for total, group in groups.items():
