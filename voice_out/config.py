@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from voice_out.errors import VoiceOutError
+from voice_out.model.chunk_schedule import HOP_GROWTHS
 
 ENV_PREFIX = "VOICE_OUT_"
 DEFAULT_MODEL = "FunAudioLLM/CosyVoice2-0.5B"
@@ -142,11 +143,11 @@ class EngineConfig:
             f"an integer in 1..max_hop_tokens ({self.max_hop_tokens})",
         )
         _check(
-            self.hop_growth in ("double", "buffered"),
+            self.hop_growth in HOP_GROWTHS,
             s,
             "hop_growth",
             self.hop_growth,
-            '"double" or "buffered"',
+            " or ".join(f'"{g}"' for g in HOP_GROWTHS),
         )
         _check(
             0 <= self.fast_first_tokens < self.first_hop_tokens,
