@@ -766,7 +766,8 @@ class Token2Wav:
         self, mel: Tensor, source: Tensor | None, noise: torch.Generator | None, final: bool
     ) -> tuple[Tensor, Tensor]:
         """HiFT, from a graph per mel length for deterministic calls (a final call only at a
-        length start-up captured, ``_capture_final_vocoder``)."""
+        length start-up captured, ``_capture_final_vocoder``). The speech is a tensor of its own;
+        from a graph the source is its output buffer, valid until the next call: read at once."""
         graph = self._graph_hift if source is None else self._graph_hift_cached
         if graph is None or noise is not None or not mel.is_cuda:
             return self.hift(mel, source, noise)
@@ -776,7 +777,7 @@ class Token2Wav:
             return self.hift(mel, source, noise)
         args = (mel.contiguous(),) if source is None else (mel.contiguous(), source)
         speech, src = graph(key, *args)
-        return speech.clone(), src.clone()
+        return speech.clone(), src  # the caller copies the source's tail into its cache now
 
     # -- conveniences --------------------------------------------------------------------------
 
