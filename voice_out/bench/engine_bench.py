@@ -47,7 +47,7 @@ import torch
 import voice_out
 from voice_out.bench.listener import Listener, percentile, run_stream
 from voice_out.bench.report import Report
-from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig
+from voice_out.config import Config, load_config
 from voice_out.engine.api import StreamClosedError
 from voice_out.engine.engine import Engine
 from voice_out.engine.loading import resolve_device
@@ -159,16 +159,6 @@ def gpu_name(cfg: Config) -> str:
 # cold start: a fresh process
 
 
-def _config_to_json(cfg: Config) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-def _config_from_json(d: dict[str, Any]) -> Config:
-    engine = dict(d["engine"])
-    engine["graph_batch_buckets"] = tuple(engine["graph_batch_buckets"])
-    return Config(model=ModelConfig(**d["model"]), engine=EngineConfig(**engine), server=ServerConfig(**d["server"]))
-
-
 def cold_start_child(spec_json: str) -> None:
     """Run in the fresh process: load and start the engine, print ``READY {json}``, close."""
     t0 = time.perf_counter()
@@ -177,7 +167,7 @@ def cold_start_child(spec_json: str) -> None:
     opts = EngineBenchOptions(**fields)
     if opts.threads > 0:
         torch.set_num_threads(opts.threads)
-    engine = load_engine(_config_from_json(spec["config"]), opts)
+    engine = load_engine(load_config(None, environ={}, overrides=spec["config"]), opts)
     t1 = time.perf_counter()
     engine.start(timeout=opts.timeout_s)
     t2 = time.perf_counter()
@@ -187,7 +177,7 @@ def cold_start_child(spec_json: str) -> None:
 
 def measure_cold_start(cfg: Config, opts: EngineBenchOptions) -> tuple[float, dict[str, float]]:
     """Seconds from spawning ``python -c`` to its engine being ready, and the child's breakdown."""
-    spec = json.dumps({"config": _config_to_json(cfg), "options": dataclasses.asdict(opts)})
+    spec = json.dumps({"config": dataclasses.asdict(cfg), "options": dataclasses.asdict(opts)})
     code = "import sys; from voice_out.bench.engine_bench import cold_start_child; cold_start_child(sys.argv[1])"
     env = dict(os.environ)
     root = str(Path(voice_out.__file__).resolve().parent.parent)
