@@ -265,11 +265,27 @@ class CapacityRound:
     streams: int
     listeners: list[Listener]
     failures: int
-    mean_step_ms: float
-    #: Seconds the worker spent in steps, and the round's wall time.
+    #: Engine steps in the round, the seconds the worker spent in them, and the wall time.
+    steps: int
     busy_s: float
     wall_s: float
     gpu_max_allocated_gib: float | None
+
+    @property
+    def ttfa_ms(self) -> list[float]:
+        return [1000 * t for lis in self.listeners if (t := lis.ttfa_s) is not None]
+
+    @property
+    def underruns(self) -> int:
+        return sum(lis.underruns for lis in self.listeners)
+
+    @property
+    def mean_step_ms(self) -> float:
+        return 1000 * self.busy_s / max(self.steps, 1)
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.busy_s / max(self.wall_s, 1e-9)
 
 
 async def capacity_round(
@@ -285,12 +301,11 @@ async def capacity_round(
     wall = time.perf_counter() - t0  # after the stats: every step they count ran within the wall time
     await engine.await_idle()
     listeners = [r for r in results if isinstance(r, Listener)]
-    steps = after.steps - before.steps
     return CapacityRound(
         streams=n,
         listeners=listeners,
         failures=n - len(listeners),
-        mean_step_ms=1000 * (after.busy_s - before.busy_s) / max(steps, 1),
+        steps=after.steps - before.steps,
         busy_s=after.busy_s - before.busy_s,
         wall_s=wall,
         gpu_max_allocated_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
@@ -301,9 +316,8 @@ def report_round(report: Report, r: CapacityRound, target_ms: float) -> bool:
     """Add one round's figures; True when the round met the capacity criteria: every stream
     spoke, zero underruns, p95 TTFA within ``target_ms``."""
     n = r.streams
-    ttfa = [1000 * t for lis in r.listeners if (t := lis.ttfa_s) is not None]
+    ttfa, underruns = r.ttfa_ms, r.underruns
     rtf = [x for lis in r.listeners if (x := lis.rtf) is not None]
-    underruns = sum(lis.underruns for lis in r.listeners)
     report.add_quantiles("capacity.ttfa", ttfa, "ms", n, QUANTILES)
     report.add("capacity.underruns", underruns, "count", n)
     report.add("capacity.streams_with_underruns", sum(1 for lis in r.listeners if lis.underruns), "streams", n)
@@ -317,7 +331,7 @@ def report_round(report: Report, r: CapacityRound, target_ms: float) -> bool:
     if sum(audio) > 0:
         # worker seconds per second of audio: the batched compute one second of a stream costs
         report.add("capacity.compute_rtf", r.busy_s / sum(audio), "x", n)
-    report.add("capacity.worker_busy", r.busy_s / max(r.wall_s, 1e-9), "fraction", n)
+    report.add("capacity.worker_busy", r.busy_fraction, "fraction", n)
     report.add("capacity.step_ms.mean", r.mean_step_ms, "ms", n)
     if r.gpu_max_allocated_gib is not None:
         report.add("capacity.gpu_mem.max_allocated", r.gpu_max_allocated_gib, "GiB", n)
@@ -325,11 +339,10 @@ def report_round(report: Report, r: CapacityRound, target_ms: float) -> bool:
 
 
 def round_summary(r: CapacityRound) -> str:
-    ttfa = [1000 * t for lis in r.listeners if (t := lis.ttfa_s) is not None]
+    ttfa = r.ttfa_ms
     return (
         f"TTFA p50 {percentile(ttfa, 0.5):.0f} ms p95 {percentile(ttfa, 0.95):.0f} ms, "
-        f"underruns {sum(lis.underruns for lis in r.listeners)}, failed {r.failures}, "
-        f"step {r.mean_step_ms:.1f} ms, busy {r.busy_s / max(r.wall_s, 1e-9):.0%}"
+        f"underruns {r.underruns}, failed {r.failures}, step {r.mean_step_ms:.1f} ms, busy {r.busy_fraction:.0%}"
     )
 
 
