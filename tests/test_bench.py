@@ -174,6 +174,7 @@ def test_webrtc_mode_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
     out = tmp_path / "webrtc.json"
     argv = ["bench", "--mode", "webrtc", "--model", "random:tiny", "--device", "cpu", "--quick", "--threads", "1"]
+    argv += ["--voice", "noise"]  # the built-in voice of random models, named
     assert main([*argv, "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     check_records(doc, "webrtc", "voice-out " + " ".join([*argv, "--out", str(out)]))

@@ -86,12 +86,6 @@ class Report:
         report.metrics = [Metric(**m) for m in doc["metrics"]]
         return report
 
-    def get(self, name: str, streams: int | None = None) -> Metric:
-        for m in self.metrics:
-            if m.name == name and (streams is None or m.streams == streams):
-                return m
-        raise KeyError(f"{name} (streams {streams})")
-
     def to_json(self) -> dict[str, Any]:
         return {
             "mode": self.mode,

@@ -50,6 +50,7 @@ class WebrtcBenchOptions:
     threads: int = 0
     #: A running server to measure instead of one started here.
     url: str | None = None
+    #: The voice every utterance names (None: the server's default voice).
     voice: str | None = None
     text_chars: int = 100
     #: Characters per ``text.delta`` (the deltas are sent back to back).

@@ -16,9 +16,6 @@ from voice_out.engine.request import VoicePrompt
 ADD_VOICE_HINT = 'add one with `voice-out voices add NAME prompt.wav "what is said in it"`'
 
 
-VoiceResolver = Callable[[str | None], VoicePrompt]
-
-
 class VoiceBook:
     """Voice name -> :class:`VoicePrompt` (token ids for the scheduler, tensors for the runner).
 
