@@ -8,8 +8,9 @@ weights directly on the device and reports:
   and for packed slots 0..B-1 (``packed``), and for packed slots plus the head and batched RAS
   sampling (``packed+head+ras``: the whole LLM part of one engine step, uniforms pre-drawn);
 * on CUDA, the same step as the engine runs it: ``GraphedLLM.decode_sample`` replayed from its
-  CUDA graph (``graphed+head+ras``; ``--compile`` compiles it first), and with ``--kernels``
-  the number of CUDA kernels of one eager step (torch profiler);
+  CUDA graph (``graphed+head+ras``; ``--compile`` compiles it first), and the same with the
+  Triton decode kernels where they can run (``graphed+head+ras+fused``); with ``--kernels``
+  the number of CUDA kernels of one eager step of each (torch profiler);
 * ms per ``prefill`` of a ``--prompt-len`` row prompt into one slot, eager and (CUDA) graphed.
 
 Median and p95 over ``--iters`` timed runs after ``--warmup`` runs; CUDA events on a GPU,
@@ -37,6 +38,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from voice_out.bench.timing import time_ms  # noqa: E402
+from voice_out.model import decode_kernels  # noqa: E402
 from voice_out.model.checkpoint import random_llm  # noqa: E402
 from voice_out.model.llm_graphs import GraphedLLM  # noqa: E402
 from voice_out.model.qwen2 import KVCache, SpeechLM  # noqa: E402
@@ -100,15 +102,16 @@ def bench_decode(
 
 
 def bench_graphed(
-    lm: SpeechLM, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+    lm: SpeechLM, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, fused: bool
 ) -> dict[str, float]:
-    """CUDA-graphed decode + head + RAS (the engine's fast path) at ``batch`` rows."""
+    """CUDA-graphed decode + head + RAS (the engine's fast path) at ``batch`` rows; ``fused``:
+    with the Triton decode kernels (``voice_out.model.decode_kernels``)."""
     cache = KVCache.allocate(lm.dims, batch + 1, args.max_len, device=device, dtype=dtype)
     params = SamplingParams()
-    fast = GraphedLLM(lm, cache, params, decode_buckets=(batch,), prefill_buckets=(), compile=args.compile)
+    fast = GraphedLLM(lm, cache, params, decode_buckets=(batch,), prefill_buckets=(), compile=args.compile, fused=fused)
     t0 = time.perf_counter()
     fast.capture_all()
-    print(f"  capture (compile={args.compile}) batch {batch}: {time.perf_counter() - t0:.1f} s")
+    print(f"  capture (compile={args.compile}, fused={fast.fused}) batch {batch}: {time.perf_counter() - t0:.1f} s")
     gen = torch.Generator(device=device).manual_seed(args.seed)
     prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
     for s in range(batch):
@@ -129,10 +132,11 @@ def bench_graphed(
 
 
 def count_kernels(
-    lm: SpeechLM, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+    lm: SpeechLM, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, fused: bool
 ) -> dict[str, Any]:
     """CUDA kernels launched by one eager decode step + head + RAS (what a graph replays), their
-    summed GPU time and the 12 costliest kernel names."""
+    summed GPU time and the 12 costliest kernel names; packed slots (row b = slot b, as the
+    graphs run it), ``fused``: with the Triton decode kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     cache = KVCache.allocate(lm.dims, batch + 1, args.max_len, device=device, dtype=dtype)
@@ -141,7 +145,6 @@ def count_kernels(
     prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
     for s in range(batch):
         lm.prefill(cache, s, prompt, start_pos=0)
-    slots = torch.arange(batch, device=device).flip(0)
     embeds = lm.embed_speech(torch.randint(0, lm.dims.speech_token_size, (batch,), generator=gen, device=device))
     history = new_history(batch, params, device)
     uniforms = torch.rand(batch, 2, generator=gen, device=device)
@@ -150,7 +153,8 @@ def count_kernels(
 
     def step() -> None:
         cache.lengths.copy_(base)
-        ras_sample_batch(lm.logprobs(lm.decode_step(cache, slots, embeds, kv_len=window)), history, uniforms, params)
+        hidden = lm.decode_step(cache, None, embeds, kv_len=window, fused=fused)
+        ras_sample_batch(lm.logprobs(hidden), history, uniforms, params)
 
     step()
     torch.cuda.synchronize(device)
@@ -163,7 +167,7 @@ def count_kernels(
         by_name.setdefault(e.name[:90], []).append(e.device_time_total / 1e3)
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
     total = sum(sum(v) for v in by_name.values())
-    print(f"  kernels batch {batch} window {window}: {len(kernels)} kernels, {total:.3f} ms of GPU time")
+    print(f"  kernels batch {batch} window {window} fused={fused}: {len(kernels)} kernels, {total:.3f} ms of GPU time")
     for name, times in top:
         print(f"    {len(times):5d} x  {sum(times):7.3f} ms  {name}")
     return {
@@ -190,6 +194,10 @@ def bench_prefill(lm: SpeechLM, args: argparse.Namespace, device: torch.device, 
     rows = [(0, 0)] + [(1, i % lm.dims.text_vocab_size) for i in range(args.prompt_len - 2)] + [(0, 1)]
     embeds = lm.embed_rows(rows)
     return summary(time_ms(lambda: lm.prefill(cache, 0, embeds, start_pos=0), device, args.warmup, args.iters))
+
+
+def decode_kernels_ok(lm: SpeechLM, device: torch.device, dtype: torch.dtype) -> bool:
+    return decode_kernels.available(device, dtype, lm.dims.head_dim, lm.dims.n_heads // lm.dims.n_kv_heads)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -229,13 +237,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"decode step  batch {batch:3d} {name:16s}"
                     f"  median {r['median_ms']:7.3f} ms  p95 {r['p95_ms']:7.3f} ms"
                 )
-            if device.type == "cuda" and args.kernels:
-                result["decode"][f"b{batch}_kernels"] = count_kernels(lm, batch, args, device, dtype)
-            if device.type == "cuda":
-                r = bench_graphed(lm, batch, args, device, dtype)
-                result["decode"][f"b{batch}_graphed+head+ras"] = r
+            variants = [False, True] if decode_kernels_ok(lm, device, dtype) else [False]
+            for fused in variants if device.type == "cuda" else []:
+                tag = "+fused" if fused else ""
+                if args.kernels:
+                    result["decode"][f"b{batch}_kernels{tag}"] = count_kernels(lm, batch, args, device, dtype, fused)
+                r = bench_graphed(lm, batch, args, device, dtype, fused)
+                result["decode"][f"b{batch}_graphed+head+ras{tag}"] = r
                 print(
-                    f"decode step  batch {batch:3d} {'GRAPHED+head+ras':16s}"
+                    f"decode step  batch {batch:3d} {'GRAPHED+head+ras' + tag:22s}"
                     f"  median {r['median_ms']:7.3f} ms  p95 {r['p95_ms']:7.3f} ms"
                 )
         result["prefill"] = bench_prefill(lm, args, device, dtype)

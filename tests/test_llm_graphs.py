@@ -107,7 +107,9 @@ def test_graphed_llm_equals_eager_cuda_fp32() -> None:
 @pytest.mark.requires_cuda
 def test_graphed_llm_captures_every_bucket() -> None:
     lm, _, fast = _setup("cuda", torch.bfloat16)
-    g = GraphedLLM(lm, fast, SamplingParams(), decode_buckets=(1, 2, 4), decode_windows=(32,), prefill_buckets=(8, 32))
+    g = GraphedLLM(
+        lm, fast, SamplingParams(), decode_buckets=(1, 2, 4), decode_windows=(32,), prefill_buckets=(8, 32), fused=False
+    )
     g.capture_all()
     assert sorted(g._decode) == [32, 96]
     for graphs in g._decode.values():

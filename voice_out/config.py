@@ -106,6 +106,10 @@ class EngineConfig:
     max_ahead_s: float = 4.0
     #: Use CUDA graphs for the decode step and token2wav (GPU only).
     cuda_graphs: bool = True
+    #: CUDA graphs: the decode step's RoPE, K/V append and attention as one Triton kernel per
+    #: layer, and the MLP gate as one (voice_out.model.decode_kernels), where Triton can run
+    #: them (it ships with PyTorch's CUDA builds); else the plain-torch step.
+    fused_decode: bool = True
     #: Batch buckets for graph capture; a decode of n streams runs in the smallest bucket >= n.
     graph_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
     #: Most token2wav chunks per engine step. None: 8 when token2wav runs CUDA graphs (a step's

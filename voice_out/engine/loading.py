@@ -164,7 +164,7 @@ def build_engine(
         t2w = Token2Wav(flow, hift, device=device)
         # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere)
         t2w.use_cuda_graphs(graphs)
-        return Runner(
+        runner = Runner(
             llm,
             t2w,
             n_slots=ec.max_streams,
@@ -177,7 +177,11 @@ def build_engine(
             graphs=graphs,
             graph_buckets=ec.graph_batch_buckets,
             pipeline_vocode=ec.pipeline_vocode,
+            fused_decode=ec.fused_decode,
         )
+        if runner.graphed is not None and ec.fused_decode and not runner.graphed.fused:
+            log.info("engine: fused decode kernels unavailable here (need Triton and bf16/fp16): plain-torch decode")
+        return runner
 
     def warm(runner: StepRunner) -> None:
         assert isinstance(runner, Runner)

@@ -140,6 +140,7 @@ class Runner:
         graphs: bool = False,
         graph_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 48, 64),
         pipeline_vocode: bool = True,
+        fused_decode: bool = True,
     ) -> None:
         self.llm = llm
         #: CUDA: launch a step's token2wav chunks on the side stream and return their audio in
@@ -163,7 +164,9 @@ class Runner:
             buckets = [b for b in graph_buckets if b <= n_slots] or [1]
             if buckets[-1] < n_slots:
                 buckets.append(n_slots)
-            self.graphed = GraphedLLM(llm, self.cache, self.sampling, decode_buckets=buckets, scratch_slot=n_slots)
+            self.graphed = GraphedLLM(
+                llm, self.cache, self.sampling, decode_buckets=buckets, scratch_slot=n_slots, fused=fused_decode
+            )
         #: CUDA: the stream token2wav runs on while the LLM steps run on the runner's own one
         #: (``llm_stream_priority``). A family stream: no graph was captured on it, so its eager
         #: GEMMs have a cuBLAS workspace of their own (``voice_out.model.cuda_graphs``).

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from voice_out.model import decode_kernels
 from voice_out.model.cuda_graphs import GraphedFn
 from voice_out.model.qwen2 import Block, KVCache, SpeechLM, attend, group_mask, rope_cos_sin
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, mask_eos_, ras_sample_batch
@@ -118,6 +119,7 @@ class GraphedLLM:
         scratch_slot: int | None = None,
         enabled: bool = True,
         compile: bool = False,
+        fused: bool = True,
     ) -> None:
         self.lm = lm
         self.cache = cache
@@ -128,6 +130,14 @@ class GraphedLLM:
         self.decode_windows = (*(w for w in sorted(set(decode_windows)) if w < cache.max_len), cache.max_len)
         self.device = lm.llm_decoder.weight.device
         self.enabled = enabled and self.device.type == "cuda"
+        dims = lm.dims
+        dtype = lm.llm_decoder.weight.dtype
+        #: The decode step runs the Triton kernels (``voice_out.model.decode_kernels``): asked
+        #: for and available. Their attention runs to each row's length, so one window serves.
+        self.fused = fused and decode_kernels.available(
+            self.device, dtype, dims.head_dim, dims.n_heads // dims.n_kv_heads
+        )
+        self._decode_windows = (cache.max_len,) if self.fused else self.decode_windows
         decode_fn: Callable[..., Tensor] = self._decode_fn
         if compile and self.enabled:
             # Inductor fuses the norms, RoPE, residual adds and the MLP gate into a few kernels per
@@ -144,7 +154,7 @@ class GraphedLLM:
                 name=f"llm.decode_sample.w{w}",
                 family=GRAPH_FAMILY,
             )
-            for w in self.decode_windows
+            for w in self._decode_windows
         }
         self._prefill = {
             w: GraphedFn(
@@ -165,7 +175,9 @@ class GraphedLLM:
         # row r is slot r: K/V are views of the cache, never gathered; rows that do not decode
         # this step are inactive (nothing appended, their writes go to the scratch slot)
         cache, scratch = self.cache, self.scratch_slot
-        hidden = self.lm.decode_step(cache, None, embeds, kv_len=window, active=active, scratch_slot=scratch)
+        hidden = self.lm.decode_step(
+            cache, None, embeds, kv_len=window, active=active, scratch_slot=scratch, fused=self.fused
+        )
         logp = mask_eos_(self.lm.logprobs(hidden), masked, self.lm.dims.eos_token)
         return ras_sample_batch(logp, history, uniforms, self.sampling)
 
@@ -194,7 +206,7 @@ class GraphedLLM:
         ``[B]`` (device), in the order of ``slots``: a new tensor, not the graph's output buffer.
         Eager above the largest bucket."""
         need = self.cache.max_len if kv_len is None else kv_len
-        window = _bucket(need, self.decode_windows)
+        window = _bucket(need, self._decode_windows)
         if window is None:
             raise ValueError(f"decode needs {need} positions, the cache holds {self.cache.max_len}")
         if not slots or max(slots) >= self.scratch_slot or min(slots) < 0 or len(set(slots)) != len(slots):
@@ -243,7 +255,7 @@ class GraphedLLM:
         hid = self.lm.dims.hidden_size
         dtype = self.lm.llm_decoder.weight.dtype
         win = self.sampling.win_size
-        for w in self.decode_windows:
+        for w in self._decode_windows:
             for b in self.decode_buckets:
                 self._decode[w].capture(
                     b,

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from voice_out.model import decode_kernels
 from voice_out.model.llm_inputs import KIND_LLM, KIND_SPEECH, KIND_TEXT
 from voice_out.model.transfer import to_device
 
@@ -385,6 +386,7 @@ class SpeechLM(nn.Module):
         kv_len: int | None = None,
         active: Tensor | None = None,
         scratch_slot: int | None = None,
+        fused: bool = False,
     ) -> Tensor:
         """Append one row to each of B slots; return final-norm hidden states ``[B, H]``.
 
@@ -397,14 +399,18 @@ class SpeechLM(nn.Module):
           inactive row is computed (static shapes) but appends nothing: its slot's length stays
           and its K/V go to position 0 of ``scratch_slot`` (a slot no stream owns), so a slot
           that is mid-utterance but not decoding this step is left exactly as it was.
+        * ``fused`` (with ``slots`` None only): RoPE, the K/V append and attention as one Triton
+          kernel per layer, and the MLP gate as one (``voice_out.model.decode_kernels``; check
+          ``decode_kernels.available`` first). Attention then runs to each row's own length and
+          ``kv_len`` only bounds the positions. An inactive row attends over its slot's keys
+          and its new key (the eager path reads whatever is at its position instead); its
+          output is unused either way.
 
         Static shapes, tensor positions, index writes, no host sync: CUDA-graph capturable.
         """
         b = int(embeds.shape[0])
         window = cache.max_len if kv_len is None else kv_len
         dev = embeds.device
-        dims = self.dims
-        d, hq, hkv = dims.head_dim, dims.n_heads, dims.n_kv_heads
         dtype = self.llm_decoder.weight.dtype
         if slots is None:
             slot_idx = torch.arange(b, device=dev)
@@ -419,16 +425,42 @@ class SpeechLM(nn.Module):
                 raise ValueError("decode_step: active rows need slots=None and a scratch_slot")
             write_slot = torch.where(active, slot_idx, scratch_slot)
             write_pos = torch.where(active, pos, 0)
+        h = embeds.to(dtype)  # [B, H]
+        if fused:
+            if slots is not None:
+                raise ValueError("decode_step: the fused kernels need slots=None (row b = slot b)")
+            h = self._layers_fused(cache, h, pos, write_slot, write_pos)
+        else:
+            h = self._layers_eager(cache, slots, h, pos, write_slot, write_pos, window)
+        step = (
+            torch.ones_like(slot_idx, dtype=cache.lengths.dtype) if active is None else active.to(cache.lengths.dtype)
+        )
+        cache.lengths.index_add_(0, slot_idx, step)
+        return self.norm(h)
+
+    def _layers_eager(
+        self,
+        cache: KVCache,
+        slots: Tensor | None,
+        h: Tensor,
+        pos: Tensor,
+        write_slot: Tensor,
+        write_pos: Tensor,
+        window: int,
+    ) -> Tensor:
+        """The decode step's layers in plain torch (see :meth:`decode_step`); h ``[B, H]``."""
+        b, dtype = h.shape[0], h.dtype
+        dims = self.dims
+        d, hq, hkv = dims.head_dim, dims.n_heads, dims.n_kv_heads
         # Per step, not per layer: the RoPE matrices and one additive mask [B, 1, 1, W] (0 or
         # -inf, broadcast by SDPA over heads and query rows). Per layer the step is then ~16
         # kernels: norm, qkv GEMM, RoPE (cast, batched matmul, cast), two cache writes, (two K/V
         # gathers unless slots is None), SDPA, wo GEMM with the residual, norm, w13 GEMM, silu,
         # mul, w2 GEMM with the residual.
         rope = rope_matrices(pos, d, dims.rope_theta)  # [B, D, D] float32
-        valid = torch.arange(window, device=dev)[None, :] <= pos[:, None]  # [B, W]
-        mask = torch.zeros(b, 1, 1, window, device=dev, dtype=dtype)
+        valid = torch.arange(window, device=h.device)[None, :] <= pos[:, None]  # [B, W]
+        mask = torch.zeros(b, 1, 1, window, device=h.device, dtype=dtype)
         mask.masked_fill_(~valid[:, None, None], float("-inf"))
-        h = embeds.to(dtype)  # [B, H]
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, Block)
             attn = layer.attn
@@ -449,11 +481,27 @@ class SpeechLM(nn.Module):
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G, D]
             h = torch.addmm(h, o.reshape(b, hq * d), attn.wo.weight.t())
             h = layer.mlp(layer.post_attention_layernorm(h), h)
-        step = (
-            torch.ones_like(slot_idx, dtype=cache.lengths.dtype) if active is None else active.to(cache.lengths.dtype)
-        )
-        cache.lengths.index_add_(0, slot_idx, step)
-        return self.norm(h)
+        return h
+
+    def _layers_fused(self, cache: KVCache, h: Tensor, pos: Tensor, write_slot: Tensor, write_pos: Tensor) -> Tensor:
+        """The decode step's layers with the Triton kernels (row b = slot b); h ``[B, H]``.
+
+        Per layer 7 kernels: norm, qkv GEMM, RoPE + K/V append + attention, wo GEMM with the
+        residual, norm, w13 GEMM, silu * up, w2 GEMM with the residual.
+        """
+        dims = self.dims
+        cos, sin = rope_cos_sin(pos, dims.head_dim, dims.rope_theta)  # [B, D] float32, per step
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, Block)
+            attn, mlp = layer.attn, layer.mlp
+            qkv = attn.wqkv(layer.input_layernorm(h))  # [B, (Hq + 2 Hkv) D]
+            o = decode_kernels.rope_append_attend(
+                qkv, cache.k[i], cache.v[i], cos, sin, pos, write_slot, write_pos, dims.n_heads, dims.n_kv_heads
+            )
+            h = torch.addmm(h, o, attn.wo.weight.t())
+            act = decode_kernels.silu_mul(mlp.w13(layer.post_attention_layernorm(h)))
+            h = torch.addmm(h, act, mlp.w2.weight.t())
+        return h
 
     # -- head -------------------------------------------------------------------------------
 

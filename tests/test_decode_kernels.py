@@ -1,0 +1,174 @@
+"""The Triton decode kernels equal the eager decode step (GPU), and are refused where they cannot run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import REPO_ROOT
+from voice_out.model import decode_kernels
+from voice_out.model.checkpoint import random_llm
+from voice_out.model.llm_graphs import GraphedLLM
+from voice_out.model.qwen2 import KVCache, SpeechLM, apply_rope, rope_cos_sin
+from voice_out.model.sampling import NO_TOKEN, SamplingParams
+
+TINY = REPO_ROOT / "configs" / "models" / "tiny"
+FULL = REPO_ROOT / "configs" / "models" / "cosyvoice2-0.5b"
+
+
+def test_available_only_for_cuda_half_precision_and_supported_heads() -> None:
+    assert not decode_kernels.available("cpu", torch.bfloat16, 64, 7)
+    assert not decode_kernels.available("cuda", torch.float32, 64, 7)
+    assert not decode_kernels.available("cuda", torch.bfloat16, 48, 7)  # not a power of two
+    assert not decode_kernels.available("cuda", torch.bfloat16, 8, 2)  # below tl.dot's 16
+    assert not decode_kernels.available("cuda", torch.bfloat16, 64, decode_kernels.MAX_GROUP + 1)
+
+
+def test_fused_decode_step_needs_packed_slots() -> None:
+    lm = random_llm(TINY, "cpu", torch.float32, seed=1)
+    cache = KVCache.allocate(lm.dims, 3, 16, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="slots=None"):
+        lm.decode_step(cache, torch.tensor([1, 0]), torch.zeros(2, lm.dims.hidden_size), fused=True)
+
+
+def test_graphed_llm_does_not_fuse_on_the_cpu() -> None:
+    lm = random_llm(TINY, "cpu", torch.float32, seed=1)
+    cache = KVCache.allocate(lm.dims, 3, 64, "cpu", torch.float32)
+    g = GraphedLLM(lm, cache, SamplingParams(), decode_windows=(32,))
+    assert not g.fused
+    assert g.decode_windows == (32, 64)
+
+
+def _reference_layer(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: list[int],
+    hq: int,
+    hkv: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-torch rope + attention over keys 0..pos-1 of slot b plus the new key: (out, k, v)."""
+    b, d = qkv.shape[0], k_cache.shape[-1]
+    dtype = qkv.dtype
+    cos, sin = rope_cos_sin(torch.tensor(pos, device=qkv.device), d, 1e6)  # [B, D]
+    q = qkv[:, : hq * d].view(b, hq, 1, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(b, hkv, 1, d)
+    v = qkv[:, (hq + hkv) * d :].view(b, hkv, d)
+    q = apply_rope(q, cos[:, None], sin[:, None])[:, :, 0]  # [B, Hq, D] in dtype
+    k = apply_rope(k, cos[:, None], sin[:, None])[:, :, 0]
+    out = torch.empty(b, hq, d, device=qkv.device, dtype=torch.float32)
+    for row in range(b):
+        keys = torch.cat([k_cache[row, :, : pos[row]], k[row][:, None]], dim=1).float()  # [Hkv, P+1, D]
+        vals = torch.cat([v_cache[row, :, : pos[row]], v[row][:, None]], dim=1).float()
+        for h in range(hq):
+            g = h // (hq // hkv)
+            w = torch.softmax(keys[g] @ q[row, h].float() / d**0.5, dim=0)
+            out[row, h] = w @ vals[g]
+    return out.reshape(b, hq * d).to(dtype), k, v
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(14, 2, 64), (4, 2, 16), (8, 8, 128)])
+def test_rope_append_attend_equals_torch(hq: int, hkv: int, d: int) -> None:
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(hq + d)
+    pos = [0, 1, 63, 64, 65, 300]  # empty, block edges, several blocks
+    b, n_slots, max_len = len(pos), len(pos) + 1, 320
+    k_cache = torch.randn(n_slots, hkv, max_len, d, generator=gen, device=dev).to(dtype)
+    v_cache = torch.randn(n_slots, hkv, max_len, d, generator=gen, device=dev).to(dtype)
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=gen, device=dev).to(dtype)
+    want, k_new, v_new = _reference_layer(qkv, k_cache, v_cache, pos, hq, hkv)
+    # rows 2 and 4 are inactive: their K/V go to the scratch slot (the last), position 0
+    active = torch.tensor([True, True, False, True, False, True], device=dev)
+    pos_t = torch.tensor(pos, device=dev)
+    scratch = n_slots - 1
+    write_slot = torch.where(active, torch.arange(b, device=dev), scratch)
+    write_pos = torch.where(active, pos_t, 0)
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    cos, sin = rope_cos_sin(pos_t, d, 1e6)
+    got = decode_kernels.rope_append_attend(qkv, k_cache, v_cache, cos, sin, pos_t, write_slot, write_pos, hq, hkv)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    for row in range(b):
+        if bool(active[row]):
+            expect_k[row, :, pos[row]] = k_new[row]
+            expect_v[row, :, pos[row]] = v_new[row]
+    torch.testing.assert_close(k_cache[:scratch].float(), expect_k[:scratch].float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(v_cache[:scratch], expect_v[:scratch], atol=0, rtol=0)
+    # the scratch slot: position 0 holds an inactive row's K/V (they race for it); the rest is untouched
+    for h in range(hkv):  # each head's program writes on its own, so heads may come from either row
+        assert any(torch.equal(v_cache[scratch, h, 0], v_new[row, h]) for row in (2, 4))
+    torch.testing.assert_close(v_cache[scratch, :, 1:], expect_v[scratch, :, 1:], atol=0, rtol=0)
+
+
+@pytest.mark.requires_cuda
+def test_silu_mul_equals_torch() -> None:
+    x = torch.randn(5, 2 * 4864, device="cuda").to(torch.bfloat16)
+    gate, up = x.float().chunk(2, dim=1)
+    torch.testing.assert_close(decode_kernels.silu_mul(x).float(), F.silu(gate) * up, atol=2e-2, rtol=2e-2)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("dims_dir", [TINY, FULL], ids=["tiny", "0.5b"])
+def test_fused_decode_step_equals_eager(dims_dir: Path) -> None:
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    lm = random_llm(dims_dir, dev, dtype, seed=4)
+    n_slots, max_len = 5, 160
+    eager = KVCache.allocate(lm.dims, n_slots, max_len, dev, dtype)
+    fused = KVCache.allocate(lm.dims, n_slots, max_len, dev, dtype)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for slot, n in enumerate([3, 70, 17, 1]):  # slot 4 is the scratch slot
+        e = torch.randn(n, lm.dims.hidden_size, generator=gen, device=dev).to(dtype)
+        lm.prefill(eager, slot, e, start_pos=0)
+        lm.prefill(fused, slot, e, start_pos=0)
+    for step in range(6):
+        e = lm.embed_speech(torch.randint(0, 6561, (4,), generator=gen, device=dev))
+        active = torch.tensor([True, step % 2 == 0, True, step != 3], device=dev)
+        want = lm.decode_step(eager, None, e, kv_len=max_len, active=active, scratch_slot=4)
+        got = lm.decode_step(fused, None, e, kv_len=max_len, active=active, scratch_slot=4, fused=True)
+        rows = active.nonzero()[:, 0]
+        err = _relative_error(got[rows], want[rows])
+        assert err < 2e-2, f"step {step}: relative error {err:.4f}"
+        assert fused.lengths.tolist() == eager.lengths.tolist()
+    for slot in range(4):
+        n = int(eager.lengths[slot])
+        assert _relative_error(fused.k[:, slot, :, :n], eager.k[:, slot, :, :n]) < 2e-2
+        assert _relative_error(fused.v[:, slot, :, :n], eager.v[:, slot, :, :n]) < 2e-2
+
+
+@pytest.mark.requires_cuda
+def test_graphed_fused_decode_equals_the_same_step_eager() -> None:
+    """A replayed fused graph gives the tokens and K/V of the same fused step run eagerly."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    lm: SpeechLM = random_llm(TINY, dev, dtype, seed=3)
+    params = SamplingParams()
+    caches = [KVCache.allocate(lm.dims, 6, 96, dev, dtype) for _ in range(2)]
+    graphed = GraphedLLM(lm, caches[0], params, decode_buckets=(1, 2, 4), prefill_buckets=())
+    eager = GraphedLLM(lm, caches[1], params, decode_buckets=(1, 2, 4), prefill_buckets=(), enabled=False)
+    assert graphed.fused and eager.fused
+    assert sorted(graphed._decode) == [96]  # one window: the kernel's attention runs to each row's length
+    graphed.capture_all()
+    gen = torch.Generator(device=dev).manual_seed(1)
+    for slot, n in enumerate([9, 4, 20, 13]):
+        e = torch.randn(n, lm.dims.hidden_size, generator=gen, device=dev).to(dtype)
+        for c in caches:
+            lm.prefill(c, slot, e, start_pos=0)
+    # the highest slot + 1 is a bucket, so the eager call runs the graph's batch shape
+    for step, slots in enumerate([[0], [1, 0], [3, 1], [2, 3, 0], [0, 1, 2, 3]]):
+        e = lm.embed_speech(torch.randint(0, 6561, (len(slots),), generator=gen, device=dev))
+        hist = torch.full((len(slots), params.win_size), NO_TOKEN, dtype=torch.long, device=dev)
+        u = torch.rand(len(slots), 2, generator=gen, device=dev)
+        masked = torch.zeros(len(slots), dtype=torch.bool, device=dev)
+        got = graphed.decode_sample(slots, e, hist, u, masked, kv_len=60 + step)
+        want = eager.decode_sample(slots, e, hist, u, masked, kv_len=60 + step)
+        assert got.tolist() == want.tolist()
+    assert caches[0].lengths[:4].tolist() == caches[1].lengths[:4].tolist()
+    for slot in range(4):
+        n = int(caches[0].lengths[slot])
+        torch.testing.assert_close(caches[0].k[:, slot, :, :n], caches[1].k[:, slot, :, :n], atol=0, rtol=0)
