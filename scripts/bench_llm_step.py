@@ -134,13 +134,14 @@ def bench_graphed(
 def count_kernels(
     lm: SpeechLM, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, fused: bool
 ) -> dict[str, Any]:
-    """CUDA kernels launched by one eager decode step + head + RAS (what a graph replays), their
-    summed GPU time and the 12 costliest kernel names; packed slots (row b = slot b, as the
-    graphs run it), ``fused``: with the Triton decode kernels."""
+    """CUDA kernels launched by one eager decode step + head + RAS, exactly as the graph
+    captures it (``GraphedLLM`` with graphs off: packed rows, the scratch slot, and with
+    ``fused`` the Triton kernels and sampler), their summed GPU time and the 12 costliest names."""
     from torch.profiler import ProfilerActivity, profile
 
     cache = KVCache.allocate(lm.dims, batch + 1, args.max_len, device=device, dtype=dtype)
     params = SamplingParams()
+    eager = GraphedLLM(lm, cache, params, decode_buckets=(batch,), prefill_buckets=(), enabled=False, fused=fused)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
     for s in range(batch):
@@ -148,13 +149,14 @@ def count_kernels(
     embeds = lm.embed_speech(torch.randint(0, lm.dims.speech_token_size, (batch,), generator=gen, device=device))
     history = new_history(batch, params, device)
     uniforms = torch.rand(batch, 2, generator=gen, device=device)
+    masked = torch.zeros(batch, dtype=torch.bool, device=device)
     window = -(-(args.prompt_len + 1) // 256) * 256
     base = cache.lengths.clone()
+    slots = list(range(batch))
 
     def step() -> None:
         cache.lengths.copy_(base)
-        hidden = lm.decode_step(cache, None, embeds, kv_len=window, fused=fused)
-        ras_sample_batch(lm.logprobs(hidden), history, uniforms, params)
+        eager.decode_sample(slots, embeds, history, uniforms, masked, kv_len=window)
 
     step()
     torch.cuda.synchronize(device)

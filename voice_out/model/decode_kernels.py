@@ -14,6 +14,12 @@ MLP's gate in one kernel instead of two.
   attends over its own keys). The loop runs to ``pos[b]``, not over a static window: one graph
   serves every length.
 * ``silu_mul``: ``silu(gate) * up`` of the ``[gate; up]`` GEMM output.
+* ``ras_sample``: EOS masking, softmax and the whole repetition-aware sampling draw of
+  ``voice_out.model.sampling.ras_sample_batch`` (stable top-k, top-p, inverse-CDF draw, the
+  repetition check and its fallback draw) in one kernel per step: one program per row, the
+  vocabulary in registers. The eager form is ~60 kernels (a radix sort of the vocabulary, scans,
+  searches), ~0.2 ms of a step. Ties keep id order, as the stable sort does: each probability
+  is packed with its id into one int64 key, so the k largest keys are the sort's first k.
 
 Both need Triton (it ships with PyTorch's CUDA builds); :func:`available` says whether they can
 run for a given device, dtype and head layout. The eager path in ``qwen2.py`` stays the
@@ -28,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from voice_out.model.sampling import SamplingParams
+
 try:  # Triton comes with PyTorch's CUDA wheels; the CPU build has none (then: the eager path)
     import triton
     import triton.language as tl
@@ -39,6 +47,10 @@ except ImportError:  # pragma: no cover - depends on the install
 BLOCK_KEYS = 64
 #: Widest group of query heads per kv head one program holds (rows padded to >= 16 for tl.dot).
 MAX_GROUP = 64
+#: ``ras_sample``: the vocabulary ids must fit the key's low bits, and top-k one register row.
+ID_BITS = 13
+MAX_VOCAB = 1 << ID_BITS
+MAX_TOP_K = 64
 
 
 def available(device: torch.device | str, dtype: torch.dtype, head_dim: int, group: int) -> bool:
@@ -53,6 +65,12 @@ def available(device: torch.device | str, dtype: torch.dtype, head_dim: int, gro
         and head_dim & (head_dim - 1) == 0
         and 1 <= group <= MAX_GROUP
     )
+
+
+def sampler_available(device: torch.device | str, vocab: int, top_k: int) -> bool:
+    """True if :func:`ras_sample` can run: Triton, CUDA, ``vocab`` <= :data:`MAX_VOCAB` and
+    ``top_k`` <= :data:`MAX_TOP_K`."""
+    return triton is not None and torch.device(device).type == "cuda" and vocab <= MAX_VOCAB and top_k <= MAX_TOP_K
 
 
 if triton is not None:
@@ -139,6 +157,75 @@ if triton is not None:
         act = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + r * stride_out + c, act.to(out_ptr.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def _ras_sample_kernel(  # type: ignore[no-untyped-def]
+        logits_ptr,
+        stride_logits,
+        history_ptr,
+        stride_history,
+        uniforms_ptr,
+        masked_ptr,
+        out_ptr,
+        eos,
+        top_p,
+        repeat_threshold,
+        V: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        TOP_K: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        W: tl.constexpr,
+        WIN: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+        ID_BITS: tl.constexpr,
+    ):
+        r = tl.program_id(0)
+        col = tl.arange(0, BLOCK_V)
+        in_vocab = col < V
+        x = tl.load(logits_ptr + r * stride_logits + col, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        x = tl.where((col == eos) & (tl.load(masked_ptr + r) != 0), float("-inf"), x)
+        e = tl.exp(x - tl.max(x, axis=0))
+        probs = e / tl.sum(e, axis=0)  # 0 outside the vocabulary
+
+        # stable top-k: probability bits (monotone for p >= 0) above, (MAX - id) below
+        id_mask: tl.constexpr = (1 << ID_BITS) - 1
+        keys = (probs.to(tl.int32, bitcast=True).to(tl.int64) << ID_BITS) | (id_mask - col)
+        keys = tl.where(in_vocab, keys, -1)
+        kk = tl.arange(0, BLOCK_K)
+        top = tl.full([BLOCK_K], -1, tl.int64)
+        before = tl.full([BLOCK_K], -1, tl.int64)  # item i - 1 at i: an exclusive scan below
+        for i in tl.static_range(TOP_K):
+            best = tl.max(keys, axis=0)
+            top = tl.where(kk == i, best, top)
+            before = tl.where(kk == i + 1, best, before)
+            keys = tl.where(keys == best, -1, keys)
+        top_ok = kk < TOP_K
+        top_id = tl.where(top_ok, id_mask - (top & id_mask), 0)
+        top_prob = tl.where(top_ok, (top >> ID_BITS).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+        prev_prob = tl.where(before >= 0, (before >> ID_BITS).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+        # nucleus: item i is kept while the items before it sum to < top_p (float32, as eager)
+        kept_before = tl.cumsum(prev_prob, axis=0)
+        weights = tl.where(top_ok & (kept_before < top_p), top_prob, 0.0)
+        first = _inverse_cdf_pick(weights, tl.load(uniforms_ptr + r * 2), kk, top_id)
+
+        w = tl.arange(0, BLOCK_W)  # the last WIN columns of the history row
+        hist = tl.load(history_ptr + r * stride_history + (W - WIN) + w, mask=w < WIN, other=-1)
+        repeats = tl.sum(tl.where(hist == first, 1.0, 0.0), axis=0)
+        # fallback: the full distribution without the first draw
+        full = tl.where(col == first, 0.0, probs)
+        fallback = _inverse_cdf_pick(full, tl.load(uniforms_ptr + r * 2 + 1), col, col)
+        tl.store(out_ptr + r, tl.where(repeats >= repeat_threshold, fallback, first).to(tl.int64))
+
+    @triton.jit
+    def _inverse_cdf_pick(weights, u, index, ids):  # type: ignore[no-untyped-def]
+        # sampling._inverse_cdf: the count of float64 cdf entries <= u * total, clamped to the
+        # last positive weight; returns ids[that index]
+        cdf = tl.cumsum(weights.to(tl.float64), axis=0)
+        total = tl.sum(weights.to(tl.float64), axis=0)
+        at = tl.sum(tl.where(cdf <= u.to(tl.float64) * total, 1, 0), axis=0)
+        last_positive = tl.max(tl.where(weights > 0, index, 0), axis=0)
+        at = tl.minimum(at, last_positive)
+        return tl.sum(tl.where(index == at, ids, 0), axis=0)
+
 
 def rope_append_attend(
     qkv: Tensor,
@@ -210,4 +297,51 @@ def silu_mul(x: Tensor) -> Tensor:
     block = 1024
     kernel: Any = _silu_mul_kernel
     kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), N=n, BLOCK=block)
+    return out
+
+
+def ras_sample(
+    logits: Tensor,
+    history: Tensor,
+    uniforms: Tensor,
+    eos_masked: Tensor,
+    eos_token: int,
+    params: SamplingParams,
+) -> Tensor:
+    """One RAS draw per row, one kernel: ``voice_out.model.sampling.ras_sample_batch`` of
+    ``mask_eos_(log_softmax(logits))`` with ``params``.
+
+    ``logits`` ``[B, V]`` (any float dtype; rows may be strided, e.g. a view of a padded
+    head's output), ``history`` int64 ``[B, W]`` (its last ``win_size`` columns are the
+    window), ``uniforms`` float32 ``[B, 2]``, ``eos_masked`` bool ``[B]``. Returns int64
+    ``[B]``. No host sync; CUDA with Triton (:func:`sampler_available`).
+    """
+    rows, vocab = logits.shape
+    width = history.shape[1]
+    win = min(params.win_size, width)
+    if logits.stride(1) != 1 or not history.is_contiguous() or not uniforms.is_contiguous():
+        raise ValueError("ras_sample: logits rows, history and uniforms must be contiguous")
+    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    kernel: Any = _ras_sample_kernel
+    kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        history,
+        history.stride(0),
+        uniforms,
+        eos_masked,
+        out,
+        eos_token,
+        params.top_p,
+        params.repeat_threshold,
+        V=vocab,
+        BLOCK_V=triton.next_power_of_2(vocab),
+        TOP_K=min(params.top_k, vocab),
+        BLOCK_K=max(16, triton.next_power_of_2(params.top_k)),
+        W=width,
+        WIN=win,
+        BLOCK_W=max(16, triton.next_power_of_2(win)),
+        ID_BITS=ID_BITS,
+        num_warps=8,
+    )
     return out

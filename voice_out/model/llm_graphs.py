@@ -17,7 +17,12 @@ to 32 it costs the same ~10 ms on an H200 whatever the batch (launch-bound; the 
   slot's new length, where they are masked and later overwritten). Returns the hidden state of
   the last real row ``[H]``.
 
-A decode graph is captured per (batch bucket, attention window): a step attends over the
+With ``fused`` (the default, where ``voice_out.model.decode_kernels`` can run: CUDA with
+Triton, bf16/fp16) the step is the fused one (``SpeechLM.decode_step(fused=True)``), the head
+a GEMM over a padded copy of ``llm_decoder`` and the sampling one kernel
+(``decode_kernels.ras_sample``); its attention runs to each row's length, so one window, the
+whole cache, serves every step. Otherwise a decode graph is captured per (batch bucket,
+attention window): a step attends over the
 smallest window of ``decode_windows`` (256, 512, ... and the whole cache) that holds its longest
 row, so short utterances do not pay for attending over the whole cache; the per-row validity
 mask does the rest. Prefill graphs are per (length bucket, window) too. Capture all
@@ -134,9 +139,22 @@ class GraphedLLM:
         dtype = lm.llm_decoder.weight.dtype
         #: The decode step runs the Triton kernels (``voice_out.model.decode_kernels``): asked
         #: for and available. Their attention runs to each row's length, so one window serves.
-        self.fused = fused and decode_kernels.available(
-            self.device, dtype, dims.head_dim, dims.n_heads // dims.n_kv_heads
+        self.fused = (
+            fused
+            and decode_kernels.available(self.device, dtype, dims.head_dim, dims.n_heads // dims.n_kv_heads)
+            and decode_kernels.sampler_available(self.device, dims.speech_vocab_size, sampling.top_k)
         )
+        if self.fused:
+            # The head as a GEMM of a whole number of 64-row tiles (6564 outputs ran a slow
+            # 2-aligned kernel: 12 us of a 1.5 ms step); the sampler reads the first V columns.
+            vocab = dims.speech_vocab_size
+            padded = vocab + (-vocab % 64)
+            head = lm.llm_decoder
+            self._head_weight = head.weight.new_zeros(padded, dims.hidden_size)
+            self._head_weight[:vocab] = head.weight.detach()
+            self._head_bias = head.weight.new_zeros(padded)
+            if head.bias is not None:
+                self._head_bias[:vocab] = head.bias.detach()
         self._decode_windows = (cache.max_len,) if self.fused else self.decode_windows
         decode_fn: Callable[..., Tensor] = self._decode_fn
         if compile and self.enabled:
@@ -178,7 +196,11 @@ class GraphedLLM:
         hidden = self.lm.decode_step(
             cache, None, embeds, kv_len=window, active=active, scratch_slot=scratch, fused=self.fused
         )
-        logp = mask_eos_(self.lm.logprobs(hidden), masked, self.lm.dims.eos_token)
+        eos = self.lm.dims.eos_token
+        if self.fused:
+            logits = torch.addmm(self._head_bias, hidden, self._head_weight.t())[:, : self.lm.dims.speech_vocab_size]
+            return decode_kernels.ras_sample(logits, history, uniforms, masked, eos, self.sampling)
+        logp = mask_eos_(self.lm.logprobs(hidden), masked, eos)
         return ras_sample_batch(logp, history, uniforms, self.sampling)
 
     def _prefill_fn(self, window: int, slot: Tensor, start: Tensor, n_valid: Tensor, embeds: Tensor) -> Tensor:
