@@ -107,8 +107,9 @@ class EngineConfig:
     #: Use CUDA graphs for the decode step and token2wav (GPU only).
     cuda_graphs: bool = True
     #: CUDA graphs: the decode step's RoPE, K/V append and attention as one Triton kernel per
-    #: layer, and the MLP gate as one (voice_out.model.decode_kernels), where Triton can run
-    #: them (it ships with PyTorch's CUDA builds); else the plain-torch step.
+    #: layer, the MLP gate as one, and the whole sampling draw as one
+    #: (voice_out.model.decode_kernels), where Triton can run them (it ships with PyTorch's
+    #: CUDA builds; bf16/fp16); else the plain-torch step.
     fused_decode: bool = True
     #: Batch buckets for graph capture; a decode of n streams runs in the smallest bucket >= n.
     graph_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)

@@ -21,9 +21,10 @@ MLP's gate in one kernel instead of two.
   searches), ~0.2 ms of a step. Ties keep id order, as the stable sort does: each probability
   is packed with its id into one int64 key, so the k largest keys are the sort's first k.
 
-Both need Triton (it ships with PyTorch's CUDA builds); :func:`available` says whether they can
-run for a given device, dtype and head layout. The eager path in ``qwen2.py`` stays the
-reference: ``tests/test_decode_kernels.py`` checks both against it on a GPU.
+All three need Triton (it ships with PyTorch's CUDA builds); :func:`available` and
+:func:`sampler_available` say whether they can run for a given device, dtype, head layout,
+vocabulary and top-k. The plain-torch paths (``qwen2.py``, ``sampling.py``) stay the reference:
+``tests/test_decode_kernels.py`` checks each kernel against them on a GPU.
 """
 
 from __future__ import annotations
