@@ -38,7 +38,6 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from voice_out.bench.timing import time_ms  # noqa: E402
-from voice_out.model import decode_kernels  # noqa: E402
 from voice_out.model.checkpoint import random_llm  # noqa: E402
 from voice_out.model.llm_graphs import GraphedLLM  # noqa: E402
 from voice_out.model.qwen2 import KVCache, SpeechLM  # noqa: E402
@@ -198,10 +197,6 @@ def bench_prefill(lm: SpeechLM, args: argparse.Namespace, device: torch.device, 
     return summary(time_ms(lambda: lm.prefill(cache, 0, embeds, start_pos=0), device, args.warmup, args.iters))
 
 
-def decode_kernels_ok(lm: SpeechLM, device: torch.device, dtype: torch.dtype) -> bool:
-    return decode_kernels.available(device, dtype, lm.dims.head_dim, lm.dims.n_heads // lm.dims.n_kv_heads)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -239,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"decode step  batch {batch:3d} {name:16s}"
                     f"  median {r['median_ms']:7.3f} ms  p95 {r['p95_ms']:7.3f} ms"
                 )
-            variants = [False, True] if decode_kernels_ok(lm, device, dtype) else [False]
+            variants = [False, True] if GraphedLLM.can_fuse(lm, SamplingParams()) else [False]
             for fused in variants if device.type == "cuda" else []:
                 tag = "+fused" if fused else ""
                 if args.kernels:

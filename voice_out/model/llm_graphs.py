@@ -136,14 +136,9 @@ class GraphedLLM:
         self.device = lm.llm_decoder.weight.device
         self.enabled = enabled and self.device.type == "cuda"
         dims = lm.dims
-        dtype = lm.llm_decoder.weight.dtype
         #: The decode step runs the Triton kernels (``voice_out.model.decode_kernels``): asked
         #: for and available. Their attention runs to each row's length, so one window serves.
-        self.fused = (
-            fused
-            and decode_kernels.available(self.device, dtype, dims.head_dim, dims.n_heads // dims.n_kv_heads)
-            and decode_kernels.sampler_available(self.device, dims.speech_vocab_size, sampling.top_k)
-        )
+        self.fused = fused and self.can_fuse(lm, sampling)
         if self.fused:
             # The head as a GEMM of a whole number of 64-row tiles (6564 outputs ran a slow
             # 2-aligned kernel: 12 us of a 1.5 ms step); the sampler reads the first V columns.
@@ -184,6 +179,15 @@ class GraphedLLM:
             )
             for w in self.decode_windows
         }
+
+    @staticmethod
+    def can_fuse(lm: SpeechLM, sampling: SamplingParams) -> bool:
+        """Whether the fused decode step and sampler (``decode_kernels``) can run for ``lm``'s
+        device, dtype and dims and ``sampling``'s top-k."""
+        dims, weight = lm.dims, lm.llm_decoder.weight
+        return decode_kernels.available(
+            weight.device, weight.dtype, dims.head_dim, dims.n_heads // dims.n_kv_heads
+        ) and decode_kernels.sampler_available(weight.device, dims.speech_vocab_size, sampling.top_k)
 
     # -- the captured functions -------------------------------------------------------------
 
