@@ -23,8 +23,6 @@ Median and p95 over ``--iters`` timed runs after ``--warmup`` runs; CUDA events 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -37,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from voice_out.bench.timing import time_ms  # noqa: E402
+from voice_out.bench.timing import save_out, time_ms  # noqa: E402
 from voice_out.model.checkpoint import random_llm  # noqa: E402
 from voice_out.model.llm_graphs import GraphedLLM  # noqa: E402
 from voice_out.model.qwen2 import KVCache, SpeechLM  # noqa: E402
@@ -254,11 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"prefill {args.prompt_len} rows:  median {result['prefill']['median_ms']:7.3f} ms"
             f"  p95 {result['prefill']['p95_ms']:7.3f} ms"
         )
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        path = Path(out_dir) / "llm_step.json"
-        path.write_text(json.dumps(result, indent=2))
-        print(f"wrote {path}")
+    save_out("llm_step.json", result)
     return result
 
 

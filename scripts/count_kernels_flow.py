@@ -32,8 +32,6 @@ Three calls are measured, all on a first-chunk-sized input (``--prompt`` tokens 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 from collections import Counter, defaultdict
@@ -49,7 +47,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from voice_out.bench.timing import time_ms  # noqa: E402
+from voice_out.bench.timing import save_out, time_ms  # noqa: E402
 from voice_out.model.checkpoint import random_flow  # noqa: E402
 from voice_out.model.cuda_graphs import GraphedFn  # noqa: E402
 from voice_out.model.flow import Flow  # noqa: E402
@@ -342,12 +340,7 @@ def main() -> None:
             replay = cuda_ms(lambda: graphed("k"))
         print(f"\nre-run solve ({n} frames): eager {eager:.2f} ms, CUDA-graph replay {replay:.2f} ms (median)")
         out["solve_ms"] = {"eager": eager, "graph": replay}
-    dest = os.environ.get("OUT")
-    if dest:
-        path = Path(dest) / "flow_kernel_counts.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2))
-        print(f"wrote {path}")
+    save_out("flow_kernel_counts.json", out)
 
 
 if __name__ == "__main__":

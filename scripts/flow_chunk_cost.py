@@ -18,14 +18,13 @@ seeded random. With ``OUT`` set, the results are also written to ``$OUT/flow_chu
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from voice_out.bench.timing import save_out  # noqa: E402
 from voice_out.model.checkpoint import random_flow
 
 REPO = Path(__file__).resolve().parent.parent
@@ -142,24 +141,19 @@ def main() -> None:
         "final row: 'cached' = chunk-causal incremental final (full_attention_final=False); "
         "'re-run' = upstream's full-attention final, which the exact cached final runs as is"
     )
-    out = os.environ.get("OUT")
-    if out:
-        result = {
-            "device": name,
-            "dtype": str(dtype),
-            "config": str(config),
-            "prompt_tokens": p,
-            "prefix_tokens": prompt.n_prefix,
-            "prepare_prompt_ms": prep_ms,
-            "repeat": args.repeat,
-            "cache_bytes": cache.nbytes,
-            "cache_capacity_tokens": cache.capacity,
-            "chunks": rows,
-        }
-        path = Path(out) / "flow_chunks.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
-        print(f"wrote {path}")
+    result = {
+        "device": name,
+        "dtype": str(dtype),
+        "config": str(config),
+        "prompt_tokens": p,
+        "prefix_tokens": prompt.n_prefix,
+        "prepare_prompt_ms": prep_ms,
+        "repeat": args.repeat,
+        "cache_bytes": cache.nbytes,
+        "cache_capacity_tokens": cache.capacity,
+        "chunks": rows,
+    }
+    save_out("flow_chunks.json", result)
 
 
 if __name__ == "__main__":

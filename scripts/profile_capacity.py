@@ -30,7 +30,6 @@ import asyncio
 import dataclasses
 import faulthandler
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -43,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench import engine_bench as eb  # noqa: E402
-from voice_out.bench.timing import time_method  # noqa: E402
+from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
 from voice_out.model.cuda_graphs import GraphedFn  # noqa: E402
@@ -134,10 +133,7 @@ def main() -> None:
     rows = sorted(TIMES.items(), key=lambda kv: -sum(kv[1]))
     for label, v in rows:
         print(f"  {len(v):6d} calls {sum(v):9.1f} ms  max {max(v):8.1f} ms  {label}")
-    out = os.environ.get("OUT")
-    if out:
-        path = Path(out, f"capacity_profile_{args.streams}.json")
-        path.write_text(json.dumps({"summary": summary, "calls": {k: v for k, v in rows}}, indent=1))
+    save_out(f"capacity_profile_{args.streams}.json", {"summary": summary, "calls": dict(rows)}, indent=1)
 
 
 def _watch_steps(step_ms: list[float], slow_ms: float) -> None:

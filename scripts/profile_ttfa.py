@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench import engine_bench as eb  # noqa: E402
-from voice_out.bench.timing import time_method  # noqa: E402
+from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.engine import Engine  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
@@ -87,9 +85,7 @@ def main() -> None:
     steps = res.get("step (all)", [])
     print(f"  {'steps':32s} {len(steps):4d}        {sum(steps):8.1f} ms (inside: {accounted:.1f} ms)")
     print(f"  {'outside steps (loop, queues)':32s}             {res['ttfa_ms_profiled'] - sum(steps):8.1f} ms")
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, f"ttfa_profile_ff{args.fast_first}.json").write_text(json.dumps(res, indent=1))
+    save_out(f"ttfa_profile_ff{args.fast_first}.json", res, indent=1)
 
 
 if __name__ == "__main__":

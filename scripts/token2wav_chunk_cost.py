@@ -17,8 +17,6 @@ With ``OUT`` set the results also go to ``$OUT/token2wav_chunks.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import sys
 import time
@@ -32,6 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from voice_out.bench.timing import save_out  # noqa: E402
 from voice_out.model.checkpoint import random_flow, random_hift  # noqa: E402
 from voice_out.model.hift import HiFT  # noqa: E402
 from voice_out.model.token2wav import Token2Wav  # noqa: E402
@@ -190,12 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             f"total {total:.1f} ms for {args.tokens / 25:.1f} s of audio (RTF {total / 1e3 / (args.tokens / 25):.3f})"
         )
 
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        path_out = Path(out_dir) / "token2wav_chunks.json"
-        path_out.parent.mkdir(parents=True, exist_ok=True)
-        path_out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        print(f"\nwrote {path_out}")
+    save_out("token2wav_chunks.json", result)
     return 0
 
 

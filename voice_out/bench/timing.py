@@ -3,13 +3,17 @@
 * :func:`time_ms`: milliseconds of each of ``iters`` calls of ``fn`` after ``warmup`` calls,
   with CUDA events on a GPU and ``perf_counter`` on the CPU;
 * :func:`time_method`: wrap a method of a class so that every call records its duration under a
-  label (optionally synchronising the GPU around it, so a call's own GPU work is in its time).
+  label (optionally synchronising the GPU around it, so a call's own GPU work is in its time);
+* :func:`save_out`: write a script's result as JSON under ``$OUT``, when set.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,3 +67,16 @@ def time_method(
         return out
 
     setattr(cls, name, timed)
+
+
+def save_out(name: str, doc: Any, *, indent: int = 2) -> Path | None:
+    """Write ``doc`` as JSON to ``$OUT/name`` (the folder is created) and say so; None, and
+    nothing written, when ``OUT`` is not set."""
+    out = os.environ.get("OUT")
+    if not out:
+        return None
+    path = Path(out) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=indent) + "\n")
+    print(f"wrote {path}")
+    return path
