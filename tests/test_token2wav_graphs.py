@@ -9,6 +9,7 @@ checked there against ``run_chunk`` per stream (within 1e-5, tiny random models)
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -92,6 +93,16 @@ def cpu_t2w(one_torch_thread: None) -> Token2Wav:
     return Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
 
 
+@pytest.fixture
+def grouped_t2w(cpu_t2w: Token2Wav) -> Iterator[Token2Wav]:
+    """``cpu_t2w`` with grouped batching on (buckets 2, 4, 8) for one test, off again after."""
+    cpu_t2w.use_batch_buckets((2, 4, 8))
+    try:
+        yield cpu_t2w
+    finally:
+        cpu_t2w.use_batch_buckets(())
+
+
 def _mixed_chunks(t2w: Token2Wav) -> tuple[list[tuple[Token2WavStream, ChunkPlan, list[int]]], list[torch.Tensor]]:
     """One ready chunk per stream of GROUPS (streams advanced alone to their chunk), and each
     chunk's audio made by ``run_chunk`` on a twin stream in the same state (the reference)."""
@@ -112,26 +123,22 @@ def _mixed_chunks(t2w: Token2Wav) -> tuple[list[tuple[Token2WavStream, ChunkPlan
     return pairs, want
 
 
-def test_grouped_batched_chunks_equal_run_chunk_on_cpu(cpu_t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grouped_batched_chunks_equal_run_chunk_on_cpu(grouped_t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
     """Mixed prompt lengths and chunk positions, group sizes 1, 2, 3, 5, 9: one padded pass per
     group (split at bucket 8), the rest alone; every chunk's audio equals ``run_chunk``'s."""
-    t2w = cpu_t2w
-    t2w.use_batch_buckets((2, 4, 8))
-    try:
-        pairs, want = _mixed_chunks(t2w)
-        graph = t2w._graph_flow_batch
-        assert graph is not None
-        passes: list[tuple[int, int]] = []  # (rows, T) of each batched pass
-        core = graph.fn
+    t2w = grouped_t2w
+    pairs, want = _mixed_chunks(t2w)
+    graph = t2w._graph_flow_batch
+    assert graph is not None
+    passes: list[tuple[int, int]] = []  # (rows, T) of each batched pass
+    core = graph.fn
 
-        def spy(ids: torch.Tensor, embedding: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-            passes.append((int(ids.shape[0]), int(ids.shape[1]) - 3))
-            return core(ids, embedding, cond)  # type: ignore[no-any-return]
+    def spy(ids: torch.Tensor, embedding: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        passes.append((int(ids.shape[0]), int(ids.shape[1]) - 3))
+        return core(ids, embedding, cond)  # type: ignore[no-any-return]
 
-        monkeypatch.setattr(graph, "fn", spy)
-        got = t2w.run_chunks(pairs)
-    finally:
-        t2w.use_batch_buckets(())
+    monkeypatch.setattr(graph, "fn", spy)
+    got = t2w.run_chunks(pairs)
     assert sorted(passes) == [(2, 75), (4, 100), (8, 125), (8, 150)]
     errs = [float((a - b).abs().max()) for a, b in zip(got, want, strict=True)]
     print("grouped batched chunks vs run_chunk, max abs pcm:", f"{max(errs):.2g}")
@@ -140,51 +147,43 @@ def test_grouped_batched_chunks_equal_run_chunk_on_cpu(cpu_t2w: Token2Wav, monke
     assert all(stream.schedule.n_chunks == plan.index + 1 for stream, plan, _ in pairs)
 
 
-def test_uncaptured_groups_run_eagerly(cpu_t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_uncaptured_groups_run_eagerly(grouped_t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
     """A (bucket, T) key not captured yet (as on CUDA mid-stream) is never captured by
     ``run_chunks``: chunks whose single-chunk graph replays (here: first chunks) leave the
     group, the rest run in one eager ``inference_batch`` per group; the audio is the same."""
-    t2w = cpu_t2w
-    t2w.use_batch_buckets((2, 4, 8))
-    try:
-        pairs, want = _mixed_chunks(t2w)
-        graph = t2w._graph_flow_batch
-        assert graph is not None
-        single = GraphedFn(lambda *a: t2w.flow.inference(*a, streaming=True, finalize=False), name="single")
-        monkeypatch.setattr(graph, "would_capture", lambda key, *args: True)
-        monkeypatch.setattr(graph, "fn", lambda *a: pytest.fail("an uncaptured batched key ran"))
-        monkeypatch.setattr(t2w, "_single_graph", lambda stream, plan, token: single if plan.index == 0 else None)
-        rows: list[list[int]] = []
-        real = t2w.flow.inference_batch  # type: ignore[attr-defined]
+    t2w = grouped_t2w  # requested before monkeypatch: the patches are undone before grouping is off
+    pairs, want = _mixed_chunks(t2w)
+    graph = t2w._graph_flow_batch
+    assert graph is not None
+    single = GraphedFn(lambda *a: t2w.flow.inference(*a, streaming=True, finalize=False), name="single")
+    monkeypatch.setattr(graph, "would_capture", lambda key, *args: True)
+    monkeypatch.setattr(graph, "fn", lambda *a: pytest.fail("an uncaptured batched key ran"))
+    monkeypatch.setattr(t2w, "_single_graph", lambda stream, plan, token: single if plan.index == 0 else None)
+    rows: list[list[int]] = []
+    real = t2w.flow.inference_batch  # type: ignore[attr-defined]
 
-        def spy(items: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
-            rows.append([int(it[1].shape[1]) for it in items])  # each row's prompt length
-            return real(items)  # type: ignore[no-any-return]
+    def spy(items: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        rows.append([int(it[1].shape[1]) for it in items])  # each row's prompt length
+        return real(items)  # type: ignore[no-any-return]
 
-        monkeypatch.setattr(t2w.flow, "inference_batch", spy)
-        got = t2w.run_chunks(pairs)
-    finally:
-        monkeypatch.undo()
-        t2w.use_batch_buckets(())
+    monkeypatch.setattr(t2w.flow, "inference_batch", spy)
+    got = t2w.run_chunks(pairs)
     # T = 125: the two second chunks (P 40, 26); T = 150: the four second chunks (P 55, 70, 51, 75)
     assert sorted(sorted(r) for r in rows) == [[26, 40], [51, 55, 70, 75]]
     assert max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True)) <= 1e-5
 
 
-def test_batch_keys_for_start_up_capture(cpu_t2w: Token2Wav) -> None:
+def test_batch_keys_for_start_up_capture(grouped_t2w: Token2Wav) -> None:
     """75-token prompt, 500 tokens: non-final chunks end at T = 100, 150, 250 ... 550 (six
     lengths), each captured for buckets 2, 4, 8; a max batch of 3 needs buckets 2 and 4."""
-    t2w = cpu_t2w
-    t2w.use_batch_buckets((2, 4, 8))
-    try:
-        keys = t2w.batch_keys(75, 500, 8)
-        assert keys == [(b, t) for t in (100, 150, 250, 350, 450, 550) for b in (2, 4, 8)]
-        assert t2w.batch_keys(75, 500, 3) == [(b, t) for t in (100, 150, 250, 350, 450, 550) for b in (2, 4)]
-        assert t2w.batch_keys(75, 500, 1) == []
-        # a fast first chunk (off a chunk boundary) is never batched: its T is not captured
-        assert t2w.batch_keys(75, 100, 2, fast_first=10) == [(2, 125)]  # the realigned second chunk
-    finally:
-        t2w.use_batch_buckets(())
+    t2w = grouped_t2w
+    keys = t2w.batch_keys(75, 500, 8)
+    assert keys == [(b, t) for t in (100, 150, 250, 350, 450, 550) for b in (2, 4, 8)]
+    assert t2w.batch_keys(75, 500, 3) == [(b, t) for t in (100, 150, 250, 350, 450, 550) for b in (2, 4)]
+    assert t2w.batch_keys(75, 500, 1) == []
+    # a fast first chunk (off a chunk boundary) is never batched: its T is not captured
+    assert t2w.batch_keys(75, 100, 2, fast_first=10) == [(2, 125)]  # the realigned second chunk
+    t2w.use_batch_buckets(())
     assert t2w.batch_keys(75, 500, 8) == []  # grouping off: nothing to capture
     with pytest.raises(ValueError, match="batch buckets"):
         t2w.use_batch_buckets((1, 2))
