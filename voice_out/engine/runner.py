@@ -216,32 +216,22 @@ class Runner:
                 vocode.append((work, self._t2w_stream(work)))
             except Exception as e:  # noqa: BLE001
                 result.failed[work.request_id] = _describe(e)
-        if self.pipeline_vocode and self._side_stream is not None:
+        if self._side_stream is not None:
+            # token2wav on the side stream, launched first, so the GPU runs its kernels alongside
+            # the LLM step's (the chunks' tokens came from earlier steps: nothing here depends
+            # on this step's LLM output); pipelined, its audio may come back in a later step
             if vocode:
                 self._launch_vocode(vocode, result)
             if llm:
                 self._llm_step(llm, result)
             first = any(w.chunk.index == 0 for w, _ in vocode) and len(llm) <= self.first_chunk_wait_rows
-            self._collect_vocode(result, block=plan.wait_vocode or first)
+            self._collect_vocode(result, block=not self.pipeline_vocode or plan.wait_vocode or first)
             return result
-        side = self._side_stream if (llm and vocode) else None
         made: list[tuple[str, Tensor]] = []
-        if side is not None:
-            # token2wav on a second CUDA stream, launched first, so the GPU runs its kernels
-            # alongside the LLM step's; both are only waited for below (the chunks' tokens were
-            # produced by earlier steps, so nothing here depends on this step's LLM output)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                made = self._vocode_step(vocode, result)
-            try:
-                self._llm_step(llm, result)
-            finally:
-                side.synchronize()
-        else:
-            if llm:
-                self._llm_step(llm, result)
-            if vocode:
-                made = self._vocode_step(vocode, result)
+        if llm:
+            self._llm_step(llm, result)
+        if vocode:
+            made = self._vocode_step(vocode, result)
         for request_id, audio in made:
             try:
                 result.audio[request_id] = _pcm(audio)
@@ -272,9 +262,11 @@ class Runner:
 
     def _collect_vocode(self, result: StepResult, *, block: bool) -> None:
         """Hand back the audio of every finished launch (in launch order, the side stream's);
-        with ``block``, first wait for the oldest one. The rest stay in ``result.inflight``."""
+        with ``block``, first wait for all of them (the newest: the stream runs them in order;
+        the scheduler plans no chunk while one is in flight, so there is one). The rest stay in
+        ``result.inflight``."""
         if block and self._inflight:
-            self._inflight[0].done.synchronize()
+            self._inflight[-1].done.synchronize()
         while self._inflight and self._inflight[0].done.query():
             for request_id, buf in self._inflight.pop(0).audio:
                 result.audio[request_id] = buf.numpy().copy()
