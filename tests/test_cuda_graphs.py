@@ -16,6 +16,7 @@ def test_cpu_runs_eagerly() -> None:
     torch.testing.assert_close(g(3, x, w), _fn(x, w))
     assert g.captured_keys == []
     assert not g.would_capture(3, x, w)  # eager: a call never captures
+    assert g.static_inputs(3) is None
 
 
 @pytest.mark.requires_cuda
@@ -34,6 +35,25 @@ def test_graph_replay_equals_eager_per_bucket() -> None:
     with graphs_disabled():
         x = torch.randn(5, 64, device="cuda")
         torch.testing.assert_close(g(4, x, w), _fn(x, w))
+
+
+@pytest.mark.requires_cuda
+def test_inputs_written_into_the_static_buffers_replay_without_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = GraphedFn(_fn, name="mlp")
+    w = torch.randn(64, 32, device="cuda")
+    assert g.static_inputs(4) is None
+    g.capture(4, torch.zeros(4, 64, device="cuda"), w)
+    bufs = g.static_inputs(4)
+    assert bufs is not None and bufs[0].shape == (4, 64)
+    x = torch.randn(4, 64, device="cuda")
+    bufs[0].copy_(x)
+    copies: list[torch.Tensor] = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(self) or real_copy(self, *a, **k))
+    out = g(4, *bufs).clone()
+    monkeypatch.undo()
+    assert copies == []
+    torch.testing.assert_close(out, _fn(x, w))
 
 
 @pytest.mark.requires_cuda

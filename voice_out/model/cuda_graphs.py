@@ -128,6 +128,13 @@ class GraphedFn:
         """Whether ``key`` is captured (a call with it replays instead of capturing)."""
         return key in self._graphs
 
+    def static_inputs(self, key: Hashable) -> tuple[torch.Tensor, ...] | None:
+        """The input buffers ``key``'s graph was captured on, or None if it is not captured. A
+        caller may write a call's inputs into them in place and pass them back: the call then
+        copies nothing (it skips an input that already is its buffer)."""
+        cap = self._graphs.get(key)
+        return None if cap is None else cap.inputs
+
     def would_capture(self, key: Hashable, *args: torch.Tensor) -> bool:
         """Whether a call with ``key`` on tensors like ``args`` (same devices) would capture a
         graph now: graphs active for them and ``key`` not captured yet. False when it would

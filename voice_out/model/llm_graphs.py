@@ -242,22 +242,30 @@ class GraphedLLM:
         if bucket is None:  # more rows than the largest bucket: eager, same code
             bucket = top
         rows = to_device(list(slots), self.device, torch.long)
-        dtype = self.lm.llm_decoder.weight.dtype
-        full_embeds = embeds.new_zeros(bucket, embeds.shape[1], dtype=dtype)
-        full_embeds[rows] = embeds.to(dtype)
-        full_history = history.new_full((bucket, history.shape[1]), NO_TOKEN)
-        full_history[rows] = history
-        full_uniforms = uniforms.new_full((bucket, 2), 0.5)
-        full_uniforms[rows] = uniforms
-        full_masked = eos_masked.new_ones(bucket)
-        full_masked[rows] = eos_masked
-        active = torch.zeros(bucket, dtype=torch.bool, device=self.device)
+        graph = self._decode[window] if self.enabled and bucket in self.decode_buckets else None
+        # the rows are written straight into the captured graph's input buffers (a replay then
+        # copies nothing); fresh buffers before the first capture and for the eager step
+        bufs = graph.static_inputs(bucket) if graph is not None else None
+        if bufs is None:
+            bufs = (
+                torch.empty(bucket, dtype=torch.bool, device=self.device),
+                embeds.new_empty((bucket, embeds.shape[1]), dtype=self.lm.llm_decoder.weight.dtype),
+                history.new_empty((bucket, history.shape[1])),
+                uniforms.new_empty((bucket, 2)),
+                eos_masked.new_empty(bucket),
+            )
+        active, full_embeds, full_history, full_uniforms, full_masked = bufs
+        active.zero_()
         active[rows] = True
-        args = (active, full_embeds, full_history, full_uniforms, full_masked)
-        if bucket in self.decode_buckets and self.enabled:
-            out: Tensor = self._decode[window](bucket, *args)
-        else:
-            out = self._decode_fn(window, *args)
+        full_embeds.zero_()
+        full_embeds[rows] = embeds.to(full_embeds.dtype)
+        full_history.fill_(NO_TOKEN)
+        full_history[rows] = history
+        full_uniforms.fill_(0.5)
+        full_uniforms[rows] = uniforms
+        full_masked.fill_(True)
+        full_masked[rows] = eos_masked
+        out: Tensor = graph(bucket, *bufs) if graph is not None else self._decode_fn(window, *bufs)
         return out[rows]
 
     def prefill(self, slot: int, embeds: Tensor, start: int) -> Tensor:
