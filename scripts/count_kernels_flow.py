@@ -242,6 +242,12 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=75, help="prompt tokens before the first chunk")
     ap.add_argument("--detail", action="store_true", help="print the ops of one block of each kind")
     ap.add_argument("--time", action="store_true", help="CUDA: also time the re-run solve, eager and graphed")
+    ap.add_argument(
+        "--fused",
+        action="store_true",
+        help="CUDA: stateless estimator calls through the fused Triton kernels (engine.fused_flow); their "
+        "kernels are counted under 'Estimator (own)', as they bypass the blocks' forward",
+    )
     args = ap.parse_args()
 
     device = torch.device(args.device)
@@ -249,6 +255,8 @@ def main() -> None:
     config = args.config or REPO / "configs" / "models" / ("cosyvoice2-0.5b" if args.full else "tiny")
     torch.set_num_threads(1)
     flow = random_flow(config, device=device, dtype=dtype, seed=0)
+    if args.fused and not flow.use_kernels(True):
+        raise SystemExit("--fused: the fused flow kernels cannot run here (need Triton, CUDA, bf16/fp16)")
     d = flow.dims
     gen = torch.Generator().manual_seed(1)
     n_tok = args.prompt + d.enc_chunk + d.pre_lookahead
@@ -308,7 +316,13 @@ def main() -> None:
         f"first chunk: {args.prompt} + {d.enc_chunk} + {d.pre_lookahead} tokens = {n} frames "
         f"(cached solve: {n - f0} frames after a {prompt.n_prefix}-token prefix)"
     )
-    out: dict[str, Any] = {"config": str(config), "device": dev, "dtype": str(dtype), "counting": what}
+    out: dict[str, Any] = {
+        "config": str(config),
+        "device": dev,
+        "dtype": str(dtype),
+        "counting": what,
+        "fused": args.fused,
+    }
     titles = {
         "estimator": "one estimator call (CFG batch 2, streaming mask)",
         "solve": f"one Flow.solve, re-run path ({d.n_timesteps} steps)",

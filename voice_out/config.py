@@ -111,6 +111,11 @@ class EngineConfig:
     #: (voice_out.model.decode_kernels), where Triton can run them (it ships with PyTorch's
     #: CUDA builds; bf16/fp16); else the plain-torch step.
     fused_decode: bool = True
+    #: The flow estimator's stateless calls (first chunks, re-run chunks, final chunks) with
+    #: fused Triton kernels (voice_out.model.flow_kernels: LayerNorm, GELU, Mish, residuals and
+    #: the attention mask inside the GEMM and attention kernels), where Triton can run them
+    #: (CUDA, bf16/fp16); else the plain-torch estimator.
+    fused_flow: bool = True
     #: Batch buckets for graph capture; a decode of n streams runs in the smallest bucket >= n.
     graph_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
     #: Most token2wav chunks per engine step. None: 8 when token2wav runs CUDA graphs (a step's

@@ -2,6 +2,8 @@
 
 * :func:`time_ms`: milliseconds of each of ``iters`` calls of ``fn`` after ``warmup`` calls,
   with CUDA events on a GPU and ``perf_counter`` on the CPU;
+* :func:`graph_us`: microseconds per call of ``fn`` replayed from one CUDA graph of many calls
+  (host launch cost left out, as the engine's graphs leave it out);
 * :func:`time_method`: wrap a method of a class so that every call records its duration under a
   label (optionally synchronising the GPU around it, so a call's own GPU work is in its time);
 * :func:`save_out`: write a script's result as JSON under ``$OUT``, when set.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +45,29 @@ def time_ms(
             fn()
             out.append((time.perf_counter() - t0) * 1e3)
     return out
+
+
+def graph_us(fn: Callable[[], Any], calls: int = 20, reps: int = 20) -> float:
+    """Microseconds per call of ``fn``: one CUDA graph of ``calls`` back-to-back calls, replayed
+    ``reps`` times; the median. CUDA only."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1000 / calls)
+    return statistics.median(times)
 
 
 def time_method(

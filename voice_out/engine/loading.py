@@ -161,6 +161,10 @@ def build_engine(
             ec.max_streams,
             kv_len,
         )
+        if flow.use_kernels(ec.fused_flow):
+            log.info("engine: flow estimator with fused kernels")
+        elif ec.fused_flow and torch.device(device).type == "cuda":
+            log.info("engine: fused flow kernels unavailable here (need Triton and bf16/fp16): plain-torch flow")
         t2w = Token2Wav(flow, hift, device=device)
         # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere)
         t2w.use_cuda_graphs(graphs)

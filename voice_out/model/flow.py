@@ -425,6 +425,11 @@ class Flow(nn.Module):
         self.estimator.fuse_()
         return self
 
+    def use_kernels(self, on: bool = True) -> bool:
+        """Stateless estimator calls (the re-run and final-chunk paths) through the fused Triton
+        kernels where they can run (:meth:`Estimator.use_kernels`); returns whether they do."""
+        return self.estimator.use_kernels(on)
+
     def speaker(self, embedding: Tensor) -> Tensor:
         """x-vector ``[1, spk_dim]`` -> ``[1, n_mels]``: affine of the L2-normalised vector."""
         return self.spk_affine(F.normalize(embedding.to(self.device, self.dtype), dim=1))

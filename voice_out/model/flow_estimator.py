@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from voice_out.model import flow_kernels
+
 #: Upstream fixed constants of the estimator (not in any config file).
 TIME_EMBED_SCALE = 1000.0  # sinusoidal time embedding argument = 1000 * t * f_k
 TIME_EMBED_MULT = 4  # time MLP width = 4 * channels
@@ -191,6 +193,19 @@ class CausalConv(nn.Conv1d):
     def forward(self, xp: Tensor) -> Tensor:
         return self.from_windows(windows(xp, self.kernel_size[0]))
 
+    def weight_taps(self) -> Tensor:
+        """The tap-major ``[Cout, k * Cin]`` weight (made by ``fuse_``, or now)."""
+        return self.weight2d if self.weight2d.numel() else self._weight2d().contiguous()
+
+    def forward_kernels(self, x: Tensor) -> Tensor:
+        """Zero left context, one fused kernel: x ``[B, T, Cin]`` -> ``[B, T, Cout]``."""
+        return flow_kernels.conv(x, self.weight_taps(), _bias(self), self.kernel_size[0])
+
+
+def _bias(conv: nn.Conv1d) -> Tensor:
+    assert conv.bias is not None  # every conv of the estimator has one
+    return conv.bias
+
 
 def pointwise(conv: nn.Conv1d, x: Tensor) -> Tensor:
     """A 1x1 ``conv`` on time-major rows ``[N, Cin]`` (any row stride) -> ``[N, Cout]``."""
@@ -213,6 +228,12 @@ class CausalBlock(nn.Module):
 
     def forward(self, xp: Tensor) -> Tensor:
         return F.mish(self.norm(self.conv(xp)))
+
+    def forward_kernels(self, x: Tensor, add: Tensor | None = None) -> Tensor:
+        """Zero left context, one fused kernel: x ``[B, T, Cin]`` -> ``[B, T, Cout]``, plus
+        ``add`` ``[1 or B, Cout]`` on every frame."""
+        norm = (self.norm.weight, self.norm.bias, self.norm.eps)
+        return flow_kernels.conv(x, self.conv.weight_taps(), _bias(self.conv), CONV_KERNEL, norm=norm, add=add)
 
 
 class ResBlock(nn.Module):
@@ -243,6 +264,15 @@ class ResBlock(nn.Module):
         # the 1x1 conv's input is the windows' last tap (the current frame): no copy
         a = a + pointwise(self.res_conv, win[:, (k - 1) * c_in :])
         return a.view(b, t, -1)
+
+    def forward_kernels(self, x: Tensor, tproj: Tensor) -> Tensor:
+        """Zero left context, two fused kernels: x ``[B, T, Cin]`` (channels contiguous),
+        ``tproj`` ``[1 or B, Cout]`` -> ``[B, T, Cout]``."""
+        a = self.block1.forward_kernels(x, add=tproj)
+        res = (x, self.res_conv.weight.view(self.res_conv.out_channels, -1), _bias(self.res_conv))
+        b2 = self.block2
+        norm = (b2.norm.weight, b2.norm.bias, b2.norm.eps)
+        return flow_kernels.conv(a, b2.conv.weight_taps(), _bias(b2.conv), CONV_KERNEL, norm=norm, res=res)
 
 
 class TransformerBlock(nn.Module):
@@ -322,6 +352,24 @@ class TransformerBlock(nn.Module):
             x = x + self.ff_out(F.gelu(self.ff_in(h)))
         return x.view(b, t, c)
 
+    def forward_kernels(self, x: Tensor, chunk: int, key_frames: Tensor | None) -> Tensor:
+        """The stateless call in 5 fused kernels (norm + q/k/v, attention, out + residual,
+        norm + FF in + GELU, FF out + residual): x ``[B, T, C]`` with contiguous rows; the
+        mask as :func:`voice_out.model.flow_kernels.attention` takes it (``chunk`` frames, 0 =
+        none; ``key_frames`` ``[B]`` or None)."""
+        b, t, c = x.shape
+        xf = x.reshape(b * t, c)
+        qkv_w = self.qkv_weight
+        if not qkv_w.numel():
+            qkv_w = torch.cat([self.to_q.weight, self.to_k.weight, self.to_v.weight])
+        qkv = flow_kernels.ln_linear(xf, self.norm1.weight, self.norm1.bias, self.norm1.eps, qkv_w)
+        o = flow_kernels.attention(qkv, b, self.heads, self.head_dim, chunk, key_frames)
+        x2 = flow_kernels.linear(o, self.to_out.weight, self.to_out.bias, residual=xf)
+        n3 = self.norm3
+        g = flow_kernels.ln_linear(x2, n3.weight, n3.bias, n3.eps, self.ff_in.weight, self.ff_in.bias, gelu=True)
+        flow_kernels.linear(g, self.ff_out.weight, self.ff_out.bias, residual=x2, out=x2)
+        return x2.view(b, t, c)
+
 
 @dataclass
 class EstimatorState:
@@ -352,6 +400,8 @@ class EstimatorPrep:
       (rows 0 .. k-2 zeros, or the state's, copied in by the call). Scratch, like ``inputs``.
     * ``zeros`` ``[B, k-1, max C_in]``: a causal conv's left context when there is no state.
     * ``start``: absolute frame of ``x[..., 0]``.
+    * ``chunk``, ``key_frames``: the same mask as the fused kernels take it (chunk frames, 0
+      when not streaming; the key-padding lengths ``[B]`` or None).
     """
 
     inputs: Tensor
@@ -360,6 +410,8 @@ class EstimatorPrep:
     scratch: Tensor
     zeros: Tensor
     start: int
+    chunk: int = 0
+    key_frames: Tensor | None = None
 
 
 class Estimator(nn.Module):
@@ -384,7 +436,10 @@ class Estimator(nn.Module):
         time_dim = TIME_EMBED_MULT * channels
         self.in_channels = in_channels
         self.channels = channels
+        self.head_dim = head_dim
         self.chunk_frames = chunk_frames
+        #: run stateless calls through the fused kernels (:meth:`use_kernels`)
+        self.kernels = False
         self.time_linear1 = nn.Linear(in_channels, time_dim)
         self.time_linear2 = nn.Linear(time_dim, time_dim)
 
@@ -446,6 +501,15 @@ class Estimator(nn.Module):
         self.time_proj_weight = weight.detach().clone()
         self.time_proj_bias = bias.detach().clone()
 
+    def use_kernels(self, on: bool = True) -> bool:
+        """Run the stateless calls (no :class:`EstimatorState`, start 0: the re-run and final
+        paths) through :mod:`voice_out.model.flow_kernels` where they can run (Triton, CUDA,
+        bf16/fp16, the estimator's widths: :func:`voice_out.model.flow_kernels.available`).
+        Returns whether they now do. Call after moving the module to its device and dtype."""
+        w = self.time_linear1.weight
+        self.kernels = on and flow_kernels.available(w.device, w.dtype, self.channels, self.in_channels, self.head_dim)
+        return self.kernels
+
     def _time_proj_stacked(self) -> tuple[Tensor, Tensor]:
         if self.time_proj_weight.numel():
             return self.time_proj_weight, self.time_proj_bias
@@ -499,7 +563,16 @@ class Estimator(nn.Module):
         scratch = torch.zeros(b, k - 1 + n, self.channels, device=mu.device, dtype=dtype)
         width = max(self.conv_channels())
         zeros = torch.zeros(1, k - 1, width, device=mu.device, dtype=dtype).expand(b, -1, -1)
-        return EstimatorPrep(inputs=inputs, tproj=tproj, mask=mask, scratch=scratch, zeros=zeros, start=start)
+        return EstimatorPrep(
+            inputs=inputs,
+            tproj=tproj,
+            mask=mask,
+            scratch=scratch,
+            zeros=zeros,
+            start=start,
+            chunk=self.chunk_frames if streaming else 0,
+            key_frames=key_frames.to(mu.device) if key_frames is not None else None,
+        )
 
     def forward(
         self,
@@ -528,6 +601,8 @@ class Estimator(nn.Module):
         if prep is None:
             prep = self.prepare(mu, spks, cond, t.reshape(1, -1), streaming, start)
             step = 0
+        if self.kernels and state is None and prep.start == 0:
+            return self._forward_kernels(x, prep, step)
         k = CONV_KERNEL
         n = x.shape[2]
         ctxs: Iterator[Tensor] | None = iter(state.conv_ctx) if state is not None else None
@@ -562,4 +637,34 @@ class Estimator(nn.Module):
         h = self.up_conv(pad_left(h, c(), zeros)).view(b, n, -1)
         h = self.final_block(pad_left(h, c(), zeros))  # [B L, C]
         out = pointwise(self.final_proj, h).view(b, n, -1)
+        return out.transpose(1, 2)
+
+    def _forward_kernels(self, x: Tensor, prep: EstimatorPrep, step: int) -> Tensor:
+        """The stateless call with the fused kernels: ~5 kernels per transformer block, 2 per
+        ResBlock, 1 per causal conv (see :mod:`voice_out.model.flow_kernels`). Same contract as
+        :meth:`forward` without state."""
+        k = CONV_KERNEL
+        b, n_x, n = x.shape
+        xp = prep.inputs
+        xp[:, k - 1 :, :n_x].copy_(x.transpose(1, 2))
+        tproj = prep.tproj[step]  # [R, n_res, C]
+
+        def attn(stage: nn.ModuleList, h: Tensor) -> Tensor:
+            for blk in stage:
+                assert isinstance(blk, TransformerBlock)
+                h = blk.forward_kernels(h, prep.chunk, prep.key_frames)
+            return h
+
+        h = self.down_res.forward_kernels(xp[:, k - 1 :], tproj[:, 0])
+        h = attn(self.down_tbs, h)
+        skip = h
+        h = self.down_conv.forward_kernels(h)
+        for i, (res, stage) in enumerate(zip(self.mid_res, self.mid_tbs, strict=True)):
+            assert isinstance(stage, nn.ModuleList) and isinstance(res, ResBlock)
+            h = attn(stage, res.forward_kernels(h, tproj[:, 1 + i]))
+        h = self.up_res.forward_kernels(torch.cat([h, skip], dim=2), tproj[:, -1])
+        h = attn(self.up_tbs, h)
+        h = self.up_conv.forward_kernels(h)
+        h = self.final_block.forward_kernels(h)
+        out = pointwise(self.final_proj, h.view(b * n, -1)).view(b, n, -1)
         return out.transpose(1, 2)

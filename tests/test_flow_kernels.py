@@ -1,0 +1,176 @@
+"""The fused flow-estimator kernels equal the plain-torch estimator (GPU), and are refused where
+they cannot run."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import REPO_ROOT
+from voice_out.model import flow_kernels
+from voice_out.model.checkpoint import random_flow
+from voice_out.model.cuda_graphs import GraphedFn
+from voice_out.model.flow import Flow
+from voice_out.model.flow_estimator import ResBlock, attention_bias, chunk_mask, pad_left, valid_keys
+
+TINY = REPO_ROOT / "configs" / "models" / "tiny"
+FULL = REPO_ROOT / "configs" / "models" / "cosyvoice2-0.5b"
+
+
+def test_available_only_for_cuda_half_precision_and_supported_widths() -> None:
+    assert flow_kernels.available("cuda", torch.bfloat16, 256, 320, 64) == (flow_kernels.triton is not None)
+    assert not flow_kernels.available("cpu", torch.bfloat16, 256, 320, 64)
+    assert not flow_kernels.available("cuda", torch.float32, 256, 320, 64)
+    assert not flow_kernels.available("cuda", torch.bfloat16, 256, 320, 48)  # not a power of two
+    assert not flow_kernels.available("cuda", torch.bfloat16, flow_kernels.MAX_ROW + 1, 320, 64)
+
+
+def test_flow_does_not_use_the_kernels_on_the_cpu() -> None:
+    flow = random_flow(TINY, "cpu", torch.float32, seed=0)
+    assert not flow.use_kernels(True)
+    assert not flow.estimator.kernels
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+@pytest.mark.requires_cuda
+def test_ln_linear_and_linear_equal_torch() -> None:
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=dev) * scale).to(dt)
+
+    m, k, n = 357, 256, 1024
+    x, lw, lb = rnd(m, k), rnd(k), rnd(k)
+    w, b = rnd(n, k, scale=k**-0.5), rnd(n)
+    h = F.layer_norm(x, (k,), lw, lb, 1e-5)
+    torch.testing.assert_close(flow_kernels.ln_linear(x, lw, lb, 1e-5, w), F.linear(h, w), atol=2e-2, rtol=2e-2)
+    want = F.gelu(F.linear(h, w, b))
+    torch.testing.assert_close(flow_kernels.ln_linear(x, lw, lb, 1e-5, w, b, gelu=True), want, atol=2e-2, rtol=2e-2)
+    a, w2, res = rnd(m, n), rnd(k, n, scale=n**-0.5), rnd(m, k)
+    want = res + F.linear(a, w2, b[:k])
+    torch.testing.assert_close(flow_kernels.linear(a, w2, b[:k], residual=res), want, atol=3e-2, rtol=2e-2)
+    inplace = res.clone()
+    out = flow_kernels.linear(a, w2, b[:k], residual=inplace, out=inplace)
+    assert out.data_ptr() == inplace.data_ptr()
+    torch.testing.assert_close(inplace, want, atol=3e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="do not fit"):
+        flow_kernels.linear(a, w, None)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("chunk", [0, 50])
+@pytest.mark.parametrize("padded", [False, True])
+def test_attention_equals_sdpa(chunk: int, padded: bool) -> None:
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(chunk + padded)
+    b, t, heads, d = 4, 213, 8, 64  # t spans several key blocks and ends inside one
+    qkv = torch.randn(b * t, 3 * heads * d, generator=gen, device=dev).to(dt)
+    key_frames = torch.tensor([t, 1, 64, 150], device=dev) if padded else None
+    q, k, v = qkv.view(b, t, 3, heads, d).permute(2, 0, 3, 1, 4)
+    allowed = chunk_mask(0, t, t, chunk, dev) if chunk else None
+    if key_frames is not None:
+        keys = valid_keys(key_frames, t)
+        allowed = keys if allowed is None else allowed & keys
+    mask = attention_bias(allowed, dt) if allowed is not None else None
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b * t, heads * d)
+    got = flow_kernels.attention(qkv, b, heads, d, chunk, key_frames)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.requires_cuda
+def test_resblock_kernels_equal_the_plain_block() -> None:
+    """Two conv kernels (conv + LayerNorm + Mish + time add; conv + LayerNorm + Mish + 1x1
+    residual) against the plain ResBlock, on a strided input (the body of a padded buffer)."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    c_in, c, b, t = 320, 256, 2, 181
+    block = ResBlock(c_in, c, 1024).to(dev)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.05)
+        block.block1.norm.weight.add_(1.0)
+        block.block2.norm.weight.add_(1.0)
+    block = block.to(dt)
+    block.block1.conv.fuse_()
+    block.block2.conv.fuse_()
+    padded = torch.zeros(b, 2 + t, c_in, device=dev, dtype=dt)
+    padded[:, 2:] = torch.randn(b, t, c_in, device=dev).to(dt)
+    tproj = torch.randn(b, c, device=dev).to(dt)
+    with torch.inference_mode():
+        want = block(padded, tproj, None, torch.zeros(b, 2 + t, c, device=dev, dtype=dt))
+        got = block.forward_kernels(padded[:, 2:], tproj)
+        assert _rel(got, want) < 1e-2
+        # a plain causal conv (no norm): the up/down convs
+        conv = block.block2.conv
+        want = conv(pad_left(got, None, torch.zeros(b, 2, c, device=dev, dtype=dt))).view(b, t, c)
+        assert _rel(conv.forward_kernels(got), want) < 1e-2
+
+
+def _flow_pair(dims: Path) -> tuple[Flow, Flow, Flow]:
+    """(float32 reference, bf16 plain, bf16 with kernels): the same random weights."""
+    ref = random_flow(dims, "cuda", torch.float32, seed=0)
+    plain = copy.deepcopy(ref).to(torch.bfloat16).fuse_()
+    fused = copy.deepcopy(plain)
+    assert fused.use_kernels(True)
+    return ref, plain, fused
+
+
+def _first_chunk_inputs(flow: Flow, prompt: int) -> tuple[torch.Tensor, ...]:
+    d = flow.dims
+    gen = torch.Generator().manual_seed(1)
+    tok = torch.randint(0, d.vocab_size, (1, prompt + d.enc_chunk + d.pre_lookahead), generator=gen)
+    feat = torch.randn(1, d.token_mel_ratio * prompt, d.n_mels, generator=gen) - 5
+    emb = torch.randn(1, d.spk_embed_dim, generator=gen)
+    dev = flow.device
+    return tok[:, prompt:].to(dev), tok[:, :prompt].to(dev), feat.to(dev), emb.to(dev)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("dims", [TINY, FULL], ids=["tiny", "0.5b"])
+def test_first_chunk_and_final_pass_with_kernels_are_as_close_as_plain_bf16(dims: Path) -> None:
+    """A first streaming chunk (chunk mask) and a right-padded final pass (key padding) with the
+    kernels are within bf16 error of the float32 flow, no further off than the plain bf16 flow."""
+    ref, plain, fused = _flow_pair(dims)
+    token, prompt_token, feat, emb = _first_chunk_inputs(ref, 40)
+    with torch.inference_mode():
+        want = ref.inference(token, prompt_token, feat, emb, streaming=True, finalize=False)
+        e_plain = _rel(plain.inference(token, prompt_token, feat, emb, streaming=True, finalize=False), want)
+        e_fused = _rel(fused.inference(token, prompt_token, feat, emb, streaming=True, finalize=False), want)
+        assert e_fused < 5e-2 and e_fused < 1.5 * e_plain + 5e-3, (e_fused, e_plain)
+
+        items = [(token, prompt_token, feat, emb), (token[:, :7], prompt_token[:, :30], feat[:, :60], emb)]
+        total = prompt_token.shape[1] + token.shape[1] + 5
+        rows = [ref.final_inputs(items, total)[:4], plain.final_inputs(items, total)[:4]]
+        spans = ref.final_inputs(items, total)[4]
+        want = ref.final_core(*rows[0])
+        got_plain = plain.final_core(*rows[1])
+        got = fused.final_core(*rows[1])
+        for i, (_, stop) in enumerate(spans):
+            e_plain = _rel(got_plain[i, :, :stop], want[i, :, :stop])
+            e_fused = _rel(got[i, :, :stop], want[i, :, :stop])
+            assert e_fused < 5e-2 and e_fused < 1.5 * e_plain + 5e-3, (i, e_fused, e_plain)
+
+
+@pytest.mark.requires_cuda
+def test_graphed_first_chunk_with_kernels_equals_eager() -> None:
+    """The fused first chunk replayed from a CUDA graph equals the same call run eagerly."""
+    _, _, fused = _flow_pair(TINY)
+    token, prompt_token, feat, emb = _first_chunk_inputs(fused, 25)
+    with torch.inference_mode():
+
+        def first() -> torch.Tensor:
+            return fused.inference(token, prompt_token, feat, emb, streaming=True, finalize=False)
+
+        want = first().clone()
+        graphed = GraphedFn(first, name="first")
+        got = graphed("k").clone()
+        got = graphed("k").clone()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -1,0 +1,517 @@
+"""Fused CUDA kernels (Triton) for the flow's velocity estimator (``flow_estimator.py``).
+
+A graphed first streaming chunk is 10 estimator calls of ~750 kernels each, and on an H100
+the GPU is busy for almost all of its ~28 ms: the kernels are small but not free. About a third
+of that time is LayerNorms, GELU, Mish, residual adds, attention memsets, concatenations and
+the causal convs' window copies, each a kernel of its own around the GEMMs. Here each GEMM
+carries what surrounds it:
+
+* :func:`ln_linear`: LayerNorm of each row (the whole row in one tile) as the GEMM's prologue,
+  bias and exact (erf) GELU as its epilogue: a transformer block's norm + q/k/v projection, and
+  its norm + feed-forward input + GELU.
+* :func:`linear`: GEMM + bias + residual add (in place when ``out`` is the residual): the
+  attention output projection and the feed-forward output.
+* :func:`attention`: chunk-causal / key-padded attention reading q, k and v straight from the
+  stacked projection ``[B T, 3 H D]`` and writing ``[B T, H D]``; the mask is computed from
+  ``chunk`` and ``key_frames`` in the kernel (no bias tensor) and key blocks every query of a
+  block is masked from are skipped.
+* :func:`conv`: a causal conv (stride 1, zero left context) as an implicit GEMM over the taps
+  of the time-major input (no padded copy, no window copy), with LayerNorm + Mish, a per-row
+  vector add (a ResBlock's time projection) and a 1x1 residual conv of the current frame (a
+  second GEMM) in its epilogue. A ResBlock is two of these.
+
+A transformer block is then 5 kernels instead of 10, a ResBlock 2 instead of ~9. Every
+intermediate is rounded once to the compute dtype, where the plain path rounds after each op:
+the results agree within bf16 rounding (``tests/test_flow_kernels.py`` checks each kernel and
+the whole first chunk against ``flow_estimator.py``, which stays the reference). Only the
+stateless estimator call (the re-run and final-chunk paths the CUDA graphs replay) uses them.
+
+Needs Triton (it ships with PyTorch's CUDA builds); :func:`available` says whether they run for
+a device, dtype and shape. Tile sizes are fixed (no autotuning at start-up): the shapes are a
+few hundred rows by 256 to 1024 columns.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:  # Triton comes with PyTorch's CUDA wheels; the CPU build has none (then: the plain path)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+#: Widest row a LayerNorm prologue/epilogue holds in one tile (channels of the estimator).
+MAX_ROW = 1024
+#: Tile sizes and warps per kernel (measured on an H100 at the first chunk's shapes with
+#: ``python scripts/bench_flow_kernels.py --sweep``): ln_linear and ln_linear_gelu (rows, cols,
+#: warps); linear (rows, cols, depth, warps); attention (queries, keys, warps); conv (rows when
+#: Cout > 128, rows otherwise, depth, warps; the columns are the whole Cout, for the LayerNorm).
+TILES: dict[str, tuple[int, ...]] = {
+    "ln_linear": (32, 64, 4),
+    "ln_linear_gelu": (32, 64, 4),
+    "linear": (32, 64, 64, 4),
+    "attention": (64, 64, 4),
+    "conv": (16, 32, 64, 4),
+}
+
+
+def available(device: torch.device | str, dtype: torch.dtype, channels: int, in_channels: int, head_dim: int) -> bool:
+    """True if the fused estimator kernels can run: Triton importable, a CUDA ``device``,
+    ``dtype`` bfloat16 or float16, ``channels`` and ``in_channels`` (whole LayerNorm rows) in
+    16 .. :data:`MAX_ROW`, ``head_dim`` a power of two in 16 .. 128."""
+    return (
+        triton is not None
+        and torch.device(device).type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and 16 <= channels <= MAX_ROW
+        and 16 <= in_channels <= 4 * MAX_ROW
+        and 16 <= head_dim <= 128
+        and head_dim & (head_dim - 1) == 0
+    )
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gelu_erf(x):  # type: ignore[no-untyped-def]
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+    @triton.jit
+    def _mish(x):  # type: ignore[no-untyped-def]
+        # x * tanh(softplus(x)); softplus >= 0, so tanh = 1 - 2 / (exp(2 sp) + 1) cannot overflow
+        sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        return x * (1.0 - 2.0 / (tl.exp(2.0 * sp) + 1.0))
+
+    @triton.jit
+    def _ln_linear_kernel(  # type: ignore[no-untyped-def]
+        x_ptr,
+        stride_x,
+        lnw_ptr,
+        lnb_ptr,
+        w_ptr,
+        stride_w,
+        b_ptr,
+        out_ptr,
+        stride_out,
+        M,
+        N,
+        eps,
+        K: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        GELU: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        r_ok = rows < M
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        x = x.to(tl.float32)
+        mean = tl.sum(x, axis=1) / K
+        xc = tl.where(k_ok[None, :], x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / K + eps)
+        lw = tl.load(lnw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        lb = tl.load(lnb_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        h = (xc * rstd[:, None] * lw[None, :] + lb[None, :]).to(w_ptr.dtype.element_ty)
+        c_ok = cols < N
+        w = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=c_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(h, w)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        if GELU:
+            acc = _gelu_erf(acc)
+        out = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+
+    @triton.jit
+    def _linear_kernel(  # type: ignore[no-untyped-def]
+        a_ptr,
+        stride_a,
+        w_ptr,
+        stride_w,
+        b_ptr,
+        res_ptr,
+        stride_res,
+        out_ptr,
+        stride_out,
+        M,
+        N,
+        K,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        r_ok = rows < M
+        c_ok = cols < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(a_ptr + rows[:, None] * stride_a + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=c_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(a, w, acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        ok = r_ok[:, None] & c_ok[None, :]
+        if HAS_RES:
+            acc += tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _attention_kernel(  # type: ignore[no-untyped-def]
+        qkv_ptr,
+        stride_qkv,
+        out_ptr,
+        stride_out,
+        kf_ptr,
+        T,
+        chunk,
+        qk_scale,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        HAS_KF: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, D)
+        i_ok = i < T
+        base = qkv_ptr + b * T * stride_qkv
+        q = tl.load(base + i[:, None] * stride_qkv + h * D + d[None, :], mask=i_ok[:, None], other=0.0)
+        n_keys = T
+        if HAS_KF:
+            n_keys = tl.load(kf_ptr + b).to(tl.int32)
+        # query i may see key j < chunk (i // chunk + 1); the block's last query bounds the loop
+        limit = tl.full([BLOCK_M], 0, tl.int32) + n_keys
+        hi = n_keys
+        if chunk > 0:
+            limit = tl.minimum(limit, (i // chunk + 1) * chunk)
+            hi = tl.minimum(hi, ((pid_m * BLOCK_M + BLOCK_M - 1) // chunk + 1) * chunk)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for j0 in range(0, hi, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            j_ok = j < n_keys
+            keys = tl.load(base + j[:, None] * stride_qkv + (H + h) * D + d[None, :], mask=j_ok[:, None], other=0.0)
+            vals = tl.load(base + j[:, None] * stride_qkv + (2 * H + h) * D + d[None, :], mask=j_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(keys)) * qk_scale
+            s = tl.where(j[None, :] < limit[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+            alpha = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
+            m = m_new
+        o = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+        out = out_ptr + (b * T + i)[:, None] * stride_out + h * D + d[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=i_ok[:, None])
+
+    @triton.jit
+    def _conv_kernel(  # type: ignore[no-untyped-def]
+        x_ptr,
+        stride_xb,
+        stride_xt,
+        w_ptr,
+        stride_w,
+        b_ptr,
+        lnw_ptr,
+        lnb_ptr,
+        add_ptr,
+        stride_add,
+        rx_ptr,
+        stride_rxb,
+        stride_rxt,
+        C_RES,
+        rw_ptr,
+        stride_rw,
+        rb_ptr,
+        out_ptr,
+        stride_ob,
+        stride_ot,
+        T,
+        M,
+        C_IN,
+        eps,
+        N: tl.constexpr,
+        TAPS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        NORM: tl.constexpr,
+        HAS_ADD: tl.constexpr,
+        HAS_RES: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        r_ok = rows < M
+        bi = rows // T
+        ti = rows % T
+        cols = tl.arange(0, BLOCK_N)
+        c_ok = cols < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for tap in tl.static_range(TAPS):
+            # tap j reads frame t + j - (TAPS - 1); frames before 0 are the zero left context
+            src = ti + tap - (TAPS - 1)
+            s_ok = r_ok & (src >= 0)
+            a_row = x_ptr + bi * stride_xb + src * stride_xt
+            for k0 in range(0, C_IN, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < C_IN
+                a = tl.load(a_row[:, None] + ks[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
+                w_at = w_ptr + cols[None, :] * stride_w + tap * C_IN + ks[:, None]
+                w = tl.load(w_at, mask=c_ok[None, :] & k_ok[:, None], other=0.0)
+                acc = tl.dot(a, w, acc)
+        acc += tl.load(b_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        if NORM:
+            mean = tl.sum(tl.where(c_ok[None, :], acc, 0.0), axis=1) / N
+            xc = tl.where(c_ok[None, :], acc - mean[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+            lw = tl.load(lnw_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+            lb = tl.load(lnb_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+            acc = _mish(xc * rstd[:, None] * lw[None, :] + lb[None, :])
+        if HAS_ADD:
+            acc += tl.load(add_ptr + bi[:, None] * stride_add + cols[None, :], mask=c_ok[None, :], other=0.0).to(
+                tl.float32
+            )
+        if HAS_RES:
+            # 1x1 conv of the residual input's same frame
+            res = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            a_row = rx_ptr + bi * stride_rxb + ti * stride_rxt
+            for k0 in range(0, C_RES, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < C_RES
+                a = tl.load(a_row[:, None] + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                w_at = rw_ptr + cols[None, :] * stride_rw + ks[:, None]
+                w = tl.load(w_at, mask=c_ok[None, :] & k_ok[:, None], other=0.0)
+                res = tl.dot(a, w, res)
+            acc += res + tl.load(rb_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + (bi * stride_ob + ti * stride_ot)[:, None] + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+
+
+def _rows(x: Tensor, name: str) -> Tensor:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"{name}: need [M, K] with contiguous rows, got {tuple(x.shape)} strides {x.stride()}")
+    return x
+
+
+def ln_linear(
+    x: Tensor,
+    ln_weight: Tensor,
+    ln_bias: Tensor,
+    eps: float,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    gelu: bool = False,
+) -> Tensor:
+    """``act(LayerNorm(x) @ weight.T + bias)``, one kernel: x ``[M, K]`` (K <= :data:`MAX_ROW`),
+    weight ``[N, K]``, bias ``[N]`` or None, act = exact GELU or identity -> ``[M, N]`` in x's
+    dtype. The normalised rows are rounded to the weight's dtype before the GEMM, as
+    ``nn.LayerNorm`` + ``F.linear`` round them."""
+    _rows(x, "ln_linear")
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or k > MAX_ROW:
+        raise ValueError(f"ln_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    block_m, block_n, warps = TILES["ln_linear_gelu" if gelu else "ln_linear"]
+    kernel: Any = _ln_linear_kernel
+    kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        x,
+        x.stride(0),
+        ln_weight,
+        ln_bias,
+        weight,
+        weight.stride(0),
+        bias if bias is not None else weight,
+        out,
+        out.stride(0),
+        m,
+        n,
+        eps,
+        K=k,
+        BLOCK_K=_pow2(k),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_BIAS=bias is not None,
+        GELU=gelu,
+        num_warps=warps,
+    )
+    return out
+
+
+def linear(
+    a: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None = None, out: Tensor | None = None
+) -> Tensor:
+    """``a @ weight.T + bias (+ residual)``, one kernel: a ``[M, K]``, weight ``[N, K]``,
+    residual ``[M, N]``; ``out`` ``[M, N]`` may be ``residual`` itself (in place: each element is
+    read, then written, by the same program). Returns ``out`` (new when None)."""
+    _rows(a, "linear")
+    m, k = a.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"linear: a {tuple(a.shape)} and weight {tuple(weight.shape)} do not fit")
+    if out is None:
+        out = torch.empty(m, n, device=a.device, dtype=a.dtype)
+    for t, name in ((out, "out"), (residual, "residual")):
+        if t is not None and (tuple(t.shape) != (m, n) or t.stride(1) != 1):
+            raise ValueError(f"linear: {name} must be [{m}, {n}] with contiguous rows, got {tuple(t.shape)}")
+    block_m, block_n, block_k, warps = TILES["linear"]
+    kernel: Any = _linear_kernel
+    kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        a,
+        a.stride(0),
+        weight,
+        weight.stride(0),
+        bias if bias is not None else weight,
+        residual if residual is not None else out,
+        residual.stride(0) if residual is not None else 0,
+        out,
+        out.stride(0),
+        m,
+        n,
+        k,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        num_warps=warps,
+    )
+    return out
+
+
+def attention(qkv: Tensor, batch: int, heads: int, head_dim: int, chunk: int, key_frames: Tensor | None) -> Tensor:
+    """Multi-head attention of the stacked projection ``qkv`` ``[B T, 3 H D]`` (q | k | v, each
+    head-major; rows batch-major) -> ``[B T, H D]``, one kernel, scale 1/sqrt(D).
+
+    Query i (frame i, from 0) attends key j iff ``j < chunk (i // chunk + 1)`` (when ``chunk``
+    > 0: the estimator's chunk mask) and ``j < key_frames[b]`` (int ``[B]`` on the device, or
+    None: all T keys): :func:`voice_out.model.flow_estimator.chunk_mask` and ``valid_keys``."""
+    _rows(qkv, "attention")
+    rows, width = qkv.shape
+    t = rows // batch
+    if rows != batch * t or width != 3 * heads * head_dim:
+        raise ValueError(f"attention: qkv {tuple(qkv.shape)} is not [{batch} T, 3 x {heads} x {head_dim}]")
+    out = torch.empty(rows, heads * head_dim, device=qkv.device, dtype=qkv.dtype)
+    block_m, block_n, warps = TILES["attention"]
+    kernel: Any = _attention_kernel
+    kernel[(triton.cdiv(t, block_m), batch * heads)](
+        qkv,
+        qkv.stride(0),
+        out,
+        out.stride(0),
+        key_frames if key_frames is not None else qkv,
+        t,
+        chunk,
+        math.log2(math.e) / math.sqrt(head_dim),
+        H=heads,
+        D=head_dim,
+        HAS_KF=key_frames is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+    )
+    return out
+
+
+def conv(
+    x: Tensor,
+    weight2d: Tensor,
+    bias: Tensor,
+    taps: int,
+    *,
+    norm: tuple[Tensor, Tensor, float] | None = None,
+    add: Tensor | None = None,
+    res: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> Tensor:
+    """Causal conv with zero left context, time-major, one kernel: x ``[B, T, Cin]`` (channels
+    contiguous, any batch/time strides), ``weight2d`` ``[Cout, taps Cin]`` tap-major (column
+    j Cin + c = tap j, channel c; ``CausalConv.weight2d``), bias ``[Cout]`` -> ``[B, T, Cout]``.
+
+    Epilogue, in order: ``norm`` = (weight, bias, eps): LayerNorm over Cout, then Mish; ``add``
+    ``[1 or B, Cout]``: added to every frame of its row; ``res`` = (weight ``[Cout, Cin]``, bias
+    ``[Cout]``): plus the 1x1 conv of x's current frame (a ResBlock's residual)."""
+    b, t, c_in = x.shape
+    c_out = weight2d.shape[0]
+    if x.stride(2) != 1 or weight2d.shape[1] != taps * c_in or weight2d.stride(1) != 1:
+        raise ValueError(f"conv: x {tuple(x.shape)} and weight {tuple(weight2d.shape)} ({taps} taps) do not fit")
+    if c_out > MAX_ROW:
+        raise ValueError(f"conv: {c_out} output channels exceed {MAX_ROW}")
+    out = torch.empty(b, t, c_out, device=x.device, dtype=x.dtype)
+    if add is not None and (
+        add.dim() != 2 or add.shape[1] != c_out or add.shape[0] not in (1, b) or add.stride(1) != 1
+    ):
+        raise ValueError(f"conv: add must be [1 or {b}, {c_out}], got {tuple(add.shape)}")
+    if res is not None and (
+        tuple(res[0].shape[:2]) != (b, t) or res[0].stride(2) != 1 or tuple(res[1].shape) != (c_out, res[0].shape[2])
+    ):
+        raise ValueError(f"conv: residual input {tuple(res[0].shape)} and weight {tuple(res[1].shape)} do not fit")
+    block_n = _pow2(c_out)
+    wide_m, narrow_m, block_k, warps = TILES["conv"]
+    block_m = wide_m if block_n > 128 else narrow_m
+    kernel: Any = _conv_kernel
+    kernel[(triton.cdiv(b * t, block_m),)](
+        x,
+        x.stride(0),
+        x.stride(1),
+        weight2d,
+        weight2d.stride(0),
+        bias,
+        norm[0] if norm is not None else bias,
+        norm[1] if norm is not None else bias,
+        add if add is not None else bias,
+        (add.stride(0) if add.shape[0] > 1 else 0) if add is not None else 0,
+        res[0] if res is not None else x,
+        res[0].stride(0) if res is not None else 0,
+        res[0].stride(1) if res is not None else 0,
+        res[0].shape[2] if res is not None else 0,
+        res[1] if res is not None else weight2d,
+        res[1].stride(0) if res is not None else 0,
+        res[2] if res is not None else bias,
+        out,
+        out.stride(0),
+        out.stride(1),
+        t,
+        b * t,
+        c_in,
+        norm[2] if norm is not None else 0.0,
+        N=c_out,
+        TAPS=taps,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        NORM=norm is not None,
+        HAS_ADD=add is not None,
+        HAS_RES=res is not None,
+        num_warps=warps,
+    )
+    return out
