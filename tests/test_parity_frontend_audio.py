@@ -117,7 +117,18 @@ def test_fbank(feats: PromptFeatures, g1: dict[str, Any], decoded: Any, record_p
     raw = features.kaldi_fbank(feats.speech_16k)
     assert raw.shape[0] == 1 + (feats.speech_16k.shape[0] - 400) // 160
     _check(record_property, "fbank_mean", raw.mean(dim=0), g1["fbank_mean"])
-    _check(record_property, "fbank_cmn", feats.fbank_cmn, g1["fbank_cmn"])
+    # Per element, a bin far below its frame's loudest carries float32 FFT noise: an error of
+    # about eps * |X_max| in its amplitude, so about eps * sqrt(peak / energy) in its log (both
+    # sides computed in float32; the FFT's rounding differs between CPUs). Loud bins are held
+    # to TOL, quiet ones to TOL plus four times that noise.
+    ours, ref = feats.fbank_cmn.double(), g1["fbank_cmn"].double()
+    assert ours.shape == ref.shape
+    energy = raw.double().exp()
+    noise = torch.finfo(torch.float32).eps * (energy.amax(dim=1, keepdim=True) / energy).sqrt()
+    err = (ours - ref).abs()
+    record_property("max_abs_error[fbank_cmn]", float(err.max()))
+    worst = float((err / (TOL + 4 * noise)).max())
+    assert worst <= 1.0, f"fbank_cmn: error {worst:.2f} x its bound (max abs error {float(err.max()):.3g})"
 
 
 def test_embedding(feats: PromptFeatures, g1: dict[str, Any], parity_dir: Path, record_property: Any) -> None:
