@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -37,9 +38,9 @@ if str(REPO_ROOT) not in sys.path:
 
 from voice_out.bench.timing import save_out, time_ms  # noqa: E402
 from voice_out.model.checkpoint import random_llm  # noqa: E402
-from voice_out.model.llm_graphs import GraphedLLM  # noqa: E402
+from voice_out.model.llm_graphs import GraphedLLM, pack_decode_rows  # noqa: E402
 from voice_out.model.qwen2 import KVCache, SpeechLM  # noqa: E402
-from voice_out.model.sampling import SamplingParams, new_history, ras_sample_batch  # noqa: E402
+from voice_out.model.sampling import SamplingParams, counter_uniforms, new_history, ras_sample_batch  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -98,6 +99,13 @@ def bench_decode(
     return summary(time_ms(step, device, args.warmup, args.iters))
 
 
+def decode_rows(lm: SpeechLM, batch: int, params: SamplingParams, gen: torch.Generator) -> np.ndarray:
+    """Packed decode rows (``pack_decode_rows``) of random speech tokens, empty windows."""
+    tokens = torch.randint(0, lm.dims.speech_token_size, (batch,), generator=gen, device=gen.device).tolist()
+    uniforms = counter_uniforms(range(batch), [0] * batch)
+    return pack_decode_rows(tokens, [False] * batch, uniforms, [[]] * batch, params.win_size)
+
+
 def bench_graphed(
     lm: SpeechLM, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, fused: bool
 ) -> dict[str, float]:
@@ -115,15 +123,13 @@ def bench_graphed(
         lm.prefill(cache, s, prompt, start_pos=0)
     base = cache.lengths.clone()
     slots = list(range(batch))
-    embeds = lm.embed_speech(torch.randint(0, lm.dims.speech_token_size, (batch,), generator=gen, device=device))
-    history = new_history(batch, params, device)
-    uniforms = torch.rand(batch, 2, generator=gen, device=device)
-    masked = torch.zeros(batch, dtype=torch.bool, device=device)
+    rows = decode_rows(lm, batch, params, gen)
 
     def step() -> None:
         cache.lengths.copy_(base)
-        # the graph of the smallest attention window that holds prompt_len + 1 positions
-        fast.decode_sample(slots, embeds, history, uniforms, masked, kv_len=args.prompt_len + 1)
+        # the graph of the smallest attention window that holds prompt_len + 1 positions; the
+        # host packs and copies the rows and waits for the tokens, as the engine does
+        fast.decode_sample(slots, rows, kv_len=args.prompt_len + 1)
 
     return summary(time_ms(step, device, args.warmup, args.iters))
 
@@ -143,17 +149,14 @@ def count_kernels(
     prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
     for s in range(batch):
         lm.prefill(cache, s, prompt, start_pos=0)
-    embeds = lm.embed_speech(torch.randint(0, lm.dims.speech_token_size, (batch,), generator=gen, device=device))
-    history = new_history(batch, params, device)
-    uniforms = torch.rand(batch, 2, generator=gen, device=device)
-    masked = torch.zeros(batch, dtype=torch.bool, device=device)
+    rows = decode_rows(lm, batch, params, gen)
     window = -(-(args.prompt_len + 1) // 256) * 256
     base = cache.lengths.clone()
     slots = list(range(batch))
 
     def step() -> None:
         cache.lengths.copy_(base)
-        eager.decode_sample(slots, embeds, history, uniforms, masked, kv_len=window)
+        eager.decode_sample(slots, rows, kv_len=window)
 
     step()
     torch.cuda.synchronize(device)

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from tests.conftest import REPO_ROOT
 from voice_out.model import decode_kernels
 from voice_out.model.checkpoint import random_llm
-from voice_out.model.llm_graphs import GraphedLLM
+from voice_out.model.llm_graphs import GraphedLLM, pack_decode_rows
 from voice_out.model.qwen2 import KVCache, SpeechLM, apply_rope, rope_cos_sin
-from voice_out.model.sampling import NO_TOKEN, SamplingParams, mask_eos_, ras_sample_batch
+from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, mask_eos_, ras_sample_batch
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
 FULL = REPO_ROOT / "configs" / "models" / "cosyvoice2-0.5b"
@@ -165,13 +165,12 @@ def test_graphed_fused_decode_equals_the_same_step_eager() -> None:
             lm.prefill(c, slot, e, start_pos=0)
     # the highest slot + 1 is a bucket, so the eager call runs the graph's batch shape
     for step, slots in enumerate([[0], [1, 0], [3, 1], [2, 3, 0], [0, 1, 2, 3]]):
-        e = lm.embed_speech(torch.randint(0, 6561, (len(slots),), generator=gen, device=dev))
-        hist = torch.full((len(slots), params.win_size), NO_TOKEN, dtype=torch.long, device=dev)
-        u = torch.rand(len(slots), 2, generator=gen, device=dev)
-        masked = torch.zeros(len(slots), dtype=torch.bool, device=dev)
-        got = graphed.decode_sample(slots, e, hist, u, masked, kv_len=60 + step)
-        want = eager.decode_sample(slots, e, hist, u, masked, kv_len=60 + step)
-        assert got.tolist() == want.tolist()
+        tokens = torch.randint(0, 6561, (len(slots),), generator=gen, device=dev).tolist()
+        u = counter_uniforms(slots, [step] * len(slots))
+        rows = pack_decode_rows(tokens, [False] * len(slots), u, [[]] * len(slots), params.win_size)
+        got = graphed.decode_sample(slots, rows, kv_len=60 + step)
+        want = eager.decode_sample(slots, rows, kv_len=60 + step)
+        assert got == want
     assert caches[0].lengths[:4].tolist() == caches[1].lengths[:4].tolist()
     for slot in range(4):
         n = int(caches[0].lengths[slot])
@@ -205,6 +204,10 @@ def test_ras_sample_equals_torch(params: SamplingParams) -> None:
     got = decode_kernels.ras_sample(view, history, uniforms, masked, eos, params)
     assert got.dtype == torch.long
     assert got.tolist() == want.tolist()
+    # the window as a strided view (the graph reads it out of the packed decode rows)
+    packed = torch.full((rows, 5 + history.shape[1]), 123, dtype=torch.long, device=dev)
+    packed[:, 5:] = history
+    assert decode_kernels.ras_sample(view, packed[:, 5:], uniforms, masked, eos, params).tolist() == want.tolist()
     first_draws = ras_sample_batch(logp, torch.full_like(history, NO_TOKEN), uniforms, params)
     assert int((want != first_draws).sum()) > 10  # the fallback really ran
     assert not bool((got[masked] == eos).any())

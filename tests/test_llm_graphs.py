@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from tests.conftest import REPO_ROOT
 from voice_out.model.checkpoint import random_llm
-from voice_out.model.llm_graphs import GraphedLLM, prefill_static
+from voice_out.model.llm_graphs import GraphedLLM, decode_cols, pack_decode_rows, prefill_static
 from voice_out.model.qwen2 import KVCache, SpeechLM
-from voice_out.model.sampling import NO_TOKEN, SamplingParams, mask_eos_, ras_sample_batch
+from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, mask_eos_, ras_sample_batch
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
 
@@ -47,11 +48,33 @@ def test_static_prefill_equals_prefill_cpu() -> None:
 
 
 def _decode_reference(
-    lm: SpeechLM, cache: KVCache, slots: list[int], embeds: torch.Tensor, hist: torch.Tensor, u: torch.Tensor
-) -> torch.Tensor:
-    masked = torch.zeros(len(slots), dtype=torch.bool, device=embeds.device)
-    h = lm.decode_step(cache, torch.tensor(slots, device=embeds.device), embeds)
-    return ras_sample_batch(mask_eos_(lm.logprobs(h), masked, lm.dims.eos_token), hist, u, SamplingParams())
+    lm: SpeechLM,
+    cache: KVCache,
+    slots: list[int],
+    tokens: list[int],
+    hist: list[list[int]],
+    u: np.ndarray,
+    masked: list[bool],
+) -> list[int]:
+    """The eager decode step and sampling of the same inputs, unpacked."""
+    dev = lm.llm_decoder.weight.device
+    win = SamplingParams().win_size
+    embeds = lm.embed_speech(torch.tensor(tokens, device=dev))
+    h = lm.decode_step(cache, torch.tensor(slots, device=dev), embeds)
+    window = torch.tensor([[NO_TOKEN] * (win - len(r)) + r for r in hist], dtype=torch.long, device=dev)
+    logp = mask_eos_(lm.logprobs(h), torch.tensor(masked, device=dev), lm.dims.eos_token)
+    uniforms = torch.from_numpy(u).float().to(dev)
+    return [int(t) for t in ras_sample_batch(logp, window, uniforms, SamplingParams()).tolist()]
+
+
+def test_pack_decode_rows_layout() -> None:
+    u = counter_uniforms([5, 6], [0, 3])
+    rows = pack_decode_rows([17, 4], [True, False], u, [[], [1, 2, 3]], 4)
+    assert rows.shape == (2, decode_cols(4)) and rows.dtype == np.int64
+    assert rows[:, :3].tolist() == [[1, 17, 1], [1, 4, 0]]
+    assert rows[:, 3:5].copy().view(np.float64).tolist() == u.tolist()
+    assert rows[:, 5:].tolist() == [[NO_TOKEN] * 4, [NO_TOKEN, 1, 2, 3]]
+    assert pack_decode_rows([1], [False], u[:1], [list(range(9))], 4)[0, 5:].tolist() == [5, 6, 7, 8]
 
 
 def _run_equivalence(device: str, dtype: torch.dtype) -> None:
@@ -65,16 +88,19 @@ def _run_equivalence(device: str, dtype: torch.dtype) -> None:
         want = lm.prefill(ref, slot, e, start_pos=0)
         got = fast_llm.prefill(slot, e, 0)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    gen = torch.Generator().manual_seed(7)
     for step, slots in enumerate([[0], [3, 1], [2, 4, 0], [1, 0, 3, 2], [4, 3, 2, 1, 0]]):
-        e = _embeds(lm, len(slots), 50 + step)
-        hist = torch.full((len(slots), params.win_size), NO_TOKEN, dtype=torch.long, device=device)
-        u = torch.rand(len(slots), 2, device=device)
-        want = _decode_reference(lm, ref, slots, e, hist, u)
-        masked = torch.zeros(len(slots), dtype=torch.bool, device=device)
+        tokens = torch.randint(0, 6561, (len(slots),), generator=gen).tolist()
+        # short windows that repeat one token, so the repetition fallback fires sometimes
+        hist = [[tokens[i]] * (i * 3 % (params.win_size + 1)) for i in range(len(slots))]
+        u = counter_uniforms(slots, [step] * len(slots))
+        masked = [i % 2 == 0 for i in range(len(slots))]
+        want = _decode_reference(lm, ref, slots, tokens, hist, u, masked)
         # the smallest window that holds the longest row (32, 64 or the whole cache, 96)
         longest = max(int(fast.lengths[s]) for s in slots) + 1
-        got = fast_llm.decode_sample(slots, e, hist, u, masked, kv_len=longest + 2 * step)
-        assert got.tolist() == want.tolist()
+        rows = pack_decode_rows(tokens, masked, u, hist, params.win_size)
+        got = fast_llm.decode_sample(slots, rows, kv_len=longest + 2 * step)
+        assert got == want
         assert ref.lengths[:5].tolist() == fast.lengths[:5].tolist()
     for layer in range(lm.dims.n_layers):
         for s in range(5):
@@ -88,10 +114,11 @@ def _run_equivalence(device: str, dtype: torch.dtype) -> None:
 def test_decode_window_too_small_for_the_cache_is_refused() -> None:
     lm, _, fast = _setup("cpu", torch.float32)
     g = GraphedLLM(lm, fast, SamplingParams(), decode_windows=(32,))
-    e = _embeds(lm, 1, 0)
-    hist = torch.full((1, SamplingParams().win_size), NO_TOKEN, dtype=torch.long)
+    rows = pack_decode_rows([1], [False], counter_uniforms([0], [0]), [[]], SamplingParams().win_size)
     with pytest.raises(ValueError, match="needs 97 positions"):
-        g.decode_sample([0], e, hist, torch.rand(1, 2), torch.zeros(1, dtype=torch.bool), kv_len=97)
+        g.decode_sample([0], rows, kv_len=97)
+    with pytest.raises(ValueError, match="int64"):
+        g.decode_sample([0, 1], rows, kv_len=90)  # one row for two slots
 
 
 def test_graphed_llm_eager_fallback_equals_reference_cpu() -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from voice_out.model.sampling import (
     NO_TOKEN,
     SamplingParams,
+    counter_uniforms,
     draw_uniforms,
     mask_eos_,
     new_history,
@@ -164,3 +166,34 @@ def test_params_are_validated() -> None:
     with pytest.raises(ValueError):
         SamplingParams(top_k=0)
     assert SamplingParams().repeat_threshold == pytest.approx(1.0)
+
+
+def test_counter_uniforms_are_a_pure_function_of_seed_and_step() -> None:
+    u = counter_uniforms([3, 3, 4, 2**63 + 5, -1], [0, 1, 0, 7, 7])
+    assert u.shape == (5, 2) and u.dtype == np.float64
+    # the same (seed, step) gives the same pair whatever else is in the batch
+    assert counter_uniforms([4, 3], [0, 1]).tolist() == [u[2].tolist(), u[1].tolist()]
+    # seeds are taken mod 2^64: -1 is 2^64 - 1
+    assert counter_uniforms([2**64 - 1], [7]).tolist() == [u[4].tolist()]
+    # every value a multiple of 2^-24 in [0, 1): exact in float32, as the samplers take them
+    assert ((u >= 0) & (u < 1)).all() and (u * 2**24 == np.floor(u * 2**24)).all()
+    assert np.array_equal(torch.from_numpy(u).float().double().numpy(), u)
+
+
+def test_counter_uniforms_look_uniform_and_independent() -> None:
+    """Coarse checks that a broken hash would fail: the moments of U(0, 1), a flat histogram,
+    no correlation between a stream's consecutive steps or between neighbouring seeds, and no
+    two equal pairs among 200k."""
+    seeds = np.repeat(np.arange(2000), 50)
+    steps = np.tile(np.arange(50), 2000)
+    u = counter_uniforms(seeds.tolist(), steps.tolist())
+    flat = u.ravel()
+    assert abs(flat.mean() - 0.5) < 0.005 and abs(flat.var() - 1 / 12) < 0.002
+    counts = np.histogram(flat, bins=20, range=(0, 1))[0]
+    expected = flat.size / 20
+    assert ((counts - expected) ** 2 / expected).sum() < 60  # chi-square, 19 dof: p ~ 1e-6
+    per_stream = u[:, 0].reshape(2000, 50)
+    assert abs(np.corrcoef(per_stream[:, :-1].ravel(), per_stream[:, 1:].ravel())[0, 1]) < 0.02
+    assert abs(np.corrcoef(per_stream[:-1].ravel(), per_stream[1:].ravel())[0, 1]) < 0.02
+    assert abs(np.corrcoef(u[:, 0], u[:, 1])[0, 1]) < 0.02
+    assert len({(a, b) for a, b in u.tolist()}) == len(u)

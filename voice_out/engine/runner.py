@@ -31,16 +31,9 @@ from voice_out.engine.request import EOS_TOKEN, LlmInputKind
 from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
 from voice_out.model.chunk_schedule import HopPolicy
 from voice_out.model.cuda_graphs import family_stream
-from voice_out.model.llm_graphs import GraphedLLM
+from voice_out.model.llm_graphs import GraphedLLM, pack_decode_rows
 from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT, KVCache, SpeechLM
-from voice_out.model.sampling import (
-    NO_TOKEN,
-    SamplingParams,
-    draw_uniforms,
-    mask_eos_,
-    ras_sample_batch,
-    stream_generator,
-)
+from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, mask_eos_, ras_sample_batch
 from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2Wav, Token2WavStream
 from voice_out.model.transfer import to_device
 
@@ -87,9 +80,13 @@ class _Inflight:
 
 @dataclass
 class _Live:
+    """A request the runner holds: its KV slot, its sampling seed and the number of draws made
+    (the counter of :func:`voice_out.model.sampling.counter_uniforms`), its token2wav stream."""
+
     slot: int | None
-    generator: torch.Generator
+    seed: int
     t2w: Token2WavStream
+    draws: int = 0
 
 
 def _on_main_stream(method: Callable[Concatenate[Runner, P], R]) -> Callable[Concatenate[Runner, P], R]:
@@ -351,7 +348,7 @@ class Runner:
             stream = self.t2w.open_stream(token, feat, emb, flow_prompt=prepared, **kw)
         self.cache.reset(adm.slot)
         self.slot_len[adm.slot] = 0
-        self.live[adm.request_id] = _Live(adm.slot, stream_generator(adm.seed, self.device), stream)
+        self.live[adm.request_id] = _Live(adm.slot, adm.seed, stream)
 
     @_on_main_stream
     def warmup(self, voice: FlowVoice) -> None:
@@ -368,8 +365,8 @@ class Runner:
             h2 = self.llm.decode_step(self.cache, None, self.llm.embed_speech(speech), kv_len=window)
             logp = self.llm.logprobs(torch.stack([h, h2[0]]))
             history = torch.full((2, self.sampling.win_size), NO_TOKEN, dtype=torch.long, device=self.device)
-            gens = [stream_generator(0, self.device), stream_generator(1, self.device)]
-            ras_sample_batch(logp, history, draw_uniforms(gens, self.device), self.sampling).tolist()
+            uniforms = to_device(torch.from_numpy(counter_uniforms([0, 1], [0, 0])), self.device, torch.float32)
+            ras_sample_batch(logp, history, uniforms, self.sampling).tolist()
             token, feat, emb, prepared = self._voice(voice)
             stream = self.t2w.open_stream(
                 token,
@@ -412,14 +409,20 @@ class Runner:
     # ---- LLM ---------------------------------------------------------------------------------
 
     def _llm_step(self, work: Sequence[LlmWork], result: StepResult) -> None:
-        """Feed every item, then pick one token per item; one host sync for the whole step."""
+        """Feed every item, then pick one token per item; the step waits once, for its tokens.
+
+        Single-row inputs go into ONE batched decode step; multi-row inputs (prompt, text
+        groups) are per-slot prefills. With CUDA graphs the decode graph looks up speech
+        embeddings itself, so a single non-speech row (rare: the bistream feed gives text in
+        groups) takes the prefill path instead."""
         prefilled: list[LlmWork] = []
         hidden: list[Tensor] = []
         singles: list[LlmWork] = []
         for w in work:
             try:
                 self._hook(w.request_id, "llm")
-                if len(w.step.inputs) == 1:
+                speech = w.step.inputs[0][0] is LlmInputKind.SPEECH
+                if len(w.step.inputs) == 1 and (speech or self.graphed is None):
                     self._check_room(w.slot, 1)
                     singles.append(w)
                 else:
@@ -427,14 +430,10 @@ class Runner:
                     prefilled.append(w)
             except Exception as e:  # noqa: BLE001 - one request's input fails alone
                 result.failed[w.request_id] = _describe(e)
-        parts: list[Tensor] = []
-        if prefilled:
-            parts.append(self._sample(prefilled, self.llm.logprobs(torch.stack(hidden))))
-        if singles:
-            parts.append(self._decode_sample(singles))
-        if not parts:
-            return
-        tokens = torch.cat(parts).tolist()
+        prefill_tokens = self._sample(prefilled, self.llm.logprobs(torch.stack(hidden))) if prefilled else None
+        tokens = self._decode_sample(singles) if singles else []
+        if prefill_tokens is not None:
+            tokens = prefill_tokens.tolist() + tokens
         for w, tok in zip([*prefilled, *singles], tokens, strict=True):
             result.tokens[w.request_id] = w.step.force if w.step.force is not None else int(tok)
 
@@ -462,16 +461,19 @@ class Runner:
         self.slot_len[w.slot] += n
         return h  # [H]
 
-    def _decode_sample(self, work: Sequence[LlmWork]) -> Tensor:
-        """One batched decode step for single-row inputs and their tokens, int64 ``[B]``."""
+    def _decode_sample(self, work: Sequence[LlmWork]) -> list[int]:
+        """One batched decode step for single-row inputs; their sampled ids (waits for them)."""
         if self.graphed is None:
-            return self._sample(work, self.llm.logprobs(self._decode(work)))
-        embeds = self.llm.embed_rows([self._rows(w)[0] for w in work])  # [B, H]
-        history, uniforms, masked = self._sampling_inputs(work)
+            return [int(t) for t in self._sample(work, self.llm.logprobs(self._decode(work))).tolist()]
+        rows = pack_decode_rows(
+            [w.step.inputs[0][1] for w in work],
+            [not w.step.allow_eos for w in work],
+            self._uniforms(work),
+            [w.recent for w in work],
+            self.sampling.win_size,
+        )
         longest = max(self.slot_len[w.slot] for w in work) + 1
-        slots = [w.slot for w in work]
-        # a fresh tensor (gathered from the graph's output rows), not the graph's static buffer
-        tokens = self.graphed.decode_sample(slots, embeds, history, uniforms, masked, kv_len=longest)
+        tokens = self.graphed.decode_sample([w.slot for w in work], rows, kv_len=longest)
         for w in work:
             self.slot_len[w.slot] += 1
         return tokens
@@ -489,9 +491,18 @@ class Runner:
             self.slot_len[s] += 1
         return h
 
+    def _uniforms(self, items: Sequence[LlmWork]) -> np.ndarray:
+        """float64 ``[N, 2]``: each request's next two uniforms (its seed and draw counter,
+        ``counter_uniforms``); advances the counters."""
+        lives = [self.live[w.request_id] for w in items]
+        uniforms = counter_uniforms([lv.seed for lv in lives], [lv.draws for lv in lives])
+        for lv in lives:
+            lv.draws += 1
+        return uniforms
+
     def _sampling_inputs(self, items: Sequence[LlmWork]) -> tuple[Tensor, Tensor, Tensor]:
-        """Repetition windows int64 ``[N, W]``, uniforms ``[N, 2]`` (two per request per step,
-        from its own generator) and the EOS mask bool ``[N]``."""
+        """Repetition windows int64 ``[N, W]``, uniforms ``[N, 2]`` (two per request per step)
+        and the EOS mask bool ``[N]``, on the device."""
         win = self.sampling.win_size
         hist_rows = []
         for w in items:
@@ -499,7 +510,7 @@ class Runner:
             hist_rows.append([NO_TOKEN] * (win - len(recent)) + recent)
         history = to_device(hist_rows, self.device, torch.long)
         masked = to_device([not w.step.allow_eos for w in items], self.device, torch.bool)
-        uniforms = draw_uniforms([self.live[w.request_id].generator for w in items], self.device)
+        uniforms = to_device(torch.from_numpy(self._uniforms(items)), self.device, torch.float32)
         return history, uniforms, masked
 
     def _sample(self, items: Sequence[LlmWork], logp: Tensor) -> Tensor:

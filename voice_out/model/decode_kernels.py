@@ -314,14 +314,15 @@ def ras_sample(
 
     ``logits`` ``[B, V]`` (any float dtype; rows may be strided, e.g. a view of a padded
     head's output), ``history`` int64 ``[B, W]`` (its last ``win_size`` columns are the
-    window), ``uniforms`` float32 ``[B, 2]``, ``eos_masked`` bool ``[B]``. Returns int64
+    window; rows may be strided, e.g. a view of the packed decode rows), ``uniforms`` float32
+    ``[B, 2]`` contiguous, ``eos_masked`` bool ``[B]``. Returns int64
     ``[B]``. No host sync; CUDA with Triton (:func:`sampler_available`).
     """
     rows, vocab = logits.shape
     width = history.shape[1]
     win = min(params.win_size, width)
-    if logits.stride(1) != 1 or not history.is_contiguous() or not uniforms.is_contiguous():
-        raise ValueError("ras_sample: logits rows, history and uniforms must be contiguous")
+    if logits.stride(1) != 1 or history.stride(1) != 1 or not uniforms.is_contiguous():
+        raise ValueError("ras_sample: logits and history rows, and uniforms, must be contiguous")
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     kernel: Any = _ras_sample_kernel
     kernel[(rows,)](

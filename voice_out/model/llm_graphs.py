@@ -4,14 +4,18 @@ An eager decode step of the 0.5B backbone launches several hundred small kernels
 to 32 it costs the same ~10 ms on an H200 whatever the batch (launch-bound; the weights take
 ~0.3 ms to read). Replaying one captured graph per batch bucket removes the launch cost.
 
-* :class:`GraphedLLM` ``.decode_sample(slots, embeds, history, uniforms, eos_masked, kv_len)``:
-  one batched decode step, the ``llm_decoder`` head, EOS masking and repetition-aware sampling.
+* :class:`GraphedLLM` ``.decode_sample(slots, rows, kv_len)``: one batched decode step, the
+  ``llm_decoder`` head, EOS masking and repetition-aware sampling, for speech-token inputs.
   Row r of the graph is KV slot r, so the step attends over views of the cache and never
   gathers K/V (a gather of every layer's K and V cost more than the attention itself); slots
   that do not decode this step are inactive rows: computed, but nothing is appended (their
   writes go to a scratch slot, the cache's extra last slot). The graph is the one of the
-  smallest batch bucket above the highest slot used. Returns int64 token ids ``[B]`` on the
-  device (no host sync inside).
+  smallest batch bucket above the highest slot used. Its whole input is ONE int64 tensor
+  ``[bucket, DECODE_COLS]`` (:func:`pack_decode_rows`: active flag, input speech token, EOS
+  mask, the two uniforms as float64 bits, the repetition window), written on the host into a
+  pinned buffer and copied in one transfer; the graph looks up the embeddings itself. Per step
+  the host then launches one copy and one graph, not a dozen small kernels and copies.
+  Returns the sampled ids as a host list (the one sync of the step).
 * ``.prefill(slot, embeds, start)``: appends ``[L, H]`` rows to one slot, replayed from the
   graph of the smallest length bucket >= L (rows are padded; the padding's K/V land beyond the
   slot's new length, where they are masked and later overwritten). Returns the hidden state of
@@ -35,7 +39,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from voice_out.model import decode_kernels
@@ -52,6 +58,44 @@ DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 #: Attention windows of the decode graphs (positions; the cache's own length is always added):
 #: a step attends over the smallest window that holds every row, not over the whole cache.
 DEFAULT_DECODE_WINDOWS = (256, 512, 1024, 2048)
+
+
+#: Columns of a packed decode row (:func:`pack_decode_rows`); the repetition window follows.
+COL_ACTIVE, COL_TOKEN, COL_MASKED, COL_UNIFORMS, COL_HISTORY = 0, 1, 2, 3, 5
+
+
+def decode_cols(win_size: int) -> int:
+    """Width of a packed decode row for a repetition window of ``win_size`` tokens."""
+    return COL_HISTORY + win_size
+
+
+def pack_decode_rows(
+    tokens: Sequence[int], eos_masked: Sequence[bool], uniforms: np.ndarray, history: Sequence[Sequence[int]], win: int
+) -> np.ndarray:
+    """The host side of one decode step: int64 ``[N, decode_cols(win)]``, row n = (active 1,
+    input speech token ``tokens[n]``, ``eos_masked[n]``, ``uniforms[n]`` (float64 ``[N, 2]``,
+    stored as their bits), the last ``win`` ids of ``history[n]`` right-aligned after
+    ``NO_TOKEN`` padding). Any thread; no torch."""
+    n = len(tokens)
+    rows = np.empty((n, decode_cols(win)), dtype=np.int64)
+    rows[:, COL_ACTIVE] = 1
+    rows[:, COL_TOKEN] = tokens
+    rows[:, COL_MASKED] = eos_masked
+    rows[:, COL_UNIFORMS : COL_UNIFORMS + 2] = np.ascontiguousarray(uniforms, dtype=np.float64).view(np.int64)
+    rows[:, COL_HISTORY:] = NO_TOKEN
+    for i, recent in enumerate(history):
+        tail = list(recent)[-win:]
+        if tail:
+            rows[i, decode_cols(win) - len(tail) :] = tail
+    return rows
+
+
+def _idle_row(win: int) -> np.ndarray:
+    """A packed row for a slot that does not decode: inactive, token 0, EOS masked, uniforms
+    0.5, empty window (its output is never read)."""
+    row = pack_decode_rows([0], [True], np.full((1, 2), 0.5), [[]], win)[0]
+    row[COL_ACTIVE] = 0
+    return row
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int | None:
@@ -151,6 +195,12 @@ class GraphedLLM:
             if head.bias is not None:
                 self._head_bias[:vocab] = head.bias.detach()
         self._decode_windows = (cache.max_len,) if self.fused else self.decode_windows
+        self._cols = decode_cols(sampling.win_size)
+        self._idle = _idle_row(sampling.win_size)
+        #: Per decode bucket: the pinned host buffer of its packed rows, and (CUDA) an event
+        #: recorded after its last copy to the device.
+        self._host_tensors: dict[int, Tensor] = {}
+        self._host_copied: dict[int, torch.cuda.Event] = {}
         decode_fn: Callable[..., Tensor] = self._decode_fn
         if compile and self.enabled:
             # Inductor fuses the norms, RoPE, residual adds and the MLP gate into a few kernels per
@@ -191,18 +241,22 @@ class GraphedLLM:
 
     # -- the captured functions -------------------------------------------------------------
 
-    def _decode_fn(
-        self, window: int, active: Tensor, embeds: Tensor, history: Tensor, uniforms: Tensor, masked: Tensor
-    ) -> Tensor:
+    def _decode_fn(self, window: int, packed: Tensor) -> Tensor:
         # row r is slot r: K/V are views of the cache, never gathered; rows that do not decode
         # this step are inactive (nothing appended, their writes go to the scratch slot)
         cache, scratch = self.cache, self.scratch_slot
+        active = packed[:, COL_ACTIVE] != 0
+        embeds = self.lm.embed_speech(packed[:, COL_TOKEN])
+        masked = packed[:, COL_MASKED] != 0
+        uniforms = packed[:, COL_UNIFORMS : COL_UNIFORMS + 2].view(torch.float64).float()
+        history = packed[:, COL_HISTORY:]
         hidden = self.lm.decode_step(
             cache, None, embeds, kv_len=window, active=active, scratch_slot=scratch, fused=self.fused
         )
         eos = self.lm.dims.eos_token
         if self.fused:
-            logits = torch.addmm(self._head_bias, hidden, self._head_weight.t())[:, : self.lm.dims.speech_vocab_size]
+            # the bias in the GEMM's epilogue (addmm would first copy it into the output)
+            logits = F.linear(hidden, self._head_weight, self._head_bias)[:, : self.lm.dims.speech_vocab_size]
             return decode_kernels.ras_sample(logits, history, uniforms, masked, eos, self.sampling)
         logp = mask_eos_(self.lm.logprobs(hidden), masked, eos)
         return ras_sample_batch(logp, history, uniforms, self.sampling)
@@ -212,61 +266,60 @@ class GraphedLLM:
 
     # -- calls ------------------------------------------------------------------------------
 
-    def decode_sample(
-        self,
-        slots: Sequence[int],
-        embeds: Tensor,
-        history: Tensor,
-        uniforms: Tensor,
-        eos_masked: Tensor,
-        kv_len: int | None = None,
-    ) -> Tensor:
-        """One decode + sample for the B streams in ``slots`` (distinct, any order). ``embeds``
-        ``[B, H]``, ``history`` int64 ``[B, W]``, ``uniforms`` float32 ``[B, 2]``, ``eos_masked``
-        bool ``[B]``, row i for ``slots[i]``; ``kv_len``: positions every row needs after this
-        step (the longest row's length + 1), None = the whole cache.
+    def decode_sample(self, slots: Sequence[int], rows: np.ndarray, kv_len: int | None = None) -> list[int]:
+        """One decode + sample for the B streams in ``slots`` (distinct, any order): ``rows``
+        int64 ``[B, decode_cols]`` from :func:`pack_decode_rows`, row i for ``slots[i]``;
+        ``kv_len``: positions every row needs after this step (the longest row's length + 1),
+        None = the whole cache. Returns the B sampled ids, in the order of ``slots`` (this
+        waits for the step: the caller needs them to plan the next one).
 
         The graph's row r is slot r: it runs the smallest batch bucket > ``max(slots)`` (so
         keeping streams in the lowest slots, as the scheduler does, keeps it small) with the
-        slots not in ``slots`` inactive, and the smallest window >= ``kv_len``. Returns int64
-        ``[B]`` (device), in the order of ``slots``: a new tensor, not the graph's output buffer.
-        Eager above the largest bucket."""
+        slots not in ``slots`` inactive, and the smallest window >= ``kv_len``. The rows go
+        into a pinned host buffer of the bucket and reach the graph's input in one copy.
+        Eager above the largest bucket, on the CPU, or with graphs off."""
         need = self.cache.max_len if kv_len is None else kv_len
         window = _bucket(need, self._decode_windows)
         if window is None:
             raise ValueError(f"decode needs {need} positions, the cache holds {self.cache.max_len}")
         if not slots or max(slots) >= self.scratch_slot or min(slots) < 0 or len(set(slots)) != len(slots):
             raise ValueError(f"decode slots must be distinct, in 0..{self.scratch_slot - 1}: {list(slots)}")
+        if rows.shape != (len(slots), self._cols) or rows.dtype != np.int64:
+            raise ValueError(f"decode rows must be int64 [{len(slots)}, {self._cols}], got {rows.dtype} {rows.shape}")
         top = max(slots) + 1
         bucket = _bucket(top, self.decode_buckets) if self.enabled else top
         if bucket is None:  # more rows than the largest bucket: eager, same code
             bucket = top
-        rows = to_device(list(slots), self.device, torch.long)
         graph = self._decode[window] if self.enabled and bucket in self.decode_buckets else None
-        # the rows are written straight into the captured graph's input buffers (a replay then
-        # copies nothing); fresh buffers before the first capture and for the eager step
         bufs = graph.static_inputs(bucket) if graph is not None else None
-        if bufs is None:
-            bufs = (
-                torch.empty(bucket, dtype=torch.bool, device=self.device),
-                embeds.new_empty((bucket, embeds.shape[1]), dtype=self.lm.llm_decoder.weight.dtype),
-                history.new_empty((bucket, history.shape[1])),
-                uniforms.new_empty((bucket, 2)),
-                eos_masked.new_empty(bucket),
-            )
-        active, full_embeds, full_history, full_uniforms, full_masked = bufs
-        active.zero_()
-        active[rows] = True
-        full_embeds.zero_()
-        full_embeds[rows] = embeds.to(full_embeds.dtype)
-        full_history.fill_(NO_TOKEN)
-        full_history[rows] = history
-        full_uniforms.fill_(0.5)
-        full_uniforms[rows] = uniforms
-        full_masked.fill_(True)
-        full_masked[rows] = eos_masked
-        out: Tensor = graph(bucket, *bufs) if graph is not None else self._decode_fn(window, *bufs)
-        return out[rows]
+        host = self._host_rows(bucket)
+        host[:] = self._idle
+        host[list(slots)] = rows
+        out: Tensor
+        if graph is None:
+            out = self._decode_fn(window, torch.from_numpy(host.copy()).to(self.device))
+        elif bufs is None:  # the first call of a bucket not captured at start-up: captures it
+            out = graph(bucket, torch.from_numpy(host.copy()).to(self.device))
+        else:
+            bufs[0].copy_(self._host_tensors[bucket], non_blocking=True)
+            self._host_copied[bucket].record()
+            out = graph(bucket, *bufs)
+        picked = out.tolist()
+        return [int(picked[s]) for s in slots]
+
+    def _host_rows(self, bucket: int) -> np.ndarray:
+        """The pinned host buffer of ``bucket``'s packed rows, free to write: the copy of the
+        last step that used it is done (the step's ``tolist`` already waited for it; the event
+        makes it explicit)."""
+        t = self._host_tensors.get(bucket)
+        if t is None:
+            t = torch.empty((bucket, self._cols), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            self._host_tensors[bucket] = t
+            if self.device.type == "cuda":
+                self._host_copied[bucket] = torch.cuda.Event()
+        elif bucket in self._host_copied:
+            self._host_copied[bucket].synchronize()
+        return t.numpy()
 
     def prefill(self, slot: int, embeds: Tensor, start: int) -> Tensor:
         """Append ``embeds`` ``[L, H]`` to ``slot`` from position ``start``; hidden ``[H]``."""
@@ -288,17 +341,11 @@ class GraphedLLM:
             return
         hid = self.lm.dims.hidden_size
         dtype = self.lm.llm_decoder.weight.dtype
-        win = self.sampling.win_size
         for w in self._decode_windows:
             for b in self.decode_buckets:
-                self._decode[w].capture(
-                    b,
-                    torch.zeros(b, dtype=torch.bool, device=self.device),  # no row active: nothing appended
-                    torch.zeros(b, hid, device=self.device, dtype=dtype),
-                    torch.full((b, win), NO_TOKEN, dtype=torch.long, device=self.device),
-                    torch.full((b, 2), 0.5, device=self.device),
-                    torch.ones(b, dtype=torch.bool, device=self.device),
-                )
+                # no row active: nothing is appended
+                idle = torch.from_numpy(np.tile(self._idle, (b, 1))).to(self.device)
+                self._decode[w].capture(b, idle)
         for w, n in ((w, n) for w in self.decode_windows for n in self.prefill_buckets if n <= w):
             self._prefill[w].capture(
                 n,

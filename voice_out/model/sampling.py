@@ -10,9 +10,12 @@ Pinned variant: upstream HEAD, commit "fix ras" (2026-02-04). Per stream and ste
    FULL distribution (no top-p / top-k). This draw may return any id, EOS included unless it
    was masked. (The older variant drew from the full softmax without masking ``tok``.)
 
-Randomness is explicit and per stream: each draw is inverse-CDF sampling with a uniform from
-the stream's own ``torch.Generator`` (two uniforms per step, drawn whether or not the fallback
-fires, so a stream's sequence does not depend on its past fallbacks or on its batch mates).
+Randomness is explicit and per stream: each draw is inverse-CDF sampling with two uniforms
+per step, used whether or not the fallback fires, so a stream's sequence does not depend on its
+past fallbacks or on its batch mates. They come from the stream's own ``torch.Generator``
+(:func:`draw_uniforms`, single-stream :func:`ras_sample`), or, in the engine, from
+:func:`counter_uniforms`: a hash of (seed, step), computed on the host for a whole batch at
+once, with no generator state and no kernel per stream, and the same on every device.
 Upstream uses ``torch.multinomial`` on a global generator, so exact upstream token sequences are
 not reproducible anyway (parity tests feed tokens instead).
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -64,6 +68,39 @@ def draw_uniforms(generators: Sequence[torch.Generator], device: torch.device | 
     """``[B, 2]`` float32 uniforms in [0, 1): row b from ``generators[b]`` (its own device)."""
     rows = [torch.rand(2, generator=g, device=g.device) for g in generators]
     return torch.stack(rows).to(device)
+
+
+#: Odd 32-bit constants that keep (seed, step) = (0, 0) away from the hash's fixed point 0.
+_SALT = (0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F)
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer finaliser (xor-shift-multiply, "lowbias32"): uint32 -> uint32, every
+    input bit affecting every output bit. numpy's uint32 products wrap modulo 2^32."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def counter_uniforms(seeds: Sequence[int], steps: Sequence[int]) -> np.ndarray:
+    """float64 ``[N, 2]`` uniforms in [0, 1) for N streams: row n is a function of
+    (``seeds[n]`` mod 2^64, ``steps[n]``) only, its two values those of draws ``2 step`` and
+    ``2 step + 1``. Each value is a multiple of 2^-24 (exact in float32, like ``torch.rand``).
+
+    A counter-based generator: a stream's step-s uniforms need no state and no kernel, and the
+    whole batch is a few numpy operations on the host (any thread). Not for cryptography."""
+    seed = np.array([int(v) & 0xFFFF_FFFF_FFFF_FFFF for v in seeds], dtype=np.uint64)
+    step = np.array([int(v) & 0x7FFF_FFFF for v in steps], dtype=np.uint32)
+    lo = (seed & np.uint64(0xFFFF_FFFF)).astype(np.uint32)[:, None]
+    hi = (seed >> np.uint64(32)).astype(np.uint32)[:, None]
+    draw = step[:, None] * np.uint32(2) + np.arange(2, dtype=np.uint32)[None, :]  # [N, 2]
+    with np.errstate(over="ignore"):
+        x = _mix32(draw ^ np.uint32(_SALT[0]))
+        x = _mix32(x ^ lo ^ np.uint32(_SALT[1]))
+        x = _mix32(x ^ hi ^ np.uint32(_SALT[2]))
+    return (x >> np.uint32(8)).astype(np.float64) * 2.0**-24
 
 
 def new_history(batch: int, params: SamplingParams, device: torch.device | str = "cpu") -> Tensor:
