@@ -7,7 +7,7 @@ steps (count and total), sampling of prefill rows, token2wav first chunk (flow +
 the rest (scheduling, queues, host work). The timers synchronise the GPU, so the total is a
 little above the unprofiled TTFA; the shares are what matter.
 
-    python scripts/profile_ttfa.py --model random:0.5b --device cuda [--fast-first 12]
+    python scripts/profile_ttfa.py --model random:0.5b --device cuda [--fast-first 12] [--set engine.fused_flow=false]
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def main() -> None:
     p.add_argument("--fast-first", type=int, default=0)
     p.add_argument("--prompt-tokens", type=int, default=150)
     p.add_argument("--chars", type=int, default=100)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     args = p.parse_args()
-    over = parse_overrides([f"model.model={args.model}", f"model.device={args.device}"])
+    over = parse_overrides([f"model.model={args.model}", f"model.device={args.device}", *args.set])
     over.setdefault("engine", {})["fast_first_tokens"] = args.fast_first
     opts = eb.EngineBenchOptions(streams=(1,), prompt_tokens=args.prompt_tokens, ttfa_chars=args.chars)
     engine = eb.load_engine(eb.bench_config(load_config(None, environ={}, overrides=over), opts), opts)
@@ -74,7 +75,10 @@ def main() -> None:
     finally:
         engine.close()
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"TTFA breakdown, {args.model} on {dev}, fast_first={args.fast_first}, prompt {args.prompt_tokens} tokens")
+    print(
+        f"TTFA breakdown, {args.model} on {dev}, fast_first={args.fast_first}, prompt {args.prompt_tokens} tokens"
+        + (f", {' '.join(args.set)}" if args.set else "")
+    )
     print(f"profiled TTFA: {res['ttfa_ms_profiled']} ms (timers synchronise the GPU)")
     accounted = 0.0
     for _, _, label in labels[1:]:

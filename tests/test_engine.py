@@ -30,9 +30,9 @@ from voice_out.engine.api import (
     UnknownVoiceError,
 )
 from voice_out.engine.engine import Engine, EngineStats, EngineStream
-from voice_out.engine.request import SAMPLES_PER_TOKEN, VoicePrompt
+from voice_out.engine.request import SAMPLES_PER_TOKEN, LlmInputKind, LlmStep, VoicePrompt
 from voice_out.engine.runner import Runner, noise_voice
-from voice_out.engine.scheduler import Admit, ForcedTokens, StepPlan, VocodeWork
+from voice_out.engine.scheduler import Admit, ForcedTokens, LlmWork, StepPlan, VocodeWork
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
 from voice_out.model.token2wav import Token2WavStream
 
@@ -730,6 +730,46 @@ def hand_runner(engine: Engine, hook: Hook | None = None) -> Runner:
     assert engine.wait_idle(60)
     shared = engine_runner(engine)
     return Runner(shared.llm, shared.t2w, n_slots=len(VOICE_PROMPTS), max_len=64, fault_hook=hook)
+
+
+def test_a_voice_prefix_is_prefilled_once_and_equals_a_whole_prefill(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """First steps that start with the same voice rows: the first request prefills them, later
+    ones copy their K/V (and, for a step that is the prefix alone, its last hidden state) and
+    prefill only the rest; the state equals that of one whole prefill."""
+    runner, whole = hand_runner(engine), hand_runner(engine)
+    whole.min_prefix_rows = 10**9  # never reuses
+    _, flow = noise_voice(0, seed=1)
+    voice = VoicePrompt("v", flow=flow)
+    prefix = ((LlmInputKind.SOS, 0), *((LlmInputKind.TEXT, 100 + i) for i in range(10)))
+    prefix += tuple((LlmInputKind.SPEECH, 7 * i) for i in range(20))  # 31 rows
+    rest = tuple((LlmInputKind.TEXT, 300 + i) for i in range(5))
+    prefilled: list[int] = []
+    real = runner._prefill_rows
+    monkeypatch.setattr(
+        runner, "_prefill_rows", lambda slot, rows, start: prefilled.append(len(rows)) or real(slot, rows, start)
+    )
+
+    def first(r: Runner, rid: str, slot: int, inputs: tuple[tuple[LlmInputKind, int], ...]) -> int:
+        step = LlmStep(inputs, allow_eos=False, voice_prefix=len(prefix))
+        result = r.execute(StepPlan(admit=(Admit(rid, slot, 5, voice),), llm=(LlmWork(rid, slot, step, ()),)))
+        assert not result.failed
+        return result.tokens[rid]
+
+    tokens = [first(runner, "a", 0, prefix + rest), first(runner, "b", 1, prefix + rest)]
+    alone = first(runner, "c", 2, prefix)
+    want = first(whole, "a", 0, prefix + rest)
+    assert prefilled == [len(prefix), len(rest), len(rest)]  # the third step prefilled nothing
+    assert tokens == [want, want]  # the same seed, the same state: the same draw
+    n = len(prefix) + len(rest)
+    assert runner.slot_len[:3] == [n, n, len(prefix)] and runner.cache.lengths[:3].tolist() == [n, n, len(prefix)]
+    for cache_k in (runner.cache.k, runner.cache.v):
+        torch.testing.assert_close(cache_k[:, 1, :, :n], cache_k[:, 0, :, :n], atol=0, rtol=0)
+        torch.testing.assert_close(cache_k[:, 2, :, : len(prefix)], cache_k[:, 0, :, : len(prefix)], atol=0, rtol=0)
+    torch.testing.assert_close(runner.cache.k[:, 0, :, :n], whole.cache.k[:, 0, :, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runner.cache.v[:, 0, :, :n], whole.cache.v[:, 0, :, :n], atol=1e-5, rtol=1e-5)
+    assert isinstance(alone, int) and len(runner._prefixes) == 1
 
 
 def admit_all(runner: Runner, tag: str) -> list[tuple[str, VoicePrompt, list[int]]]:

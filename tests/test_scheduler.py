@@ -490,6 +490,27 @@ def test_eos_before_any_speech_finishes_with_no_audio() -> None:
     assert ended(outs, rid).status is RequestStatus.FINISHED and not chunks_of(outs, rid)
 
 
+@pytest.mark.parametrize(
+    ("n_prompt_text", "text", "want"),
+    [
+        (10, 10, 1 + 10 + 30),  # the prompt alone fills whole groups: SOS + 2 x (5 + 15)
+        (8, 10, 1 + 5 + 15 + 3),  # group 2 mixes 3 prompt ids with the request's: cut there
+        (0, 10, 1),  # no transcript: only SOS is the voice's
+    ],
+)
+def test_first_step_marks_the_voice_prefix(n_prompt_text: int, text: int, want: int) -> None:
+    feed = BistreamFeed(prompt_text_ids=list(range(100, 100 + n_prompt_text)), prompt_speech_ids=[9] * 30)
+    feed.add_text(list(range(200, 200 + text)))
+    first = feed.next_step()
+    assert first is not None and first.voice_prefix == want
+    assert all(ident < 200 for kind, ident in first.inputs[:want] if kind is LlmInputKind.TEXT)
+    if want < len(first.inputs):
+        assert first.inputs[want] == (LlmInputKind.TEXT, 200)
+    feed.on_token(3)
+    later = feed.next_step()
+    assert later is not None and later.voice_prefix == 0  # only a first step has one
+
+
 def test_prompt_speech_is_interleaved_with_text_before_decoding() -> None:
     feed = BistreamFeed(prompt_text_ids=[1, 2, 3, 4, 5], prompt_speech_ids=[9] * 20)
     assert feed.next_step() is None  # 5 prompt text ids cover 15 prompt speech; 5 more are left

@@ -122,12 +122,16 @@ class LlmStep:
 
     ``allow_eos``: EOS may be sampled (the final phase). ``force``: the token to take instead of
     sampling (a forced FILL, or a scripted token in forced-tokens mode); the forward still runs
-    because it appends ``inputs`` to the cache.
+    because it appends ``inputs`` to the cache. ``voice_prefix``: on a request's first step, how
+    many leading rows come from the voice alone (SOS, the prompt transcript and prompt speech
+    before the first row of the request's own text): every request of the voice starts with
+    them at the same positions, so the runner may reuse their K/V instead of computing them.
     """
 
     inputs: tuple[tuple[LlmInputKind, int], ...]
     allow_eos: bool
     force: int | None = None
+    voice_prefix: int = 0
 
 
 class TokenOutcome(enum.Enum):

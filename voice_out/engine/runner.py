@@ -29,6 +29,7 @@ from torch import Tensor
 
 from voice_out.engine.request import EOS_TOKEN, LlmInputKind
 from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
+from voice_out.model import decode_kernels
 from voice_out.model.chunk_schedule import HopPolicy
 from voice_out.model.cuda_graphs import family_stream
 from voice_out.model.llm_graphs import GraphedLLM, pack_decode_rows
@@ -121,6 +122,11 @@ class Runner:
     #: and the first chunk then runs without a train of LLM steps beside it on the GPU (on an
     #: H200 it came ~8 ms sooner at 1 stream); under load the LLM steps go on.
     first_chunk_wait_rows: int = 4
+    #: Voice prefixes whose K/V the runner keeps (least recently used dropped; ~2.5 MB each for
+    #: a 200-row prompt of the 0.5B model), and the fewest rows worth keeping (below it a
+    #: prefill costs about what the copy does).
+    prefix_cache_size: int = 32
+    min_prefix_rows: int = 16
 
     def __init__(
         self,
@@ -179,6 +185,8 @@ class Runner:
         # voice -> device tensors (+ prepared flow prompt); the entry keeps the voice alive, so
         # its id cannot be reused while cached. Least recently used first; bounded.
         self._voice_cache: OrderedDict[int, tuple[FlowVoice, Tensor, Tensor, Tensor, object]] = OrderedDict()
+        #: voice prefix rows -> (K, V ``[n_layers, n_kv_heads, P, head_dim]``, last hidden ``[H]``)
+        self._prefixes: OrderedDict[tuple[tuple[LlmInputKind, int], ...], tuple[Tensor, Tensor, Tensor]] = OrderedDict()
 
     # ---- accounting --------------------------------------------------------------------------
 
@@ -430,7 +438,7 @@ class Runner:
                     prefilled.append(w)
             except Exception as e:  # noqa: BLE001 - one request's input fails alone
                 result.failed[w.request_id] = _describe(e)
-        prefill_tokens = self._sample(prefilled, self.llm.logprobs(torch.stack(hidden))) if prefilled else None
+        prefill_tokens = self._sample(prefilled, torch.stack(hidden)) if prefilled else None
         tokens = self._decode_sample(singles) if singles else []
         if prefill_tokens is not None:
             tokens = prefill_tokens.tolist() + tokens
@@ -448,23 +456,51 @@ class Runner:
         return [(_KIND[kind], ident) for kind, ident in w.step.inputs]
 
     def _prefill(self, w: LlmWork) -> Tensor:
+        """Append the step's rows to its slot; the hidden state of the last row ``[H]``.
+
+        A first step's voice prefix (``LlmStep.voice_prefix``: SOS and the prompt, the same rows
+        at the same positions for every request of a voice) is prefilled once per voice and
+        kept, K/V and last hidden state (``prefix_cache_size`` voices); later requests copy
+        it into their slot and prefill only the rest. The K/V are those a prefill of the prefix
+        computes, so every request of the voice starts from the same state."""
         n = len(w.step.inputs)
         self._check_room(w.slot, n)
-        embeds = self.llm.embed_rows(self._rows(w))  # [L, H]
+        rows = self._rows(w)
         start = self.slot_len[w.slot]
+        p = w.step.voice_prefix if start == 0 and w.step.voice_prefix >= self.min_prefix_rows else 0
+        if p:
+            key = w.step.inputs[:p]
+            hit = self._prefixes.get(key)
+            if hit is None:
+                h = self._prefill_rows(w.slot, rows[:p], 0)
+                hit = (*self.cache.read_prefix(w.slot, p), h.clone())
+                self._prefixes[key] = hit
+                while len(self._prefixes) > self.prefix_cache_size:
+                    self._prefixes.popitem(last=False)
+            else:
+                self._prefixes.move_to_end(key)
+                self.cache.write_prefix(w.slot, hit[0], hit[1])
+                self.slot_len[w.slot] = p
+            if p == n:
+                return hit[2]
+            rows, start = rows[p:], p
+        return self._prefill_rows(w.slot, rows, start)
+
+    def _prefill_rows(self, slot: int, rows: list[tuple[int, int]], start: int) -> Tensor:
+        embeds = self.llm.embed_rows(rows)  # [L, H]
         if self.graphed is not None:
             # a graph returns its static output buffer: the next prefill of the same length
             # bucket in this step would overwrite it
-            h = self.graphed.prefill(w.slot, embeds, start).clone()
+            h = self.graphed.prefill(slot, embeds, start).clone()
         else:
-            h = self.llm.prefill(self.cache, w.slot, embeds, start_pos=start)
-        self.slot_len[w.slot] += n
+            h = self.llm.prefill(self.cache, slot, embeds, start_pos=start)
+        self.slot_len[slot] += len(rows)
         return h  # [H]
 
     def _decode_sample(self, work: Sequence[LlmWork]) -> list[int]:
         """One batched decode step for single-row inputs; their sampled ids (waits for them)."""
         if self.graphed is None:
-            return [int(t) for t in self._sample(work, self.llm.logprobs(self._decode(work))).tolist()]
+            return [int(t) for t in self._sample(work, self._decode(work)).tolist()]
         rows = pack_decode_rows(
             [w.step.inputs[0][1] for w in work],
             [not w.step.allow_eos for w in work],
@@ -513,10 +549,15 @@ class Runner:
         uniforms = to_device(torch.from_numpy(self._uniforms(items)), self.device, torch.float32)
         return history, uniforms, masked
 
-    def _sample(self, items: Sequence[LlmWork], logp: Tensor) -> Tensor:
-        """RAS over ``logp`` ``[N, V]``: int64 token ids ``[N]`` on the device (no sync)."""
+    def _sample(self, items: Sequence[LlmWork], hidden: Tensor) -> Tensor:
+        """The head and RAS for final-norm hidden states ``[N, H]``: int64 token ids ``[N]`` on
+        the device (no sync). Where the decode graphs sample with the fused kernel, so does
+        this (one kernel instead of ~60: the prefill rows are on the path to first audio)."""
         history, uniforms, masked = self._sampling_inputs(items)
-        mask_eos_(logp, masked, EOS_TOKEN)
+        if self.graphed is not None and self.graphed.fused:
+            logits = self.llm.logits(hidden)
+            return decode_kernels.ras_sample(logits, history, uniforms, masked, EOS_TOKEN, self.sampling)
+        logp = mask_eos_(self.llm.logprobs(hidden), masked, EOS_TOKEN)
         return ras_sample_batch(logp, history, uniforms, self.sampling)
 
     # ---- token2wav ---------------------------------------------------------------------------

@@ -43,6 +43,7 @@ class BistreamFeed:
         self._n_prompt_text = len(prompt_text_ids)
         self.state = bs.new_state(config or bs.BistreamConfig(), tuple(prompt_text_ids), tuple(prompt_speech_ids))
         self._handed_out = False
+        self._first = True
 
     @property
     def done(self) -> bool:
@@ -74,9 +75,25 @@ class BistreamFeed:
             return None
         self._handed_out = True
         inputs = tuple(_row(kind, ident) for kind, ident in step.feed)
+        prefix = self._voice_prefix(inputs) if self._first else 0
+        self._first = False
         if step.mode is bs.StepMode.FORCE_FILL:
-            return LlmStep(inputs, allow_eos=False, force=FILL_TOKEN)
-        return LlmStep(inputs, allow_eos=step.mode is bs.StepMode.SAMPLE_FINAL)
+            return LlmStep(inputs, allow_eos=False, force=FILL_TOKEN, voice_prefix=prefix)
+        return LlmStep(inputs, allow_eos=step.mode is bs.StepMode.SAMPLE_FINAL, voice_prefix=prefix)
+
+    def _voice_prefix(self, inputs: Sequence[tuple[LlmInputKind, int]]) -> int:
+        """Rows of the first step before the first one that is not the voice's: a text row past
+        the prompt transcript (the transcript is fed first), or TASK (it follows the end of the
+        request's text). Speech rows of a first step are prompt speech."""
+        seen_text = 0
+        for i, (kind, _) in enumerate(inputs):
+            if kind is LlmInputKind.TASK:
+                return i
+            if kind is LlmInputKind.TEXT:
+                if seen_text == self._n_prompt_text:
+                    return i
+                seen_text += 1
+        return len(inputs)
 
     def on_token(self, token: int) -> TokenOutcome:
         if not self._handed_out:

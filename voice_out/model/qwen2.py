@@ -164,6 +164,18 @@ class KVCache:
     def n_slots(self) -> int:
         return int(self.k.shape[1])
 
+    def read_prefix(self, slot: int, n: int) -> tuple[Tensor, Tensor]:
+        """Copies of positions ``0 .. n-1`` of ``slot``: k, v ``[n_layers, n_kv_heads, n, head_dim]``."""
+        return self.k[:, slot, :, :n].clone(), self.v[:, slot, :, :n].clone()
+
+    def write_prefix(self, slot: int, k: Tensor, v: Tensor) -> None:
+        """Positions ``0 .. n-1`` of ``slot`` := ``k``, ``v`` (from :meth:`read_prefix`); the slot's
+        length becomes n. In place, no host sync: what a prefill of the same rows would leave."""
+        n = int(k.shape[2])
+        self.k[:, slot, :, :n].copy_(k)
+        self.v[:, slot, :, :n].copy_(v)
+        self.lengths[slot] = n
+
     @property
     def max_len(self) -> int:
         return int(self.k.shape[3])
