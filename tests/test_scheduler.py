@@ -511,6 +511,17 @@ def test_first_step_marks_the_voice_prefix(n_prompt_text: int, text: int, want: 
     assert later is not None and later.voice_prefix == 0  # only a first step has one
 
 
+@pytest.mark.parametrize("forced", [FORCED, None], ids=["forced", "sampled"])
+def test_the_first_llm_work_carries_the_voice_prefix(forced: ForcedTokens | None) -> None:
+    """The runner reuses a voice's prefix K/V only if the plan says where it ends; forced-tokens
+    mode (benchmarks) rewrites the step and must keep it."""
+    sched = create_scheduler(forced=forced)
+    create_requests(sched, 1, text="hello there", prompt_speech=30)
+    first = sched.plan().llm[0]
+    assert first.step.voice_prefix == 1 + 10 + 30  # SOS and two groups of 5 prompt ids + 15 speech
+    assert (first.step.force is not None) == (forced is not None)
+
+
 def test_prompt_speech_is_interleaved_with_text_before_decoding() -> None:
     feed = BistreamFeed(prompt_text_ids=[1, 2, 3, 4, 5], prompt_speech_ids=[9] * 20)
     assert feed.next_step() is None  # 5 prompt text ids cover 15 prompt speech; 5 more are left

@@ -29,6 +29,7 @@ in the next plan. Every method is called from the worker thread only.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -419,7 +420,7 @@ class Scheduler:
             force = EOS_TOKEN
         else:
             force = self.forced.token(req.seed, n)
-        return LlmStep(step.inputs, step.allow_eos, force)
+        return dataclasses.replace(step, force=force)
 
     # ---- results -----------------------------------------------------------------------------
 
