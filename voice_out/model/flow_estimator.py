@@ -311,7 +311,13 @@ class TransformerBlock(nn.Module):
     @torch.no_grad()
     def fuse_qkv_(self) -> None:
         """Stack the loaded q/k/v weights for the one-matmul projection (call after loading)."""
-        self.qkv_weight = torch.cat([self.to_q.weight, self.to_k.weight, self.to_v.weight]).detach().clone()
+        self.qkv_weight = self.stacked_qkv().detach().clone()
+
+    def stacked_qkv(self) -> Tensor:
+        """The q, k and v weights as one ``[3 inner, dim]`` (``fuse_qkv_``'s, or made now)."""
+        if self.qkv_weight.numel():
+            return self.qkv_weight
+        return torch.cat([self.to_q.weight, self.to_k.weight, self.to_v.weight])
 
     @torch.no_grad()
     def fuse_ff_(self) -> None:
@@ -359,10 +365,7 @@ class TransformerBlock(nn.Module):
         none; ``key_frames`` ``[B]`` or None)."""
         b, t, c = x.shape
         xf = x.reshape(b * t, c)
-        qkv_w = self.qkv_weight
-        if not qkv_w.numel():
-            qkv_w = torch.cat([self.to_q.weight, self.to_k.weight, self.to_v.weight])
-        qkv = flow_kernels.ln_linear(xf, self.norm1.weight, self.norm1.bias, self.norm1.eps, qkv_w)
+        qkv = flow_kernels.ln_linear(xf, self.norm1.weight, self.norm1.bias, self.norm1.eps, self.stacked_qkv())
         o = flow_kernels.attention(qkv, b, self.heads, self.head_dim, chunk, key_frames)
         x2 = flow_kernels.linear(o, self.to_out.weight, self.to_out.bias, residual=xf)
         n3 = self.norm3
@@ -557,7 +560,8 @@ class Estimator(nn.Module):
         if key_frames is not None:
             if start != 0:
                 raise ValueError("key_frames (right padding) needs start = 0")
-            keys = valid_keys(key_frames.to(mu.device), n)  # [B, 1, 1, L]
+            key_frames = key_frames.to(mu.device)
+            keys = valid_keys(key_frames, n)  # [B, 1, 1, L]
             allowed = keys if allowed is None else allowed & keys
         mask = attention_bias(allowed, dtype) if allowed is not None else None
         scratch = torch.zeros(b, k - 1 + n, self.channels, device=mu.device, dtype=dtype)
@@ -571,7 +575,7 @@ class Estimator(nn.Module):
             zeros=zeros,
             start=start,
             chunk=self.chunk_frames if streaming else 0,
-            key_frames=key_frames.to(mu.device) if key_frames is not None else None,
+            key_frames=key_frames,
         )
 
     def forward(
