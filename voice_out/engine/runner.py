@@ -32,7 +32,7 @@ from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepRe
 from voice_out.model import decode_kernels
 from voice_out.model.chunk_schedule import HopPolicy
 from voice_out.model.cuda_graphs import family_stream
-from voice_out.model.llm_graphs import GraphedLLM, pack_decode_rows
+from voice_out.model.llm_graphs import GraphedLLM, pack_decode_rows, unpack_decode_rows
 from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT, KVCache, SpeechLM
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, mask_eos_, ras_sample_batch
 from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2Wav, Token2WavStream
@@ -501,13 +501,7 @@ class Runner:
         """One batched decode step for single-row inputs; their sampled ids (waits for them)."""
         if self.graphed is None:
             return [int(t) for t in self._sample(work, self._decode(work)).tolist()]
-        rows = pack_decode_rows(
-            [w.step.inputs[0][1] for w in work],
-            [not w.step.allow_eos for w in work],
-            self._uniforms(work),
-            [w.recent for w in work],
-            self.sampling.win_size,
-        )
+        rows = self._pack(work, [w.step.inputs[0][1] for w in work])
         longest = max(self.slot_len[w.slot] for w in work) + 1
         tokens = self.graphed.decode_sample([w.slot for w in work], rows, kv_len=longest)
         for w in work:
@@ -527,26 +521,22 @@ class Runner:
             self.slot_len[s] += 1
         return h
 
-    def _uniforms(self, items: Sequence[LlmWork]) -> np.ndarray:
-        """float64 ``[N, 2]``: each request's next two uniforms (its seed and draw counter,
-        ``counter_uniforms``); advances the counters."""
+    def _pack(self, items: Sequence[LlmWork], tokens: Sequence[int]) -> np.ndarray:
+        """The items' sampling inputs as packed rows (``pack_decode_rows``): input ``tokens``,
+        EOS mask, each request's next two uniforms (its seed and draw counter,
+        ``counter_uniforms``; advances the counters) and repetition window."""
         lives = [self.live[w.request_id] for w in items]
         uniforms = counter_uniforms([lv.seed for lv in lives], [lv.draws for lv in lives])
         for lv in lives:
             lv.draws += 1
-        return uniforms
+        masked = [not w.step.allow_eos for w in items]
+        return pack_decode_rows(tokens, masked, uniforms, [w.recent for w in items], self.sampling.win_size)
 
     def _sampling_inputs(self, items: Sequence[LlmWork]) -> tuple[Tensor, Tensor, Tensor]:
         """Repetition windows int64 ``[N, W]``, uniforms ``[N, 2]`` (two per request per step)
-        and the EOS mask bool ``[N]``, on the device."""
-        win = self.sampling.win_size
-        hist_rows = []
-        for w in items:
-            recent = list(w.recent[-win:])
-            hist_rows.append([NO_TOKEN] * (win - len(recent)) + recent)
-        history = to_device(hist_rows, self.device, torch.long)
-        masked = to_device([not w.step.allow_eos for w in items], self.device, torch.bool)
-        uniforms = to_device(torch.from_numpy(self._uniforms(items)), self.device, torch.float32)
+        and the EOS mask bool ``[N]``, on the device: one packed copy."""
+        packed = to_device(torch.from_numpy(self._pack(items, [0] * len(items))), self.device)
+        _, _, masked, uniforms, history = unpack_decode_rows(packed)
         return history, uniforms, masked
 
     def _sample(self, items: Sequence[LlmWork], hidden: Tensor) -> Tensor:

@@ -90,6 +90,16 @@ def pack_decode_rows(
     return rows
 
 
+def unpack_decode_rows(packed: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The device side of :func:`pack_decode_rows` (graph-safe, no sync): from int64 ``[B,
+    decode_cols]``, (active bool ``[B]``, token int64 ``[B]``, EOS mask bool ``[B]``, uniforms
+    float32 ``[B, 2]``, repetition window int64 ``[B, W]``, a strided view of ``packed``)."""
+    active = packed[:, COL_ACTIVE] != 0
+    masked = packed[:, COL_MASKED] != 0
+    uniforms = packed[:, COL_UNIFORMS : COL_UNIFORMS + 2].view(torch.float64).float()
+    return active, packed[:, COL_TOKEN], masked, uniforms, packed[:, COL_HISTORY:]
+
+
 def _idle_row(win: int) -> np.ndarray:
     """A packed row for a slot that does not decode: inactive, token 0, EOS masked, uniforms
     0.5, empty window (its output is never read)."""
@@ -197,10 +207,8 @@ class GraphedLLM:
         self._decode_windows = (cache.max_len,) if self.fused else self.decode_windows
         self._cols = decode_cols(sampling.win_size)
         self._idle = _idle_row(sampling.win_size)
-        #: Per decode bucket: the pinned host buffer of its packed rows, and (CUDA) an event
-        #: recorded after its last copy to the device.
-        self._host_tensors: dict[int, Tensor] = {}
-        self._host_copied: dict[int, torch.cuda.Event] = {}
+        #: Per decode bucket: the pinned host buffer its packed rows are written into.
+        self._host_rows: dict[int, Tensor] = {}
         decode_fn: Callable[..., Tensor] = self._decode_fn
         if compile and self.enabled:
             # Inductor fuses the norms, RoPE, residual adds and the MLP gate into a few kernels per
@@ -245,11 +253,8 @@ class GraphedLLM:
         # row r is slot r: K/V are views of the cache, never gathered; rows that do not decode
         # this step are inactive (nothing appended, their writes go to the scratch slot)
         cache, scratch = self.cache, self.scratch_slot
-        active = packed[:, COL_ACTIVE] != 0
-        embeds = self.lm.embed_speech(packed[:, COL_TOKEN])
-        masked = packed[:, COL_MASKED] != 0
-        uniforms = packed[:, COL_UNIFORMS : COL_UNIFORMS + 2].view(torch.float64).float()
-        history = packed[:, COL_HISTORY:]
+        active, tokens, masked, uniforms, history = unpack_decode_rows(packed)
+        embeds = self.lm.embed_speech(tokens)
         hidden = self.lm.decode_step(
             cache, None, embeds, kv_len=window, active=active, scratch_slot=scratch, fused=self.fused
         )
@@ -292,34 +297,24 @@ class GraphedLLM:
             bucket = top
         graph = self._decode[window] if self.enabled and bucket in self.decode_buckets else None
         bufs = graph.static_inputs(bucket) if graph is not None else None
-        host = self._host_rows(bucket)
-        host[:] = self._idle
-        host[list(slots)] = rows
+        # The bucket's pinned host buffer is free to rewrite: the previous call's copy out of
+        # it ran before that call's graph, whose tokens the call waited for.
+        host = self._host_rows.get(bucket)
+        if host is None:
+            host = torch.empty((bucket, self._cols), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            self._host_rows[bucket] = host
+        host_rows = host.numpy()
+        host_rows[:] = self._idle
+        host_rows[list(slots)] = rows
         out: Tensor
-        if graph is None:
-            out = self._decode_fn(window, torch.from_numpy(host.copy()).to(self.device))
-        elif bufs is None:  # the first call of a bucket not captured at start-up: captures it
-            out = graph(bucket, torch.from_numpy(host.copy()).to(self.device))
-        else:
-            bufs[0].copy_(self._host_tensors[bucket], non_blocking=True)
-            self._host_copied[bucket].record()
+        if graph is not None and bufs is not None:
+            bufs[0].copy_(host, non_blocking=True)
             out = graph(bucket, *bufs)
+        else:  # eager, or the first call of a bucket not captured at start-up (captures it)
+            packed = host.to(self.device, copy=True)
+            out = graph(bucket, packed) if graph is not None else self._decode_fn(window, packed)
         picked = out.tolist()
         return [int(picked[s]) for s in slots]
-
-    def _host_rows(self, bucket: int) -> np.ndarray:
-        """The pinned host buffer of ``bucket``'s packed rows, free to write: the copy of the
-        last step that used it is done (the step's ``tolist`` already waited for it; the event
-        makes it explicit)."""
-        t = self._host_tensors.get(bucket)
-        if t is None:
-            t = torch.empty((bucket, self._cols), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-            self._host_tensors[bucket] = t
-            if self.device.type == "cuda":
-                self._host_copied[bucket] = torch.cuda.Event()
-        elif bucket in self._host_copied:
-            self._host_copied[bucket].synchronize()
-        return t.numpy()
 
     def prefill(self, slot: int, embeds: Tensor, start: int) -> Tensor:
         """Append ``embeds`` ``[L, H]`` to ``slot`` from position ``start``; hidden ``[H]``."""
