@@ -473,7 +473,7 @@ class Runner:
             hit = self._prefixes.get(key)
             if hit is None:
                 h = self._prefill_rows(w.slot, rows[:p], 0)
-                hit = (*self.cache.read_prefix(w.slot, p), h.clone())
+                hit = (*self.cache.read_prefix(w.slot, p), h)  # h: a fresh tensor (see _prefill_rows)
                 self._prefixes[key] = hit
                 while len(self._prefixes) > self.prefix_cache_size:
                     self._prefixes.popitem(last=False)
