@@ -130,6 +130,13 @@ def test_engine_mode_smoke(tmp_path: Path) -> None:
         assert v[("capacity.audio_s_per_stream", n)] > 0.5  # 10 chars x 3 speech tokens at 25 Hz: 1.2 s
         assert v[("capacity.rtf.p50", n)] <= v[("capacity.rtf.max", n)]
         assert 0 < v[("capacity.worker_busy", n)] <= 1
+        # the engine's own split of the first audio: every stream traced; the first chunk waits
+        # for 28 speech tokens (25-token prompt, so no pad) and the steps before them
+        for part in ("slot", "tokens", "queue", "vocode"):
+            assert 0 <= v[(f"capacity.ttfa_parts.{part}.p50", n)] <= v[(f"capacity.ttfa_parts.{part}.p95", n)]
+        assert v[("capacity.ttfa_parts.llm_steps.p50", n)] >= 28
+        parts = sum(v[(f"capacity.ttfa_parts.{part}.p50", n)] for part in ("tokens", "vocode"))
+        assert parts <= v[("capacity.ttfa.p99", n)] * 1.01 + 1
     assert doc["settings"]["engine_config"]["max_streams"] == 2  # one KV slot per stream of the largest count
     target = doc["settings"]["ttfa_target_ms"]
     qualifying = [n for n in (1, 2) if v[("capacity.underruns", n)] == 0 and v[("capacity.ttfa.p95", n)] <= target]

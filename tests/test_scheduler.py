@@ -691,3 +691,32 @@ def test_a_chunk_neither_returned_nor_in_flight_fails_its_request() -> None:
         outs += sched.update(plan, res)
     end = ended(outs, rid)
     assert end.status == RequestStatus.FAILED and "no audio" in str(end.error)
+
+
+def test_first_audio_traces_split_each_streams_ttfa_into_phases() -> None:
+    clock = FakeClock()
+    sched = create_scheduler(max_streams=1, clock=clock)
+    a, b = create_requests(sched, 2, text="a" * 40)  # b waits for a's KV slot
+    runner = PipelinedRunner(delay=3)
+    outs: list[Output] = []
+    for _ in range(10_000):
+        plan = sched.plan()
+        if plan.empty:
+            break
+        outs += sched.update(plan, runner.execute(plan))
+        clock.t += 1.0  # one second a step: every phase counts whole steps
+    assert [t.request_id for t in sched.first_audio] == [a, b] and sched.first_audio_count == 2
+    first_chunk_tokens = sched.hops.schedule(0, 0).ready(10_000, False)
+    assert first_chunk_tokens is not None
+    for trace in sched.first_audio:
+        assert trace.slot_s >= 0 and trace.tokens_s > 0 and trace.queue_s >= 0
+        assert trace.vocode_s == 3.0  # the runner's delay, in steps
+        # the steps it took to make the first chunk's tokens, prompt and text steps included
+        assert trace.llm_steps >= first_chunk_tokens.token_len
+        # the clock moves after each step: admitted at the first step, ready at the end of the last
+        assert trace.tokens_s == trace.llm_steps - 1
+        first = chunks_of(outs, trace.request_id)[0]
+        assert first.chunk.start_sample == 0
+    ta, tb = sched.first_audio
+    assert ta.slot_s == 0 and tb.slot_s > 0  # b was admitted only when a's LLM part was done
+    assert ta.total_s == ta.tokens_s + ta.queue_s + ta.vocode_s

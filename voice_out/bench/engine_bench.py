@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ from voice_out.config import Config, load_config
 from voice_out.engine.api import StreamClosedError
 from voice_out.engine.engine import Engine
 from voice_out.engine.loading import resolve_device
-from voice_out.engine.scheduler import ForcedTokens
+from voice_out.engine.scheduler import FirstAudioTrace, ForcedTokens
 
 #: What an agent says: the benchmark's text, repeated to any length.
 TEXT = (
@@ -62,6 +62,8 @@ TEXT = (
 SCENARIOS = ("cold", "ttfa", "stream", "capacity", "rtf", "memory")
 DEFAULT_STREAMS = (1, 2, 4, 8, 16, 32, 48, 64)
 QUANTILES = (0.5, 0.95, 0.99)
+#: Quantiles reported for each phase of the first audio (``capacity.ttfa_parts``).
+PART_QUANTILES = (0.5, 0.95)
 GIB = 2**30
 
 
@@ -270,6 +272,8 @@ class CapacityRound:
     busy_s: float
     wall_s: float
     gpu_max_allocated_gib: float | None
+    #: The engine's first-audio traces of the round's streams (where each TTFA went).
+    first_audio: tuple[FirstAudioTrace, ...] = ()
 
     @property
     def ttfa_ms(self) -> list[float]:
@@ -301,6 +305,7 @@ async def capacity_round(
     wall = time.perf_counter() - t0  # after the stats: every step they count ran within the wall time
     await engine.await_idle()
     listeners = [r for r in results if isinstance(r, Listener)]
+    traced = after.first_audio_count - before.first_audio_count
     return CapacityRound(
         streams=n,
         listeners=listeners,
@@ -309,6 +314,7 @@ async def capacity_round(
         busy_s=after.busy_s - before.busy_s,
         wall_s=wall,
         gpu_max_allocated_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+        first_audio=after.first_audio[-traced:] if traced > 0 else (),
     )
 
 
@@ -335,13 +341,36 @@ def report_round(report: Report, r: CapacityRound, target_ms: float) -> bool:
     report.add("capacity.step_ms.mean", r.mean_step_ms, "ms", n)
     if r.gpu_max_allocated_gib is not None:
         report.add("capacity.gpu_mem.max_allocated", r.gpu_max_allocated_gib, "GiB", n)
+    for part, values in ttfa_parts(r.first_audio).items():
+        unit = "count" if part == "llm_steps" else "ms"
+        report.add_quantiles(f"capacity.ttfa_parts.{part}", values, unit, n, PART_QUANTILES)
     return r.failures == 0 and underruns == 0 and len(ttfa) == n and percentile(ttfa, 0.95) <= target_ms
+
+
+def ttfa_parts(traces: Sequence[FirstAudioTrace]) -> dict[str, list[float]]:
+    """The phases of the streams' time to first audio (``FirstAudioTrace``), ms, and the LLM
+    steps each first chunk waited for."""
+    return {
+        "slot": [1000 * t.slot_s for t in traces],
+        "tokens": [1000 * t.tokens_s for t in traces],
+        "queue": [1000 * t.queue_s for t in traces],
+        "vocode": [1000 * t.vocode_s for t in traces],
+        "llm_steps": [float(t.llm_steps) for t in traces],
+    }
 
 
 def round_summary(r: CapacityRound) -> str:
     ttfa = r.ttfa_ms
+    parts = ttfa_parts(r.first_audio)
+    mean = {k: sum(v) / len(v) for k, v in parts.items() if v}
+    split = (
+        f" (mean: slot {mean['slot']:.0f}, tokens {mean['tokens']:.0f} in {mean['llm_steps']:.0f} steps, "
+        f"queue {mean['queue']:.0f}, vocode {mean['vocode']:.0f} ms)"
+        if mean
+        else ""
+    )
     return (
-        f"TTFA p50 {percentile(ttfa, 0.5):.0f} ms p95 {percentile(ttfa, 0.95):.0f} ms, "
+        f"TTFA p50 {percentile(ttfa, 0.5):.0f} ms p95 {percentile(ttfa, 0.95):.0f} ms{split}, "
         f"underruns {r.underruns}, failed {r.failures}, step {r.mean_step_ms:.1f} ms, busy {r.busy_fraction:.0%}"
     )
 

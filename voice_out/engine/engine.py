@@ -49,7 +49,7 @@ from voice_out.engine.api import (
     StreamClosedError,
 )
 from voice_out.engine.request import TextPipeline
-from voice_out.engine.scheduler import ForcedTokens, Scheduler
+from voice_out.engine.scheduler import FirstAudioTrace, ForcedTokens, Scheduler
 from voice_out.engine.stream import EngineStream
 from voice_out.engine.voicebook import ADD_VOICE_HINT, VoiceBook
 from voice_out.engine.worker import (
@@ -100,6 +100,9 @@ class EngineStats:
     busy_s: float = 0.0
     llm_rows: int = 0
     chunks: int = 0
+    #: The latest streams' first-audio traces, oldest first, and how many were ever recorded.
+    first_audio: tuple[FirstAudioTrace, ...] = ()
+    first_audio_count: int = 0
 
 
 class Engine:
@@ -390,6 +393,8 @@ class Engine:
             busy_s=ws.busy_s,
             llm_rows=ws.llm_rows,
             chunks=ws.chunks,
+            first_audio=ws.first_audio,
+            first_audio_count=ws.first_audio_count,
         )
 
     def wait_idle(self, timeout: float | None = 30.0) -> bool:

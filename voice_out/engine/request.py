@@ -215,6 +215,12 @@ class Request:
     vocode_inflight: ChunkPlan | None = None
     first_audio_time: float | None = None
     finish_time: float | None = None
+    # where the time to first audio goes (FirstAudioTrace): admitted to a KV slot, the first
+    # chunk's tokens all made, that chunk handed to the runner
+    admit_time: float | None = None
+    first_chunk_ready_time: float | None = None
+    first_chunk_plan_time: float | None = None
+    first_chunk_llm_steps: int = 0
     error: str | None = None
 
     @property

@@ -62,6 +62,8 @@ from voice_out.model.chunk_schedule import ChunkPlan, HopPolicy
 from voice_out.text.bistream import BistreamConfig
 
 Clock = Callable[[], float]
+#: First-audio traces the scheduler keeps (``Scheduler.first_audio``).
+FIRST_AUDIO_TRACES = 1024
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,6 +167,28 @@ Output = Emitted | Ended
 
 
 @dataclass(frozen=True)
+class FirstAudioTrace:
+    """Where one stream's time to first audio went, in seconds of the scheduler's clock.
+
+    The phases add up to ``total_s``, first text (or the request, if later) to first audio:
+    ``slot_s`` waiting for a KV slot; ``tokens_s`` admitted until the LLM had made every token
+    the first chunk needs (``llm_steps`` steps); ``queue_s`` waiting for the chunk to be handed
+    to the runner (behind chunks in flight, or other streams' chunks); ``vocode_s`` until its
+    audio came back."""
+
+    request_id: str
+    slot_s: float
+    tokens_s: float
+    queue_s: float
+    vocode_s: float
+    llm_steps: int
+
+    @property
+    def total_s(self) -> float:
+        return self.slot_s + self.tokens_s + self.queue_s + self.vocode_s
+
+
+@dataclass(frozen=True)
 class ForcedTokens:
     """Forced-tokens mode for tests and benchmarks with random weights.
 
@@ -227,6 +251,9 @@ class Scheduler:
         self._max_ahead = int(config.max_ahead_s * SAMPLE_RATE)
         self._seq = itertools.count()
         self._order: dict[str, int] = {}
+        #: The latest streams' first-audio traces, and how many were ever recorded.
+        self.first_audio: deque[FirstAudioTrace] = deque(maxlen=FIRST_AUDIO_TRACES)
+        self.first_audio_count = 0
 
     # ---- accounting --------------------------------------------------------------------------
 
@@ -369,6 +396,7 @@ class Scheduler:
             slot = self.free_slots.pop(0)
             req.slot = slot
             req.status = RequestStatus.PREFILL
+            req.admit_time = self.clock()
             self._slot_owner[slot] = rid
             admits.append(Admit(rid, slot, req.seed, req.voice, req.schedule.fast_first))
 
@@ -406,6 +434,8 @@ class Scheduler:
         chosen = ready[: self.max_chunks_per_step]
         for req, chunk in chosen:
             req.vocode_inflight = chunk
+            if chunk.index == 0:
+                req.first_chunk_plan_time = now
         vocode = tuple(VocodeWork(r.request_id, c, r.speech_tokens) for r, c in chosen)
         wait = inflight and not (releases or admits or llm)
         return StepPlan(releases, tuple(admits), tuple(llm), vocode, wait_vocode=wait)
@@ -423,6 +453,19 @@ class Scheduler:
         return dataclasses.replace(step, force=force)
 
     # ---- results -----------------------------------------------------------------------------
+
+    def _trace_first_audio(self, req: Request) -> None:
+        start = max(req.arrival_time, req.first_text_time if req.first_text_time is not None else req.arrival_time)
+        admit = max(start, req.admit_time if req.admit_time is not None else start)
+        audio = req.first_audio_time if req.first_audio_time is not None else admit
+        planned = req.first_chunk_plan_time if req.first_chunk_plan_time is not None else audio
+        ready = min(planned, req.first_chunk_ready_time if req.first_chunk_ready_time is not None else planned)
+        ready = max(ready, admit)
+        planned = max(planned, ready)
+        steps = req.first_chunk_llm_steps or req.llm_steps
+        trace = FirstAudioTrace(req.request_id, admit - start, ready - admit, planned - ready, audio - planned, steps)
+        self.first_audio.append(trace)
+        self.first_audio_count += 1
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Output]:
         """Apply what the runner did; returns the outputs to deliver (chunks, ends)."""
@@ -455,8 +498,12 @@ class Scheduler:
             if outcome is TokenOutcome.END:
                 if not req.speech_tokens:
                     self.finish([req.request_id], RequestStatus.FINISHED)
-                else:
-                    self._llm_finished(req)
+                    continue
+                self._llm_finished(req)
+            if req.first_chunk_ready_time is None and req.speech_tokens:
+                if req.schedule.ready(len(req.speech_tokens), req.llm_done) is not None:
+                    req.first_chunk_ready_time = now
+                    req.first_chunk_llm_steps = req.llm_steps
 
         for rid, pcm in result.audio.items():
             req = self.requests.get(rid)
@@ -471,6 +518,7 @@ class Scheduler:
             req.chunks_produced += 1
             if req.first_audio_time is None:
                 req.first_audio_time = now
+                self._trace_first_audio(req)
             self._outputs.append(Emitted(req.request_id, pcm_chunk))
             if chunk.finalize:
                 self.finish([req.request_id], RequestStatus.FINISHED)

@@ -31,7 +31,7 @@ from typing import Protocol
 
 from voice_out.engine.api import EngineError, PcmChunk, StreamFailedError
 from voice_out.engine.request import RequestStatus, VoicePrompt
-from voice_out.engine.scheduler import Emitted, Ended, Output, Scheduler, StepPlan, StepResult
+from voice_out.engine.scheduler import Emitted, Ended, FirstAudioTrace, Output, Scheduler, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,10 @@ class WorkerStats:
     busy_s: float = 0.0
     llm_rows: int = 0
     chunks: int = 0
+    #: The latest streams' first-audio traces (``Scheduler.first_audio``) and how many streams
+    #: were ever traced.
+    first_audio: tuple[FirstAudioTrace, ...] = ()
+    first_audio_count: int = 0
 
 
 class Worker:
@@ -364,6 +368,9 @@ class Worker:
     def _publish(self) -> None:
         sched = self.scheduler
         runner = self.runner
+        traces = self.stats.first_audio
+        if sched.first_audio_count != self.stats.first_audio_count:
+            traces = tuple(sched.first_audio)  # copied only when a stream got its first audio
         self.stats = WorkerStats(
             live_requests=sched.n_live,
             used_slots=sched.n_used_slots,
@@ -374,6 +381,8 @@ class Worker:
             busy_s=self._busy_s,
             llm_rows=self._llm_rows,
             chunks=self._chunks,
+            first_audio=traces,
+            first_audio_count=sched.first_audio_count,
         )
 
 
