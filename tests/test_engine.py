@@ -918,7 +918,8 @@ def test_cuda_engine_overlapping_token2wav_with_the_llm_changes_nothing(tmp_path
             return [np.concatenate([c.pcm for c in s]) for s in streams]
 
         assert runner._side_stream is not None and runner.pipeline_vocode
-        runner.first_chunk_wait_rows = 0  # no first chunk waited for either
+        assert eng._worker is not None
+        eng._worker.scheduler.first_chunk_wait_rows = 0  # no first chunk waited for either
         pipelined = run_all()  # chunks come back in later steps while LLM steps go on
         assert not runner._inflight
         runner.pipeline_vocode = False

@@ -669,13 +669,14 @@ def test_a_request_cancelled_with_a_chunk_in_flight_drops_its_late_audio() -> No
         plan = sched.plan()
         outs += sched.update(plan, runner.execute(plan))
     victim = next(r.request_id for r in sched.requests.values() if r.vocode_inflight is not None)
+    before = len(chunks_of(outs, victim))  # a first chunk waited for at light load came back at once
     sched.finish([victim], RequestStatus.ABORTED)
     for _ in range(10_000):
         plan = sched.plan()
         if plan.empty:
             break
         outs += sched.update(plan, runner.execute(plan))
-    assert not chunks_of(outs, victim)  # its in-flight audio came back and was dropped
+    assert len(chunks_of(outs, victim)) == before  # its in-flight audio came back and was dropped
     other = b if victim == a else a
     assert ended(outs, other).status == RequestStatus.FINISHED and chunks_of(outs, other)
 
@@ -696,6 +697,7 @@ def test_a_chunk_neither_returned_nor_in_flight_fails_its_request() -> None:
 def test_first_audio_traces_split_each_streams_ttfa_into_phases() -> None:
     clock = FakeClock()
     sched = create_scheduler(max_streams=1, clock=clock)
+    sched.first_chunk_wait_rows = 0  # each first chunk planned while its stream decodes: no wait
     a, b = create_requests(sched, 2, text="a" * 40)  # b waits for a's KV slot
     runner = PipelinedRunner(delay=3)
     outs: list[Output] = []
@@ -720,3 +722,62 @@ def test_first_audio_traces_split_each_streams_ttfa_into_phases() -> None:
     ta, tb = sched.first_audio
     assert ta.slot_s == 0 and tb.slot_s > 0  # b was admitted only when a's LLM part was done
     assert ta.total_s == ta.tokens_s + ta.queue_s + ta.vocode_s
+
+
+@pytest.mark.parametrize("priority", [True, False])
+def test_while_a_stream_waits_for_first_audio_only_first_and_urgent_chunks_go(priority: bool) -> None:
+    clock = FakeClock()
+    sched = create_scheduler(clock=clock, first_audio_priority=priority)
+    (old,) = create_requests(sched, 1, text="a" * 60, prefix="old")
+    while sched.requests[old].chunks_produced < 1:
+        step(sched)
+    # the old stream's second chunk ready, held back
+    while not sched._vocode_candidate(sched.requests[old]):
+        plan = unplan_vocode(sched, sched.plan())
+        sched.update(plan, fake_result(plan))
+    (new,) = create_requests(sched, 1, text="b" * 20, prefix="new")
+    deadline = sched.requests[old].playout_deadline()
+    clock.t = deadline - 2.0  # the old stream has 2 s of audio: it can wait for the new one's first
+    plan = sched.plan()
+    assert [a.request_id for a in plan.admit] == [new]
+    assert [w.request_id for w in plan.vocode] == ([] if priority else [old])
+    plan = unplan_vocode(sched, plan)
+    sched.update(plan, fake_result(plan))
+    clock.t = deadline - 0.2  # about to run dry: it goes, first audio pending or not
+    plan = sched.plan()
+    assert [w.request_id for w in plan.vocode] == [old]
+    plan = unplan_vocode(sched, plan)
+    sched.update(plan, fake_result(plan))
+    clock.t = deadline - 2.0
+    # once the new stream has its first audio, nothing is held back any more
+    while sched.requests[new].first_audio_time is None:
+        plan = sched.plan()
+        if priority:
+            assert old not in {w.request_id for w in plan.vocode}
+        sched.update(plan, fake_result(plan))
+    if priority:
+        assert old in {w.request_id for w in sched.plan().vocode}
+
+
+def test_a_first_chunk_is_waited_for_only_when_no_other_first_audio_needs_the_llm() -> None:
+    def waits_at_first_chunk(sched: Scheduler, rid: str) -> bool:
+        while True:
+            plan = sched.plan()
+            if any(w.request_id == rid and w.chunk.index == 0 for w in plan.vocode):
+                return plan.wait_vocode
+            sched.update(plan, fake_result(plan))
+
+    alone = create_scheduler()
+    (a,) = create_requests(alone, 1, text="a" * 40)
+    assert waits_at_first_chunk(alone, a)  # light load: the first chunk gets the GPU to itself
+
+    busy = create_scheduler()
+    (a,) = create_requests(busy, 1, text="a" * 40)
+    for _ in range(10):
+        step(busy)
+    (b,) = create_requests(busy, 1, text="b" * 40, prefix="b")  # still decoding for its first audio
+    assert not waits_at_first_chunk(busy, a)  # waiting would stall b's LLM steps
+
+    many = create_scheduler(max_streams=8, first_audio_priority=False)
+    create_requests(many, 6, text="a" * 40, prefix="m")  # 6 rows decode: more than the wait allows
+    assert not waits_at_first_chunk(many, "m0")

@@ -126,6 +126,11 @@ class EngineConfig:
     #: later step, so LLM steps go on while the flow runs (docs/engine.md); off: every step
     #: waits for its own chunks (they still overlap that step's LLM work).
     pipeline_vocode: bool = True
+    #: While an admitted stream waits for its first audio, the GPU goes to first audio: the
+    #: scheduler plans first chunks and the chunks of streams about to run dry, and defers the
+    #: rest (other streams' audio already buffered) so they do not slow the first chunks and
+    #: the LLM steps that make them (docs/engine.md). Off: every ready chunk, by deadline.
+    first_audio_priority: bool = True
     #: Nucleus / top-k / repetition-aware sampling parameters (spec 2.6).
     top_p: float = 0.8
     top_k: int = 25

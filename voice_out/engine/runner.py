@@ -117,11 +117,6 @@ class Runner:
     #: the GPU starts the LLM step's small kernels first, so a step's latency does not grow
     #: with the flow batch running beside it. None: the calling thread's current stream.
     llm_stream_priority: int | None = -1
-    #: Pipelined: a launch holding a first chunk is waited for within its step when the step
-    #: decodes at most this many rows. At light load the wait costs the other streams little,
-    #: and the first chunk then runs without a train of LLM steps beside it on the GPU (on an
-    #: H200 it came ~8 ms sooner at 1 stream); under load the LLM steps go on.
-    first_chunk_wait_rows: int = 4
     #: Voice prefixes whose K/V the runner keeps (least recently used dropped; ~2.5 MB each for
     #: a 200-row prompt of the 0.5B model), and the fewest rows worth keeping (below it a
     #: prefill costs about what the copy does).
@@ -225,12 +220,15 @@ class Runner:
             # token2wav on the side stream, launched first, so the GPU runs its kernels alongside
             # the LLM step's (the chunks' tokens came from earlier steps: nothing here depends
             # on this step's LLM output); pipelined, its audio may come back in a later step
-            if vocode:
-                self._launch_vocode(vocode, result)
+            # first chunks are launched on their own, ahead of the rest: their audio comes
+            # back as soon as they are done, not when the step's last chunk is
+            firsts = [item for item in vocode if item[0].chunk.index == 0]
+            for part in (firsts, [item for item in vocode if item[0].chunk.index > 0]):
+                if part:
+                    self._launch_vocode(part, result)
             if llm:
                 self._llm_step(llm, result)
-            first = any(w.chunk.index == 0 for w, _ in vocode) and len(llm) <= self.first_chunk_wait_rows
-            self._collect_vocode(result, block=not self.pipeline_vocode or plan.wait_vocode or first)
+            self._collect_vocode(result, block=not self.pipeline_vocode or plan.wait_vocode)
             return result
         made: list[tuple[str, Tensor]] = []
         if llm:
@@ -267,9 +265,8 @@ class Runner:
 
     def _collect_vocode(self, result: StepResult, *, block: bool) -> None:
         """Hand back the audio of every finished launch (in launch order, the side stream's);
-        with ``block``, first wait for all of them (the newest: the stream runs them in order;
-        the scheduler plans no chunk while one is in flight, so there is one). The rest stay in
-        ``result.inflight``."""
+        with ``block``, first wait for all of them (the newest: the side stream runs them in
+        order). The rest stay in ``result.inflight``."""
         if block and self._inflight:
             self._inflight[-1].done.synchronize()
         while self._inflight and self._inflight[0].done.query():
