@@ -30,6 +30,7 @@ from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
 from voice_out.model import checkpoint  # noqa: E402
+from voice_out.model.cuda_graphs import GraphedFn  # noqa: E402
 from voice_out.model.llm_graphs import GraphedLLM  # noqa: E402
 from voice_out.model.token2wav import Token2Wav  # noqa: E402
 
@@ -80,6 +81,7 @@ def main() -> None:
     timer(GraphedLLM, "capture_all", "  of which: LLM graph capture")
     timer(Runner, "precapture", "token2wav graph capture (default voice)")
     timer(Token2Wav, "capture_stream_shapes", "  of which: capture_stream_shapes")
+    timer(GraphedFn, "_capture", lambda self, key, args: f"    graph captures: {self.name}")
     root = triton_cache_dir()
     before = cached_kernels(root)
     engine = eb.load_engine(cfg, opts)

@@ -80,6 +80,9 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+# Frame and row counts (T, M) change with every chunk length, so they are not specialised:
+# Triton would otherwise compile a kernel again whenever they switch between multiples of 16
+# and other values (26 compiles of ~1.2 s each on a fresh machine's start, with them).
 if triton is not None:
 
     @triton.jit
@@ -92,7 +95,7 @@ if triton is not None:
         sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
         return x * (1.0 - 2.0 / (tl.exp(2.0 * sp) + 1.0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def _ln_linear_kernel(  # type: ignore[no-untyped-def]
         x_ptr,
         stride_x,
@@ -138,7 +141,7 @@ if triton is not None:
         out = out_ptr + rows[:, None] * stride_out + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def _linear_kernel(  # type: ignore[no-untyped-def]
         a_ptr,
         stride_a,
@@ -178,7 +181,7 @@ if triton is not None:
             acc += tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _attention_kernel(  # type: ignore[no-untyped-def]
         qkv_ptr,
         stride_qkv,
@@ -233,7 +236,7 @@ if triton is not None:
         out = out_ptr + (b * T + i)[:, None] * stride_out + h * D + d[None, :]
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=i_ok[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "M"])
     def _conv_kernel(  # type: ignore[no-untyped-def]
         x_ptr,
         stride_xb,
