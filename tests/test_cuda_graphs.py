@@ -38,6 +38,25 @@ def test_graph_replay_equals_eager_per_bucket() -> None:
 
 
 @pytest.mark.requires_cuda
+@pytest.mark.parametrize("each", [True, False])
+def test_warm_up_before_every_capture_or_only_the_first(each: bool) -> None:
+    calls: list[int] = []
+
+    def counted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return _fn(x, w)
+
+    g = GraphedFn(counted, name="mlp", warmup=2, warmup_each=each)
+    w = torch.randn(64, 32, device="cuda")
+    for bucket in (1, 4, 8):
+        x = torch.randn(bucket, 64, device="cuda")
+        torch.testing.assert_close(g(bucket, x, w).clone(), _fn(x, w))  # capture, then replay
+        torch.testing.assert_close(g(bucket, x, w).clone(), _fn(x, w))  # replay
+    # 2 warm-up runs + the captured one per capture; or the warm-up before the first only
+    assert calls == ([1, 1, 1, 4, 4, 4, 8, 8, 8] if each else [1, 1, 1, 4, 8])
+
+
+@pytest.mark.requires_cuda
 def test_inputs_written_into_the_static_buffers_replay_without_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     g = GraphedFn(_fn, name="mlp")
     w = torch.randn(64, 32, device="cuda")

@@ -99,7 +99,10 @@ class GraphedFn:
     state it mutates (KV caches, ...) must live in tensors whose addresses never change.
     Capturing runs ``fn`` ``warmup + 1`` times on copies of the inputs, so any state it mutates
     is written then: capture every key at start-up (``capture``) before real work exists, or
-    make sure the captured inputs point at scratch state.
+    make sure the captured inputs point at scratch state. ``warmup_each=False`` warms up before
+    the first capture only: for a ``fn`` whose keys differ in lengths alone, the first warm-up
+    did every lazy initialisation (handles, workspaces, kernels loaded) the others need, and
+    start-up then runs each key's ``fn`` once instead of ``warmup + 1`` times.
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class GraphedFn:
         *,
         enabled: bool = True,
         warmup: int = 2,
+        warmup_each: bool = True,
         pool: Any | None = None,
         name: str = "fn",
         family: str = "default",
@@ -116,6 +120,7 @@ class GraphedFn:
         self.family = family
         self.enabled = enabled and graphs_globally_enabled()
         self.warmup = warmup
+        self.warmup_each = warmup_each
         self.name = name
         self._graphs: dict[Hashable, _Captured] = {}
         self._pool = pool
@@ -182,7 +187,7 @@ class GraphedFn:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(self.warmup):
+            for _ in range(self.warmup if self.warmup_each or not self._graphs else 0):
                 self.fn(*static)
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:

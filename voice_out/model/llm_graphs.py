@@ -231,6 +231,7 @@ class GraphedLLM:
             w: GraphedFn(
                 functools.partial(self._prefill_fn, w),
                 enabled=self.enabled,
+                warmup_each=False,  # its keys are lengths: the first capture's warm-up serves all
                 pool=pool,
                 name=f"llm.prefill.w{w}",
                 family=GRAPH_FAMILY,

@@ -323,13 +323,20 @@ class Token2Wav:
         # one memory pool for the single and the batched flow graphs: only one runs at a time
         self._flow_pool = torch.cuda.graph_pool_handle()
         self._graph_flow = GraphedFn(rerun_flow, name="flow.rerun_chunk", pool=self._flow_pool, family=GRAPH_FAMILY)
-        self._graph_hift = GraphedFn(hift_fresh, name="hift.fresh", family=GRAPH_FAMILY)
-        self._graph_hift_cached = GraphedFn(hift_cached, name="hift.cached", family=GRAPH_FAMILY)
+        # start-up captures ~130 vocoder lengths: warmed up once per graph, not per length
+        # (docs/token2wav.md, "Start-up")
+        self._graph_hift = GraphedFn(hift_fresh, name="hift.fresh", warmup_each=False, family=GRAPH_FAMILY)
+        self._graph_hift_cached = GraphedFn(hift_cached, name="hift.cached", warmup_each=False, family=GRAPH_FAMILY)
         self._graph_flow_final = None
         if hasattr(flow, "final_core"):
             final_core = cast(FinalFlow, flow).final_core
             self._graph_flow_final = GraphedFn(
-                final_core, name="flow.final_chunk", warmup=1, pool=self._flow_pool, family=GRAPH_FAMILY
+                final_core,
+                name="flow.final_chunk",
+                warmup=1,
+                warmup_each=False,
+                pool=self._flow_pool,
+                family=GRAPH_FAMILY,
             )
         self.use_batch_buckets(batch_buckets if hasattr(flow, "batch_core") else ())
 
@@ -356,7 +363,12 @@ class Token2Wav:
             flow = cast(BatchFlow, self.flow)
             # warm-up 1: the single-chunk graphs and the eager passes have run these kernels
             self._graph_flow_batch = GraphedFn(
-                flow.batch_core, name="flow.batch_chunks", warmup=1, pool=self._flow_pool, family=GRAPH_FAMILY
+                flow.batch_core,
+                name="flow.batch_chunks",
+                warmup=1,
+                warmup_each=False,
+                pool=self._flow_pool,
+                family=GRAPH_FAMILY,
             )
 
     def batch_keys(
