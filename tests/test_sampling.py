@@ -10,6 +10,7 @@ import torch
 
 from voice_out.model.sampling import (
     NO_TOKEN,
+    SCALAR_UNIFORMS_MAX,
     SamplingParams,
     counter_uniforms,
     draw_uniforms,
@@ -178,6 +179,18 @@ def test_counter_uniforms_are_a_pure_function_of_seed_and_step() -> None:
     # every value a multiple of 2^-24 in [0, 1): exact in float32, as the samplers take them
     assert ((u >= 0) & (u < 1)).all() and (u * 2**24 == np.floor(u * 2**24)).all()
     assert np.array_equal(torch.from_numpy(u).float().double().numpy(), u)
+
+
+def test_counter_uniforms_small_batches_hash_with_python_ints_to_the_same_values() -> None:
+    rng = np.random.default_rng(0)
+    seeds = [int(v) for v in rng.integers(0, 2**63, 200)] + [0, -1, 2**64 - 1, 2**63 + 5]
+    steps = [int(v) for v in rng.integers(0, 2**31, 200)] + [0, 7, 2**31 - 1, 2**31 + 3]
+    assert len(seeds) > SCALAR_UNIFORMS_MAX  # one numpy call
+    whole = counter_uniforms(seeds, steps)
+    k = SCALAR_UNIFORMS_MAX
+    parts = [counter_uniforms(seeds[i : i + k], steps[i : i + k]) for i in range(0, len(seeds), k)]
+    assert np.array_equal(np.concatenate(parts), whole)
+    assert counter_uniforms([], []).shape == (0, 2)
 
 
 def test_counter_uniforms_look_uniform_and_independent() -> None:
