@@ -90,15 +90,13 @@ def test_family_streams_are_distinct_and_stable() -> None:
 @pytest.mark.requires_cuda
 def test_graphs_of_two_families_capture_on_their_own_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[int] = []
-    real = torch.cuda.graph
+    real = torch.cuda.CUDAGraph.capture_begin
 
-    def spy(graph: torch.cuda.CUDAGraph, **kw: object) -> object:
-        stream = kw.get("stream")
-        assert isinstance(stream, torch.cuda.Stream)
-        seen.append(stream.cuda_stream)
-        return real(graph, **kw)  # type: ignore[arg-type]
+    def spy(graph: torch.cuda.CUDAGraph, *args: object, **kw: object) -> object:
+        seen.append(torch.cuda.current_stream().cuda_stream)  # the stream the capture records
+        return real(graph, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(torch.cuda, "graph", spy)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", spy)
     w = torch.randn(64, 32, device="cuda")
     x = torch.randn(4, 64, device="cuda")
     GraphedFn(_fn, family="test-llm").capture(4, x, w)
