@@ -17,6 +17,7 @@ import torch
 
 from voice_out.config import Config, ConfigError
 from voice_out.engine.engine import NOISE_VOICE, VoiceBook, random_dims_dir, warn_random
+from voice_out.engine.kernels import precompile
 from voice_out.engine.request import TextPiece, TextPipeline, VoicePrompt
 from voice_out.engine.runner import FlowVoice, Runner, noise_voice
 from voice_out.engine.scheduler import ForcedTokens, hop_policy
@@ -189,7 +190,12 @@ def build_engine(
 
     def warm(runner: StepRunner) -> None:
         assert isinstance(runner, Runner)
-        runner.warmup(FlowVoice(*_warm_voice(fdims.n_mels, fdims.spk_embed_dim)))
+        voice = FlowVoice(*_warm_voice(fdims.n_mels, fdims.spk_embed_dim))
+        if graphs:  # the fused kernels, compiled several at a time rather than on first use
+            n, seconds = precompile(runner, voice)
+            if n:
+                log.info("engine: %d Triton kernels compiled ahead in %.1f s", n, seconds)
+        runner.warmup(voice)
         if graphs:  # the token2wav graphs of the default voice's prompt length, before any stream
             try:
                 default_voice = book.resolve(None)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from voice_out.model.launch import launch
 from voice_out.model.sampling import SamplingParams
 
 try:  # Triton comes with PyTorch's CUDA wheels; the CPU build has none (then: the eager path)
@@ -262,7 +263,9 @@ def rope_append_attend(
     out = torch.empty(b, n_heads * d, device=qkv.device, dtype=qkv.dtype)
     grid = (b, n_kv_heads)
     kernel: Any = _rope_append_attend_kernel
-    kernel[grid](
+    launch(
+        kernel,
+        grid,
         qkv,
         qkv.stride(0),
         k_cache,
@@ -297,7 +300,7 @@ def silu_mul(x: Tensor) -> Tensor:
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     block = 1024
     kernel: Any = _silu_mul_kernel
-    kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), N=n, BLOCK=block)
+    launch(kernel, (rows, triton.cdiv(n, block)), x, out, x.stride(0), out.stride(0), N=n, BLOCK=block)
     return out
 
 
@@ -325,7 +328,9 @@ def ras_sample(
         raise ValueError("ras_sample: logits and history rows, and uniforms, must be contiguous")
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     kernel: Any = _ras_sample_kernel
-    kernel[(rows,)](
+    launch(
+        kernel,
+        (rows,),
         logits,
         logits.stride(0),
         history,

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from voice_out.model.launch import launch
+
 try:  # Triton comes with PyTorch's CUDA wheels; the CPU build has none (then: the plain path)
     import triton
     import triton.language as tl
@@ -347,7 +349,9 @@ def ln_linear(
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     block_m, block_n, warps = TILES["ln_linear_gelu" if gelu else "ln_linear"]
     kernel: Any = _ln_linear_kernel
-    kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+    launch(
+        kernel,
+        (triton.cdiv(m, block_m), triton.cdiv(n, block_n)),
         x,
         x.stride(0),
         ln_weight,
@@ -389,7 +393,9 @@ def linear(
             raise ValueError(f"linear: {name} must be [{m}, {n}] with contiguous rows, got {tuple(t.shape)}")
     block_m, block_n, block_k, warps = TILES["linear"]
     kernel: Any = _linear_kernel
-    kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+    launch(
+        kernel,
+        (triton.cdiv(m, block_m), triton.cdiv(n, block_n)),
         a,
         a.stride(0),
         weight,
@@ -427,7 +433,9 @@ def attention(qkv: Tensor, batch: int, heads: int, head_dim: int, chunk: int, ke
     out = torch.empty(rows, heads * head_dim, device=qkv.device, dtype=qkv.dtype)
     block_m, block_n, warps = TILES["attention"]
     kernel: Any = _attention_kernel
-    kernel[(triton.cdiv(t, block_m), batch * heads)](
+    launch(
+        kernel,
+        (triton.cdiv(t, block_m), batch * heads),
         qkv,
         qkv.stride(0),
         out,
@@ -482,7 +490,9 @@ def conv(
     wide_m, narrow_m, block_k, warps = TILES["conv"]
     block_m = wide_m if block_n > 128 else narrow_m
     kernel: Any = _conv_kernel
-    kernel[(triton.cdiv(b * t, block_m),)](
+    launch(
+        kernel,
+        (triton.cdiv(b * t, block_m),),
         x,
         x.stride(0),
         x.stride(1),

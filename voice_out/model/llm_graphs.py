@@ -331,6 +331,12 @@ class GraphedLLM:
         out: Tensor = self._prefill[window](bucket, *args)
         return out
 
+    def decode_eagerly(self, batch: int = 1) -> Tensor:
+        """Run the decode step once without a graph, every row idle (nothing is appended): for a
+        start-up dry run of its kernels (``voice_out.model.launch.recording``). Returns its output."""
+        idle = torch.from_numpy(np.tile(self._idle, (batch, 1))).to(self.device)
+        return self._decode[self._decode_windows[0]].fn(idle)
+
     def capture_all(self) -> None:
         """Capture every decode and prefill bucket now, on the scratch slot; then reset it."""
         if not self.enabled:

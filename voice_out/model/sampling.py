@@ -108,12 +108,12 @@ def counter_uniforms(seeds: Sequence[int], steps: Sequence[int]) -> np.ndarray:
     if len(seeds) <= SCALAR_UNIFORMS_MAX:
         out = np.empty((len(seeds), 2), dtype=np.float64)
         for n, (sd, st) in enumerate(zip(seeds, steps, strict=True)):
-            sd &= 0xFFFF_FFFF_FFFF_FFFF
-            lo, hi = sd & 0xFFFF_FFFF, sd >> 32
+            s64 = int(sd) & 0xFFFF_FFFF_FFFF_FFFF
+            s_lo, s_hi = s64 & 0xFFFF_FFFF, s64 >> 32
             for j in range(2):
-                x = _mix32_int((((st & 0x7FFF_FFFF) * 2 + j) & 0xFFFF_FFFF) ^ _SALT[0])
-                x = _mix32_int(x ^ lo ^ _SALT[1])
-                out[n, j] = (_mix32_int(x ^ hi ^ _SALT[2]) >> 8) * 2.0**-24
+                h = _mix32_int((((int(st) & 0x7FFF_FFFF) * 2 + j) & 0xFFFF_FFFF) ^ _SALT[0])
+                h = _mix32_int(h ^ s_lo ^ _SALT[1])
+                out[n, j] = (_mix32_int(h ^ s_hi ^ _SALT[2]) >> 8) * 2.0**-24
         return out
     seed = np.array([int(v) & 0xFFFF_FFFF_FFFF_FFFF for v in seeds], dtype=np.uint64)
     step = np.array([int(v) & 0x7FFF_FFFF for v in steps], dtype=np.uint32)

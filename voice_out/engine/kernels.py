@@ -1,0 +1,117 @@
+"""Compile the engine's Triton kernels before its warm-up, several at a time (start-up only).
+
+Triton compiles a kernel the first time it is launched with a new specialisation, on the
+launching thread, one after another: on a machine whose kernel cache (``TRITON_CACHE_DIR``,
+else ``~/.triton/cache``) is empty that was 13 compiles of ~1.3 s each in the engine's start.
+:func:`precompile` first makes dry runs of the model calls that use them, a first chunk, a
+batched chunk and a final chunk of the flow and one decode step of the LLM, with their launches
+recorded instead of run (``voice_out.model.launch.recording``), then compiles each distinct
+launch with Triton's ``JITFunction.warmup`` on a thread pool: Triton releases the GIL while
+LLVM optimises and emits PTX, and ``ptxas`` is a process of its own, so the compiles overlap.
+The warm-up that follows then finds every kernel compiled. A launch that fails to compile ahead
+is only logged: it compiles on first use, as before.
+
+GPU worker thread only (the dry runs use the model); the pool's threads only compile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from voice_out.engine.runner import FlowVoice, Runner
+from voice_out.model.flow import Flow
+from voice_out.model.launch import Launch, recording
+
+log = logging.getLogger(__name__)
+
+#: Threads compiling at once (each compile is mostly LLVM and ptxas, off the GIL).
+COMPILE_WORKERS = 8
+
+
+def _arg_class(a: Any) -> tuple[Any, ...]:
+    """What Triton specialises an argument on: a tensor's dtype and 16-byte alignment, an
+    integer's being 1 or a multiple of 16, a float's type."""
+    if isinstance(a, Tensor):
+        return ("tensor", a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool):
+        return ("bool", a)
+    if isinstance(a, int):
+        return ("int", a == 1, a % 16 == 0)
+    if isinstance(a, float):
+        return ("float",)
+    return ("other", repr(a))
+
+
+def distinct_launches(launches: list[Launch]) -> list[Launch]:
+    """One launch per specialisation Triton would compile (kernel, constexprs, argument classes)."""
+    seen: dict[tuple[Any, ...], Launch] = {}
+    for ln in launches:
+        key = (id(ln.kernel), tuple(sorted(ln.kwargs.items())), tuple(_arg_class(a) for a in ln.args))
+        seen.setdefault(key, ln)
+    return list(seen.values())
+
+
+def compile_ahead(launches: list[Launch], workers: int = COMPILE_WORKERS) -> int:
+    """Compile the kernels of ``launches`` (distinct ones) on ``workers`` threads; returns how
+    many compiled (or were already in Triton's caches)."""
+    todo = distinct_launches(launches)
+    if not todo:
+        return 0
+
+    def compile_one(ln: Launch) -> bool:
+        try:
+            ln.kernel.warmup(*ln.args, grid=ln.grid, **ln.kwargs)
+            return True
+        except Exception:  # noqa: BLE001 - it compiles on first use instead
+            log.warning("compiling %s ahead failed; it compiles on first use", ln.kernel, exc_info=True)
+            return False
+
+    with ThreadPoolExecutor(max_workers=min(workers, len(todo)), thread_name_prefix="voice_out-compile") as pool:
+        return sum(pool.map(compile_one, todo))
+
+
+def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
+    """The Triton launches of a first chunk, a batched chunk and a final chunk of the flow for
+    ``voice``'s prompt length, and of a decode step, recorded (not run: nothing they compute is
+    kept, and nothing is written to any stream's state)."""
+    flow = runner.t2w.flow
+    if not isinstance(flow, Flow):
+        return []
+    dev = runner.t2w.device
+    d = flow.dims
+    prompt = voice.prompt_token.reshape(1, -1).to(dev, torch.int32)
+    feat = voice.prompt_feat.reshape(1, -1, voice.prompt_feat.shape[-1]).to(dev, torch.float32)
+    emb = voice.embedding.reshape(1, -1).to(dev, torch.float32)
+    p = int(prompt.shape[1])
+    end = -(-(p + 1) // d.enc_chunk) * d.enc_chunk  # the first chunk boundary after the prompt
+    tokens = torch.ones(1, end - p + d.pre_lookahead, dtype=torch.int32, device=dev)
+    item = (tokens, prompt, feat, emb)
+    with torch.inference_mode(), recording() as launches:
+        flow.inference(tokens, prompt, feat, emb, streaming=True, finalize=False)
+        if runner.t2w.batch_buckets:
+            ids, embedding, cond, _ = flow.batch_inputs([item, item])
+            flow.batch_core(ids, embedding, cond)
+        final = (tokens[:, : end - p], prompt, feat, emb)
+        ids, n_valid, embedding, cond, _ = flow.final_inputs([final], end)
+        flow.final_core(ids, n_valid, embedding, cond)
+        if runner.graphed is not None and runner.graphed.fused:
+            runner.graphed.decode_eagerly()
+    runner.cache.reset()  # the dry runs' K/V writes went to the scratch slot only; be sure
+    return launches
+
+
+def precompile(runner: Runner, voice: FlowVoice, workers: int = COMPILE_WORKERS) -> tuple[int, float]:
+    """:func:`dry_run_launches`, then :func:`compile_ahead`: (kernels compiled, seconds)."""
+    t0 = time.perf_counter()
+    if runner.device.type != "cuda":
+        return 0, 0.0
+    n = compile_ahead(dry_run_launches(runner, voice), workers)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return n, time.perf_counter() - t0
