@@ -96,7 +96,6 @@ def test_the_engine_dry_runs_record_every_fused_kernel_and_compile_them() -> Non
         if not (runner.graphed is not None and runner.graphed.fused and flow_fused):
             pytest.skip("the fused kernels do not run for this model here")
         _, voice = noise_voice(25)
-        before = torch.cuda.memory_allocated()
         launches = dry_run_launches(runner, voice)
         names = {ln.kernel.fn.__name__ for ln in launches}
         flow_names = {"_ln_linear_kernel", "_linear_kernel", "_attention_kernel", "_conv_kernel"}
@@ -108,7 +107,5 @@ def test_the_engine_dry_runs_record_every_fused_kernel_and_compile_them() -> Non
         # compiled: a launch of each now finds its kernel in Triton's cache
         for ln in distinct_launches(launches):
             assert ln.kernel.warmup(*ln.args, grid=ln.grid, **ln.kwargs) is not None
-        torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() <= before + 64 * 2**20  # the dry runs kept nothing big
     finally:
         eng.close()
