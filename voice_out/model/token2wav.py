@@ -324,7 +324,7 @@ class Token2Wav:
         self._flow_pool = torch.cuda.graph_pool_handle()
         self._graph_flow = GraphedFn(rerun_flow, name="flow.rerun_chunk", pool=self._flow_pool, family=GRAPH_FAMILY)
         # start-up captures ~130 vocoder lengths: warmed up once per graph, not per length
-        # (docs/token2wav.md, "Start-up")
+        # (docs/engine.md, "Start-up")
         self._graph_hift = GraphedFn(hift_fresh, name="hift.fresh", warmup_each=False, family=GRAPH_FAMILY)
         self._graph_hift_cached = GraphedFn(hift_cached, name="hift.cached", warmup_each=False, family=GRAPH_FAMILY)
         self._graph_flow_final = None
