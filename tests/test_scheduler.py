@@ -633,6 +633,27 @@ class PipelinedRunner:
         return res
 
 
+def drive(
+    sched: Scheduler,
+    runner: PipelinedRunner,
+    *,
+    check: Callable[[StepPlan], None] | None = None,
+    clock: FakeClock | None = None,
+) -> list[Output]:
+    """Plan and execute until idle: each plan ``check``ed first, the clock one second on after each step."""
+    outs: list[Output] = []
+    for _ in range(10_000):
+        plan = sched.plan()
+        if plan.empty:
+            return outs
+        if check is not None:
+            check(plan)
+        outs += sched.update(plan, runner.execute(plan))
+        if clock is not None:
+            clock.t += 1.0
+    raise AssertionError("did not finish")
+
+
 def test_pipelined_audio_comes_back_later_in_order_and_nothing_else_is_planned_meanwhile() -> None:
     sync = create_scheduler(max_chunks_per_step=2)
     ids = create_requests(sync, 3, text="a" * 40)
@@ -640,17 +661,13 @@ def test_pipelined_audio_comes_back_later_in_order_and_nothing_else_is_planned_m
     sched = create_scheduler(max_chunks_per_step=2)
     create_requests(sched, 3, text="a" * 40)
     runner = PipelinedRunner(delay=3)
-    outs: list[Output] = []
-    for _ in range(10_000):
-        plan = sched.plan()
-        if plan.empty:
-            break
+
+    def nothing_new_while_in_flight(plan: StepPlan) -> None:
         inflight = {r.request_id for r in sched.requests.values() if r.vocode_inflight is not None}
         # while anything is in flight, no new chunk is planned (the next batch waits for the side stream)
         assert not (plan.vocode and inflight - {v.request_id for v in plan.vocode})
-        outs += sched.update(plan, runner.execute(plan))
-    else:
-        raise AssertionError("did not finish")
+
+    outs = drive(sched, runner, check=nothing_new_while_in_flight)
     assert runner.waits > 0  # at the end only in-flight chunks were left: the plan waited for them
     for rid in ids:
         got, ref = chunks_of(outs, rid), chunks_of(want, rid)
@@ -699,14 +716,7 @@ def test_first_audio_traces_split_each_streams_ttfa_into_phases() -> None:
     sched = create_scheduler(max_streams=1, clock=clock)
     sched.first_chunk_wait_rows = 0  # each first chunk planned while its stream decodes: no wait
     a, b = create_requests(sched, 2, text="a" * 40)  # b waits for a's KV slot
-    runner = PipelinedRunner(delay=3)
-    outs: list[Output] = []
-    for _ in range(10_000):
-        plan = sched.plan()
-        if plan.empty:
-            break
-        outs += sched.update(plan, runner.execute(plan))
-        clock.t += 1.0  # one second a step: every phase counts whole steps
+    outs = drive(sched, PipelinedRunner(delay=3), clock=clock)  # a second a step: phases count whole steps
     assert [t.request_id for t in sched.first_audio] == [a, b] and sched.first_audio_count == 2
     first_chunk_tokens = sched.hops.schedule(0, 0).ready(10_000, False)
     assert first_chunk_tokens is not None
