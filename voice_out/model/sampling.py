@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -72,29 +73,31 @@ def draw_uniforms(generators: Sequence[torch.Generator], device: torch.device | 
 
 #: Odd 32-bit constants that keep (seed, step) = (0, 0) away from the hash's fixed point 0.
 _SALT = (0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F)
+_MASK32 = 0xFFFF_FFFF
+#: A Python int, or a numpy uint32 array (whose products wrap modulo 2^32 anyway).
+_U32 = TypeVar("_U32", int, np.ndarray)
 
 
-def _mix32(x: np.ndarray) -> np.ndarray:
-    """A 32-bit integer finaliser (xor-shift-multiply, "lowbias32"): uint32 -> uint32, every
-    input bit affecting every output bit. numpy's uint32 products wrap modulo 2^32."""
-    x = x ^ (x >> np.uint32(16))
-    x = x * np.uint32(0x7FEB352D)
-    x = x ^ (x >> np.uint32(15))
-    x = x * np.uint32(0x846CA68B)
-    return x ^ (x >> np.uint32(16))
-
-
-def _mix32_int(x: int) -> int:
-    """:func:`_mix32` of one Python int (the same finaliser, products taken mod 2^32)."""
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & 0xFFFF_FFFF
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & 0xFFFF_FFFF
+def _mix32(x: _U32) -> _U32:
+    """A 32-bit integer finaliser (xor-shift-multiply, "lowbias32"): every input bit affecting
+    every output bit; on one int or elementwise on a uint32 array."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
     return x ^ (x >> 16)
 
 
+def _uniform_bits(draw: _U32, seed_lo: _U32, seed_hi: _U32) -> _U32:
+    """24 random bits of draw ``draw`` of the stream seeded (``seed_hi``, ``seed_lo``)."""
+    h = _mix32(draw ^ _SALT[0])
+    h = _mix32(h ^ seed_lo ^ _SALT[1])
+    return _mix32(h ^ seed_hi ^ _SALT[2]) >> 8
+
+
 #: Up to this many streams :func:`counter_uniforms` hashes with Python ints: ~4 us a stream,
-#: where numpy's ~30 array operations cost ~40 us whatever the batch (once per decode step).
+#: where the numpy path's ~30 array operations cost ~40 us whatever the batch (once per decode
+#: step). Both compute the same :func:`_uniform_bits`.
 SCALAR_UNIFORMS_MAX = 8
 
 
@@ -104,27 +107,20 @@ def counter_uniforms(seeds: Sequence[int], steps: Sequence[int]) -> np.ndarray:
     ``2 step + 1``. Each value is a multiple of 2^-24 (exact in float32, like ``torch.rand``).
 
     A counter-based generator: a stream's step-s uniforms need no state and no kernel, and the
-    whole batch is a few numpy operations on the host (any thread). Not for cryptography."""
+    whole batch is a few host operations (any thread). Not for cryptography."""
     if len(seeds) <= SCALAR_UNIFORMS_MAX:
-        out = np.empty((len(seeds), 2), dtype=np.float64)
-        for n, (sd, st) in enumerate(zip(seeds, steps, strict=True)):
-            s64 = int(sd) & 0xFFFF_FFFF_FFFF_FFFF
-            s_lo, s_hi = s64 & 0xFFFF_FFFF, s64 >> 32
-            for j in range(2):
-                h = _mix32_int((((int(st) & 0x7FFF_FFFF) * 2 + j) & 0xFFFF_FFFF) ^ _SALT[0])
-                h = _mix32_int(h ^ s_lo ^ _SALT[1])
-                out[n, j] = (_mix32_int(h ^ s_hi ^ _SALT[2]) >> 8) * 2.0**-24
-        return out
+        bits: list[int] = []
+        for sd, st in zip(seeds, steps, strict=True):
+            s64, draw = int(sd) & 0xFFFF_FFFF_FFFF_FFFF, (int(st) & 0x7FFF_FFFF) * 2
+            bits += [_uniform_bits(draw + j, s64 & _MASK32, s64 >> 32) for j in (0, 1)]
+        return np.array(bits, dtype=np.float64).reshape(-1, 2) * 2.0**-24
     seed = np.array([int(v) & 0xFFFF_FFFF_FFFF_FFFF for v in seeds], dtype=np.uint64)
     step = np.array([int(v) & 0x7FFF_FFFF for v in steps], dtype=np.uint32)
-    lo = (seed & np.uint64(0xFFFF_FFFF)).astype(np.uint32)[:, None]
+    lo = (seed & np.uint64(_MASK32)).astype(np.uint32)[:, None]
     hi = (seed >> np.uint64(32)).astype(np.uint32)[:, None]
-    draw = step[:, None] * np.uint32(2) + np.arange(2, dtype=np.uint32)[None, :]  # [N, 2]
+    draws = step[:, None] * np.uint32(2) + np.arange(2, dtype=np.uint32)[None, :]  # [N, 2]
     with np.errstate(over="ignore"):
-        x = _mix32(draw ^ np.uint32(_SALT[0]))
-        x = _mix32(x ^ lo ^ np.uint32(_SALT[1]))
-        x = _mix32(x ^ hi ^ np.uint32(_SALT[2]))
-    return (x >> np.uint32(8)).astype(np.float64) * 2.0**-24
+        return _uniform_bits(draws, lo, hi).astype(np.float64) * 2.0**-24
 
 
 def new_history(batch: int, params: SamplingParams, device: torch.device | str = "cpu") -> Tensor:
