@@ -101,8 +101,7 @@ def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
         ids, n_valid, embedding, cond, _ = flow.final_inputs([final], end)
         flow.final_core(ids, n_valid, embedding, cond)
         if runner.graphed is not None and runner.graphed.fused:
-            runner.graphed.decode_eagerly()
-    runner.cache.reset()  # start-up, no stream yet: the idle decode row wrote the scratch slot at most
+            runner.graphed.decode_eagerly()  # idle rows: nothing is appended to the cache
     return launches
 
 

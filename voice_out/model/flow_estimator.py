@@ -229,11 +229,15 @@ class CausalBlock(nn.Module):
     def forward(self, xp: Tensor) -> Tensor:
         return F.mish(self.norm(self.conv(xp)))
 
-    def forward_kernels(self, x: Tensor, add: Tensor | None = None) -> Tensor:
+    def forward_kernels(
+        self, x: Tensor, add: Tensor | None = None, res: tuple[Tensor, Tensor, Tensor] | None = None
+    ) -> Tensor:
         """Zero left context, one fused kernel: x ``[B, T, Cin]`` -> ``[B, T, Cout]``, plus
-        ``add`` ``[1 or B, Cout]`` on every frame."""
+        ``add`` ``[1 or B, Cout]`` on every frame, plus a 1x1 conv ``res`` = (input, weight,
+        bias) of the same frame (:func:`voice_out.model.flow_kernels.conv`)."""
         norm = (self.norm.weight, self.norm.bias, self.norm.eps)
-        return flow_kernels.conv(x, self.conv.weight_taps(), _bias(self.conv), CONV_KERNEL, norm=norm, add=add)
+        w, b = self.conv.weight_taps(), _bias(self.conv)
+        return flow_kernels.conv(x, w, b, CONV_KERNEL, norm=norm, add=add, res=res)
 
 
 class ResBlock(nn.Module):
@@ -270,9 +274,7 @@ class ResBlock(nn.Module):
         ``tproj`` ``[1 or B, Cout]`` -> ``[B, T, Cout]``."""
         a = self.block1.forward_kernels(x, add=tproj)
         res = (x, self.res_conv.weight.view(self.res_conv.out_channels, -1), _bias(self.res_conv))
-        b2 = self.block2
-        norm = (b2.norm.weight, b2.norm.bias, b2.norm.eps)
-        return flow_kernels.conv(a, b2.conv.weight_taps(), _bias(b2.conv), CONV_KERNEL, norm=norm, res=res)
+        return self.block2.forward_kernels(a, res=res)
 
 
 class TransformerBlock(nn.Module):

@@ -334,8 +334,11 @@ class GraphedLLM:
     def decode_eagerly(self, batch: int = 1) -> Tensor:
         """Run the decode step once without a graph, every row idle (nothing is appended): for a
         start-up dry run of its kernels (``voice_out.model.launch.recording``). Returns its output."""
-        idle = torch.from_numpy(np.tile(self._idle, (batch, 1))).to(self.device)
-        return self._decode[self._decode_windows[0]].fn(idle)
+        return self._decode[self._decode_windows[0]].fn(self._idle_rows(batch))
+
+    def _idle_rows(self, batch: int) -> Tensor:
+        """Packed rows of ``batch`` idle slots, on the device."""
+        return torch.from_numpy(np.tile(self._idle, (batch, 1))).to(self.device)
 
     def capture_all(self) -> None:
         """Capture every decode and prefill bucket now, on the scratch slot; then reset it."""
@@ -345,9 +348,7 @@ class GraphedLLM:
         dtype = self.lm.llm_decoder.weight.dtype
         for w in self._decode_windows:
             for b in self.decode_buckets:
-                # no row active: nothing is appended
-                idle = torch.from_numpy(np.tile(self._idle, (b, 1))).to(self.device)
-                self._decode[w].capture(b, idle)
+                self._decode[w].capture(b, self._idle_rows(b))  # no row active: nothing is appended
         for w, n in ((w, n) for w in self.decode_windows for n in self.prefill_buckets if n <= w):
             self._prefill[w].capture(
                 n,
