@@ -479,14 +479,14 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------------------
 
-    def _trace_first_audio(self, req: Request) -> None:
-        start = max(req.arrival_time, req.first_text_time if req.first_text_time is not None else req.arrival_time)
+    def _trace_first_audio(self, req: Request, audio: float) -> None:
+        # text comes after the request; a request admitted before its first text waited for
+        # no slot, and its LLM phase starts with the text
+        start = req.first_text_time if req.first_text_time is not None else req.arrival_time
         admit = max(start, req.admit_time if req.admit_time is not None else start)
-        audio = req.first_audio_time if req.first_audio_time is not None else admit
         planned = req.first_chunk_plan_time if req.first_chunk_plan_time is not None else audio
-        ready = min(planned, req.first_chunk_ready_time if req.first_chunk_ready_time is not None else planned)
-        ready = max(ready, admit)
-        planned = max(planned, ready)
+        ready = req.first_chunk_ready_time if req.first_chunk_ready_time is not None else planned
+        ready = min(max(ready, admit), planned)
         steps = req.first_chunk_llm_steps or req.llm_steps
         trace = FirstAudioTrace(req.request_id, admit - start, ready - admit, planned - ready, audio - planned, steps)
         self.first_audio.append(trace)
@@ -543,7 +543,7 @@ class Scheduler:
             req.chunks_produced += 1
             if req.first_audio_time is None:
                 req.first_audio_time = now
-                self._trace_first_audio(req)
+                self._trace_first_audio(req, now)
             self._outputs.append(Emitted(req.request_id, pcm_chunk))
             if chunk.finalize:
                 self.finish([req.request_id], RequestStatus.FINISHED)
