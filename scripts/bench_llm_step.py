@@ -11,6 +11,9 @@ weights directly on the device and reports:
   CUDA graph (``graphed+head+ras``; ``--compile`` compiles it first), and the same with the
   Triton decode kernels where they can run (``graphed+head+ras+fused``); with ``--kernels``
   the number of CUDA kernels of one eager step of each (torch profiler);
+* on CUDA with the fused kernels, a step where one stream takes a text group of
+  ``--group-rows`` rows: as a run of rows in the one decode step (the engine's way), and as a
+  prefill of its own with its own sampling beside the other rows' decode step (the old way);
 * ms per ``prefill`` of a ``--prompt-len`` row prompt into one slot, eager and (CUDA) graphed.
 
 Median and p95 over ``--iters`` timed runs after ``--warmup`` runs; CUDA events on a GPU,
@@ -37,10 +40,11 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from voice_out.bench.timing import save_out, time_ms  # noqa: E402
+from voice_out.model import decode_kernels  # noqa: E402
 from voice_out.model.checkpoint import random_llm  # noqa: E402
 from voice_out.model.llm_graphs import GraphedLLM, pack_decode_rows  # noqa: E402
 from voice_out.model.qwen2 import KVCache, SpeechLM  # noqa: E402
-from voice_out.model.sampling import SamplingParams, counter_uniforms, new_history, ras_sample_batch  # noqa: E402
+from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, new_history, ras_sample_batch  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -58,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="torch.compile the graphed decode step")
     p.add_argument("--kernels", action="store_true", help="also count the CUDA kernels of one eager step (profiler)")
+    p.add_argument("--group-rows", type=int, default=5, help="rows of the text group step (0: skip it)")
     return p.parse_args(argv)
 
 
@@ -103,7 +108,7 @@ def decode_rows(lm: SpeechLM, batch: int, params: SamplingParams, gen: torch.Gen
     """Packed decode rows (``pack_decode_rows``) of random speech tokens, empty windows."""
     tokens = torch.randint(0, lm.dims.speech_token_size, (batch,), generator=gen, device=gen.device).tolist()
     uniforms = counter_uniforms(range(batch), [0] * batch)
-    return pack_decode_rows(tokens, [False] * batch, uniforms, [[]] * batch, params.win_size)
+    return pack_decode_rows(list(range(batch)), tokens, [False] * batch, uniforms, [[]] * batch, params.win_size)
 
 
 def bench_graphed(
@@ -122,14 +127,13 @@ def bench_graphed(
     for s in range(batch):
         lm.prefill(cache, s, prompt, start_pos=0)
     base = cache.lengths.clone()
-    slots = list(range(batch))
     rows = decode_rows(lm, batch, params, gen)
 
     def step() -> None:
         cache.lengths.copy_(base)
         # the graph of the smallest attention window that holds prompt_len + 1 positions; the
         # host packs and copies the rows and waits for the tokens, as the engine does
-        fast.decode_sample(slots, rows, kv_len=args.prompt_len + 1)
+        fast.decode_sample(rows, kv_len=args.prompt_len + 1)
 
     return summary(time_ms(step, device, args.warmup, args.iters))
 
@@ -152,11 +156,10 @@ def count_kernels(
     rows = decode_rows(lm, batch, params, gen)
     window = -(-(args.prompt_len + 1) // 256) * 256
     base = cache.lengths.clone()
-    slots = list(range(batch))
 
     def step() -> None:
         cache.lengths.copy_(base)
-        eager.decode_sample(slots, rows, kv_len=window)
+        eager.decode_sample(rows, kv_len=window)
 
     step()
     torch.cuda.synchronize(device)
@@ -177,6 +180,62 @@ def count_kernels(
         "n_kernels": len(kernels),
         "gpu_ms": round(total, 3),
         "top": [{"name": n, "count": len(t), "ms": round(sum(t), 3)} for n, t in top],
+    }
+
+
+def bench_text_group(
+    lm: SpeechLM, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> dict[str, dict[str, float]]:
+    """A step where one of ``batch`` streams takes a 5-row text group (``--group-rows``) and the
+    others decode, two ways: ``batched``, the group as a run of rows in the one graphed decode
+    step (what the engine does); ``prefilled``, the group as a graphed prefill of its own plus
+    the head and sampler for its last row, then the decode step of the other rows (before)."""
+    n_rows = args.group_rows
+    cache = KVCache.allocate(lm.dims, batch + 1, args.max_len, device=device, dtype=dtype)
+    params = SamplingParams()
+    buckets = sorted({max(1, batch - 1), batch - 1 + n_rows})
+    fast = GraphedLLM(lm, cache, params, decode_buckets=buckets, prefill_buckets=(16,))
+    fast.capture_all()
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
+    for s in range(batch):
+        lm.prefill(cache, s, prompt, start_pos=0)
+    base = cache.lengths.clone()
+    text = [i % lm.dims.text_vocab_size for i in range(n_rows)]
+    g = batch - 1  # the slot taking the group
+    decode = decode_rows(lm, batch - 1, params, gen)
+    u = counter_uniforms([g] * n_rows, [0] * n_rows)
+    group = pack_decode_rows(
+        [g] * n_rows,
+        text,
+        [False] * n_rows,
+        u,
+        [[]] * n_rows,
+        params.win_size,
+        offsets=range(n_rows),
+        kinds=[1] * n_rows,
+    )
+    mixed = np.concatenate([decode, group])
+    embeds = lm.embed_rows([(1, t) for t in text])
+    history = torch.full((1, params.win_size), NO_TOKEN, device=device, dtype=torch.long)
+    uniforms = torch.full((1, 2), 0.5, device=device)
+    no_mask = torch.zeros(1, dtype=torch.bool, device=device)
+
+    def batched() -> None:
+        cache.lengths.copy_(base)
+        fast.decode_sample(mixed, kv_len=args.prompt_len + n_rows)
+
+    def prefilled() -> None:
+        cache.lengths.copy_(base)
+        h = fast.prefill(g, embeds, args.prompt_len).clone()
+        picked = decode_kernels.ras_sample(lm.logits(h[None]), history, uniforms, no_mask, lm.dims.eos_token, params)
+        if batch > 1:
+            fast.decode_sample(decode, kv_len=args.prompt_len + 1)
+        picked.tolist()
+
+    return {
+        "batched": summary(time_ms(batched, device, args.warmup, args.iters)),
+        "prefilled": summary(time_ms(prefilled, device, args.warmup, args.iters)),
     }
 
 
@@ -246,6 +305,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"decode step  batch {batch:3d} {'GRAPHED+head+ras' + tag:22s}"
                     f"  median {r['median_ms']:7.3f} ms  p95 {r['p95_ms']:7.3f} ms"
                 )
+            if device.type == "cuda" and GraphedLLM.can_fuse(lm, SamplingParams()) and args.group_rows:
+                for how, r in bench_text_group(lm, batch, args, device, dtype).items():
+                    result["decode"][f"b{batch}_text_group_{how}"] = r
+                    print(
+                        f"text group   batch {batch:3d} {how:22s}"
+                        f"  median {r['median_ms']:7.3f} ms  p95 {r['p95_ms']:7.3f} ms"
+                    )
         result["prefill"] = bench_prefill(lm, args, device, dtype)
         if device.type == "cuda":
             result["prefill_graphed"] = bench_graphed_prefill(lm, args, device, dtype)

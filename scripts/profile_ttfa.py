@@ -53,10 +53,10 @@ def main() -> None:
     text = eb.text_of(args.chars)
     labels: list[tuple[type, str, str]] = [
         (Runner, "execute", "step (all)"),
-        (Runner, "_prefill", "LLM prefill"),
-        (Runner, "_decode_sample", "LLM decode+sample (graphed)"),
-        (Runner, "_decode", "LLM decode (eager)"),
-        (Runner, "_sample", "sampling of prefill rows"),
+        (Runner, "_place_prefix", "LLM voice prefix (copy or prefill)"),
+        (Runner, "_prefill_rows", "LLM prefill of rows that did not fit a step"),
+        (Runner, "_decode_sample", "LLM decode+sample (all rows batched)"),
+        (Runner, "_sample", "sampling of prefilled rows"),
         (Token2Wav, "_flow_mel", "token2wav: flow"),
         (Token2Wav, "_vocoder", "token2wav: vocoder"),
     ]

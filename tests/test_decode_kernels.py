@@ -30,13 +30,6 @@ def test_available_only_for_cuda_half_precision_and_supported_heads() -> None:
     assert not decode_kernels.sampler_available("cuda", 6564, decode_kernels.MAX_TOP_K + 1)
 
 
-def test_fused_decode_step_needs_packed_slots() -> None:
-    lm = random_llm(TINY, "cpu", torch.float32, seed=1)
-    cache = KVCache.allocate(lm.dims, 3, 16, "cpu", torch.float32)
-    with pytest.raises(ValueError, match="slots=None"):
-        lm.decode_step(cache, torch.tensor([1, 0]), torch.zeros(2, lm.dims.hidden_size), fused=True)
-
-
 def test_graphed_llm_does_not_fuse_on_the_cpu() -> None:
     lm = random_llm(TINY, "cpu", torch.float32, seed=1)
     cache = KVCache.allocate(lm.dims, 3, 64, "cpu", torch.float32)
@@ -49,11 +42,13 @@ def _reference_layer(
     qkv: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    slots: list[int],
     pos: list[int],
     hq: int,
     hkv: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain-torch rope + attention over keys 0..pos-1 of slot b plus the new key: (out, k, v)."""
+    """Plain torch: rope every row, put every row's new k/v at (slot, pos) of copies of the
+    caches, then row b attends over keys 0..pos[b] of its slot: (out, k, v)."""
     b, d = qkv.shape[0], k_cache.shape[-1]
     dtype = qkv.dtype
     cos, sin = rope_cos_sin(torch.tensor(pos, device=qkv.device), d, 1e6)  # [B, D]
@@ -62,10 +57,14 @@ def _reference_layer(
     v = qkv[:, (hq + hkv) * d :].view(b, hkv, d)
     q = apply_rope(q, cos[:, None], sin[:, None])[:, :, 0]  # [B, Hq, D] in dtype
     k = apply_rope(k, cos[:, None], sin[:, None])[:, :, 0]
+    keys_all, vals_all = k_cache.clone(), v_cache.clone()
+    for row in range(b):
+        keys_all[slots[row], :, pos[row]] = k[row]
+        vals_all[slots[row], :, pos[row]] = v[row]
     out = torch.empty(b, hq, d, device=qkv.device, dtype=torch.float32)
     for row in range(b):
-        keys = torch.cat([k_cache[row, :, : pos[row]], k[row][:, None]], dim=1).float()  # [Hkv, P+1, D]
-        vals = torch.cat([v_cache[row, :, : pos[row]], v[row][:, None]], dim=1).float()
+        keys = keys_all[slots[row], :, : pos[row] + 1].float()  # [Hkv, P+1, D]
+        vals = vals_all[slots[row], :, : pos[row] + 1].float()
         for h in range(hq):
             g = h // (hq // hkv)
             w = torch.softmax(keys[g] @ q[row, h].float() / d**0.5, dim=0)
@@ -83,16 +82,20 @@ def test_rope_append_attend_equals_torch(hq: int, hkv: int, d: int) -> None:
     k_cache = torch.randn(n_slots, hkv, max_len, d, generator=gen, device=dev).to(dtype)
     v_cache = torch.randn(n_slots, hkv, max_len, d, generator=gen, device=dev).to(dtype)
     qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=gen, device=dev).to(dtype)
-    want, k_new, v_new = _reference_layer(qkv, k_cache, v_cache, pos, hq, hkv)
+    want, k_new, v_new = _reference_layer(qkv, k_cache, v_cache, list(range(b)), pos, hq, hkv)
     # rows 2 and 4 are inactive: their K/V go to the scratch slot (the last), position 0
     active = torch.tensor([True, True, False, True, False, True], device=dev)
     pos_t = torch.tensor(pos, device=dev)
     scratch = n_slots - 1
-    write_slot = torch.where(active, torch.arange(b, device=dev), scratch)
+    slot = torch.arange(b, device=dev)
+    write_slot = torch.where(active, slot, scratch)
     write_pos = torch.where(active, pos_t, 0)
     expect_k, expect_v = k_cache.clone(), v_cache.clone()
     cos, sin = rope_cos_sin(pos_t, d, 1e6)
-    got = decode_kernels.rope_append_attend(qkv, k_cache, v_cache, cos, sin, pos_t, write_slot, write_pos, hq, hkv)
+    zeros = torch.zeros_like(pos_t)
+    got = decode_kernels.rope_append_attend(
+        qkv, k_cache, v_cache, cos, sin, pos_t, slot, zeros, write_slot, write_pos, hq, hkv
+    )
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     for row in range(b):
         if bool(active[row]):
@@ -105,6 +108,37 @@ def test_rope_append_attend_equals_torch(hq: int, hkv: int, d: int) -> None:
     from_2, from_4 = v_cache[scratch, :, 0] == v_new[2], v_cache[scratch, :, 0] == v_new[4]
     assert bool((from_2 | from_4).all())
     torch.testing.assert_close(v_cache[scratch, :, 1:], expect_v[scratch, :, 1:], atol=0, rtol=0)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(14, 2, 64), (4, 2, 16)])
+def test_rope_append_attend_runs_of_rows_equal_torch(hq: int, hkv: int, d: int) -> None:
+    """Runs of rows feeding one slot (offsets 0, 1, ..) attend causally over the slot and the
+    run's earlier rows, whose keys this launch is still writing; a run longer than a block of
+    keys (70 rows) included, and runs in any slot order beside lone decode rows."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(hq + d + 1)
+    # (slot, cached length, rows): a decode row, a 5-row text group, an empty slot's 70 rows
+    runs = [(3, 40, 1), (0, 64, 5), (2, 0, 70), (1, 129, 1), (4, 7, 2)]
+    slots = [s for s, _, n in runs for _ in range(n)]
+    offsets = [j for _, _, n in runs for j in range(n)]
+    pos = [c + j for _, c, n in runs for j in range(n)]
+    b, n_slots, max_len = len(slots), 6, 256
+    k_cache = torch.randn(n_slots, hkv, max_len, d, generator=gen, device=dev).to(dtype)
+    v_cache = torch.randn(n_slots, hkv, max_len, d, generator=gen, device=dev).to(dtype)
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=gen, device=dev).to(dtype)
+    want, k_new, v_new = _reference_layer(qkv, k_cache, v_cache, slots, pos, hq, hkv)
+    t = lambda v: torch.tensor(v, device=dev)  # noqa: E731
+    cos, sin = rope_cos_sin(t(pos), d, 1e6)
+    expect_v = v_cache.clone()
+    got = decode_kernels.rope_append_attend(
+        qkv, k_cache, v_cache, cos, sin, t(pos), t(slots), t(offsets), t(slots), t(pos), hq, hkv
+    )
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    for row in range(b):
+        expect_v[slots[row], :, pos[row]] = v_new[row]
+        torch.testing.assert_close(k_cache[slots[row], :, pos[row]].float(), k_new[row].float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(v_cache, expect_v, atol=0, rtol=0)
 
 
 @pytest.mark.requires_cuda
@@ -144,6 +178,20 @@ def test_fused_decode_step_equals_eager(dims_dir: Path) -> None:
         n = int(eager.lengths[slot])
         assert _relative_error(fused.k[:, slot, :, :n], eager.k[:, slot, :, :n]) < 2e-2
         assert _relative_error(fused.v[:, slot, :, :n], eager.v[:, slot, :, :n]) < 2e-2
+    # a step with runs of rows: slot 2 takes 6 rows, slot 0 one, slot 3 three, idle padding
+    runs = [(2, 6), (0, 1), (3, 3)]
+    slots = torch.tensor([s for s, n in runs for _ in range(n)] + [4, 4], device=dev)
+    offsets = torch.tensor([j for _, n in runs for j in range(n)] + [0, 0], device=dev)
+    active = torch.tensor([True] * 10 + [False, False], device=dev)
+    e = torch.randn(12, lm.dims.hidden_size, generator=gen, device=dev).to(dtype)
+    kw = {"kv_len": max_len, "active": active, "scratch_slot": 4, "offsets": offsets}
+    want = lm.decode_step(eager, slots, e, **kw)  # type: ignore[arg-type]
+    got = lm.decode_step(fused, slots, e, fused=True, **kw)  # type: ignore[arg-type]
+    assert _relative_error(got[:10], want[:10]) < 2e-2
+    assert fused.lengths.tolist() == eager.lengths.tolist()
+    for slot in range(4):
+        n = int(eager.lengths[slot])
+        assert _relative_error(fused.k[:, slot, :, :n], eager.k[:, slot, :, :n]) < 2e-2
 
 
 @pytest.mark.requires_cuda
@@ -163,18 +211,26 @@ def test_graphed_fused_decode_equals_the_same_step_eager() -> None:
         e = torch.randn(n, lm.dims.hidden_size, generator=gen, device=dev).to(dtype)
         for c in caches:
             lm.prefill(c, slot, e, start_pos=0)
-    # the highest slot + 1 is a bucket, so the eager call runs the graph's batch shape
-    for step, slots in enumerate([[0], [1, 0], [3, 1], [2, 3, 0], [0, 1, 2, 3]]):
-        tokens = torch.randint(0, 6561, (len(slots),), generator=gen, device=dev).tolist()
+    # (slot, rows) runs in any order; each step's rows fill a bucket, so the eager call runs
+    # the graph's batch shape
+    for step, runs in enumerate([[(0, 1)], [(1, 1), (0, 1)], [(3, 4)], [(2, 1), (3, 1), (0, 2)], [(0, 1), (1, 3)]]):
+        slots = [s for s, n in runs for _ in range(n)]
+        offsets = [j for _, n in runs for j in range(n)]
+        kinds = [1 if n > 1 else 2 for _, n in runs for _ in range(n)]  # runs of text, speech decode rows
+        drawn = torch.randint(0, 6561, (len(slots),), generator=gen, device=dev).tolist()
+        tokens = [t % lm.dims.text_vocab_size if k == 1 else t for t, k in zip(drawn, kinds, strict=True)]
         u = counter_uniforms(slots, [step] * len(slots))
-        rows = pack_decode_rows(tokens, [False] * len(slots), u, [[]] * len(slots), params.win_size)
-        got = graphed.decode_sample(slots, rows, kv_len=60 + step)
-        want = eager.decode_sample(slots, rows, kv_len=60 + step)
+        rows = pack_decode_rows(
+            slots, tokens, [False] * len(slots), u, [[]] * len(slots), params.win_size, offsets=offsets, kinds=kinds
+        )
+        got = graphed.decode_sample(rows, kv_len=60 + step)
+        want = eager.decode_sample(rows, kv_len=60 + step)
         assert got == want
     assert caches[0].lengths[:4].tolist() == caches[1].lengths[:4].tolist()
     for slot in range(4):
         n = int(caches[0].lengths[slot])
         torch.testing.assert_close(caches[0].k[:, slot, :, :n], caches[1].k[:, slot, :, :n], atol=0, rtol=0)
+    assert caches[0].lengths.tolist() == [14, 8, 21, 18, 0, 0]
 
 
 @pytest.mark.requires_cuda

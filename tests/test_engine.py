@@ -736,10 +736,11 @@ def test_a_voice_prefix_is_prefilled_once_and_equals_a_whole_prefill(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """First steps that start with the same voice rows: the first request prefills them, later
-    ones copy their K/V (and, for a step that is the prefix alone, its last hidden state) and
-    prefill only the rest; the state equals that of one whole prefill."""
+    ones copy their K/V (and, for a step that is the prefix alone, its last hidden state); the
+    rest rides in the batched decode step. The state equals that of one whole prefill."""
     runner, whole = hand_runner(engine), hand_runner(engine)
     whole.min_prefix_rows = 10**9  # never reuses
+    whole.batched_input_rows = 0  # every multi-row input prefilled
     _, flow = noise_voice(0, seed=1)
     voice = VoicePrompt("v", flow=flow)
     prefix = ((LlmInputKind.SOS, 0), *((LlmInputKind.TEXT, 100 + i) for i in range(10)))
@@ -760,7 +761,7 @@ def test_a_voice_prefix_is_prefilled_once_and_equals_a_whole_prefill(
     tokens = [first(runner, "a", 0, prefix + rest), first(runner, "b", 1, prefix + rest)]
     alone = first(runner, "c", 2, prefix)
     want = first(whole, "a", 0, prefix + rest)
-    assert prefilled == [len(prefix), len(rest), len(rest)]  # the third step prefilled nothing
+    assert prefilled == [len(prefix)]  # the rest was batched; the third step prefilled nothing
     assert tokens == [want, want]  # the same seed, the same state: the same draw
     n = len(prefix) + len(rest)
     assert runner.slot_len[:3] == [n, n, len(prefix)] and runner.cache.lengths[:3].tolist() == [n, n, len(prefix)]

@@ -8,7 +8,19 @@ import torch
 
 from tests.conftest import REPO_ROOT
 from voice_out.model.checkpoint import random_llm
-from voice_out.model.llm_graphs import GraphedLLM, decode_cols, pack_decode_rows, prefill_static
+from voice_out.model.llm_inputs import KIND_LLM, KIND_SPEECH, KIND_TEXT
+from voice_out.model.llm_graphs import (
+    COL_HISTORY,
+    COL_KIND,
+    COL_OFFSET,
+    COL_SLOT,
+    COL_UNIFORMS,
+    GraphedLLM,
+    check_runs,
+    decode_cols,
+    pack_decode_rows,
+    prefill_static,
+)
 from voice_out.model.qwen2 import KVCache, SpeechLM
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, mask_eos_, ras_sample_batch
 
@@ -69,12 +81,24 @@ def _decode_reference(
 
 def test_pack_decode_rows_layout() -> None:
     u = counter_uniforms([5, 6], [0, 3])
-    rows = pack_decode_rows([17, 4], [True, False], u, [[], [1, 2, 3]], 4)
+    rows = pack_decode_rows([2, 0], [17, 4], [True, False], u, [[], [1, 2, 3]], 4)
     assert rows.shape == (2, decode_cols(4)) and rows.dtype == np.int64
-    assert rows[:, :3].tolist() == [[1, 17, 1], [1, 4, 0]]
-    assert rows[:, 3:5].copy().view(np.float64).tolist() == u.tolist()
-    assert rows[:, 5:].tolist() == [[NO_TOKEN] * 4, [NO_TOKEN, 1, 2, 3]]
-    assert pack_decode_rows([1], [False], u[:1], [list(range(9))], 4)[0, 5:].tolist() == [5, 6, 7, 8]
+    # active, token, kind (speech), slot, offset, masked
+    assert rows[:, :COL_UNIFORMS].tolist() == [[1, 17, 2, 2, 0, 1], [1, 4, 2, 0, 0, 0]]
+    assert rows[:, COL_UNIFORMS:COL_HISTORY].copy().view(np.float64).tolist() == u.tolist()
+    assert rows[:, COL_HISTORY:].tolist() == [[NO_TOKEN] * 4, [NO_TOKEN, 1, 2, 3]]
+    tail = pack_decode_rows([0], [1], [False], u[:1], [list(range(9))], 4)[0, COL_HISTORY:]
+    assert tail.tolist() == [5, 6, 7, 8]
+    run = pack_decode_rows([3, 3], [9, 8], [True, True], u, [[], []], 4, offsets=[0, 1], kinds=[1, 1])
+    assert run[:, COL_KIND].tolist() == [1, 1] and run[:, COL_OFFSET].tolist() == [0, 1]
+
+
+def test_check_runs() -> None:
+    a = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+    assert check_runs(a(0, 3, 3, 3, 1), a(0, 0, 1, 2, 0)) is None
+    assert "follow" in str(check_runs(a(3, 0, 3), a(0, 0, 1)))  # the run is broken
+    assert "follow" in str(check_runs(a(3, 3), a(0, 2)))  # an offset skipped
+    assert "one run" in str(check_runs(a(1, 1), a(0, 0)))  # two runs (or two decode rows) of slot 1
 
 
 def _run_equivalence(device: str, dtype: torch.dtype) -> None:
@@ -98,8 +122,8 @@ def _run_equivalence(device: str, dtype: torch.dtype) -> None:
         want = _decode_reference(lm, ref, slots, tokens, hist, u, masked)
         # the smallest window that holds the longest row (32, 64 or the whole cache, 96)
         longest = max(int(fast.lengths[s]) for s in slots) + 1
-        rows = pack_decode_rows(tokens, masked, u, hist, params.win_size)
-        got = fast_llm.decode_sample(slots, rows, kv_len=longest + 2 * step)
+        rows = pack_decode_rows(slots, tokens, masked, u, hist, params.win_size)
+        got = fast_llm.decode_sample(rows, kv_len=longest + 2 * step)
         assert got == want
         assert ref.lengths[:5].tolist() == fast.lengths[:5].tolist()
     for layer in range(lm.dims.n_layers):
@@ -114,11 +138,15 @@ def _run_equivalence(device: str, dtype: torch.dtype) -> None:
 def test_decode_window_too_small_for_the_cache_is_refused() -> None:
     lm, _, fast = _setup("cpu", torch.float32)
     g = GraphedLLM(lm, fast, SamplingParams(), decode_windows=(32,))
-    rows = pack_decode_rows([1], [False], counter_uniforms([0], [0]), [[]], SamplingParams().win_size)
+    rows = pack_decode_rows([0], [1], [False], counter_uniforms([0], [0]), [[]], SamplingParams().win_size)
     with pytest.raises(ValueError, match="needs 97 positions"):
-        g.decode_sample([0], rows, kv_len=97)
+        g.decode_sample(rows, kv_len=97)
     with pytest.raises(ValueError, match="int64"):
-        g.decode_sample([0, 1], rows, kv_len=90)  # one row for two slots
+        g.decode_sample(rows.astype(np.int32), kv_len=90)
+    with pytest.raises(ValueError, match="slots must be in"):
+        g.decode_sample(np.concatenate([rows, rows]) + np.eye(1, rows.shape[1], COL_SLOT, dtype=np.int64) * 9, 90)
+    with pytest.raises(ValueError, match="one run"):
+        g.decode_sample(np.concatenate([rows, rows]), kv_len=90)  # two rows for slot 0, both offset 0
 
 
 def test_graphed_llm_eager_fallback_equals_reference_cpu() -> None:
@@ -145,3 +173,54 @@ def test_graphed_llm_captures_every_bucket() -> None:
     for graphs in g._prefill.values():
         assert sorted(graphs.captured_keys) == [8, 32]  # type: ignore[type-var]
     assert int(fast.lengths.sum()) == 0
+
+
+def test_decode_step_with_runs_equals_prefill_and_decode_cpu() -> None:
+    """One step where streams decode while others append runs of rows (a text group, a first
+    input's rest with SOS/TASK rows) gives the K/V, lengths and sampled ids of a prefill per
+    run plus a decode step for the rest."""
+    lm, ref, fast = _setup("cpu", torch.float32)
+    params = SamplingParams()
+    g = GraphedLLM(lm, fast, params, decode_buckets=(16,), prefill_buckets=())
+    for slot, n in enumerate([9, 0, 20, 13]):
+        if n:
+            e = _embeds(lm, n, 50 + slot)
+            lm.prefill(ref, slot, e, start_pos=0)
+            lm.prefill(fast, slot, e, start_pos=0)
+    # (slot, rows): slot 0 decodes, slot 2 takes a text group, slot 1 (empty) a first input,
+    # slot 3 decodes
+    text = [(KIND_TEXT, 11 + i) for i in range(5)]
+    first = [(KIND_LLM, 0), (KIND_TEXT, 3), (KIND_TEXT, 4), (KIND_LLM, 1), (KIND_SPEECH, 77)]
+    runs = [(0, [(KIND_SPEECH, 5)]), (2, text), (1, first), (3, [(KIND_SPEECH, 6)])]
+    u = counter_uniforms([s for s, _ in runs], [4] * len(runs))
+    hist = [[5, 5, 5], [], [1], [6] * 9]
+    masked = [True, False, True, False]
+    # the reference: a prefill per run (its last hidden), a decode step for the single rows
+    hidden = {s: lm.prefill(ref, s, lm.embed_rows(rows), start_pos=int(ref.lengths[s])) for s, rows in runs[1:3]}
+    singles = [0, 3]
+    h = lm.decode_step(ref, torch.tensor(singles), lm.embed_rows([runs[0][1][0], runs[3][1][0]]))
+    hidden.update(zip(singles, h, strict=True))
+    stacked = torch.stack([hidden[s] for s, _ in runs])
+    window = torch.tensor([[NO_TOKEN] * (params.win_size - len(r)) + r for r in hist], dtype=torch.long)
+    logp = mask_eos_(lm.logprobs(stacked), torch.tensor(masked), lm.dims.eos_token)
+    want = ras_sample_batch(logp, window, torch.from_numpy(u).float(), params).tolist()
+    # the same as one step: each run's sampling inputs on its last row, idle draws before it
+    slots, offsets, kinds, ids, m, hs, us, last = [], [], [], [], [], [], [], []
+    for (s, rows), ui, hi, mi in zip(runs, u, hist, masked, strict=True):
+        n = len(rows)
+        slots += [s] * n
+        offsets += range(n)
+        kinds += [k for k, _ in rows]
+        ids += [i for _, i in rows]
+        m += [True] * (n - 1) + [mi]
+        hs += [[]] * (n - 1) + [hi]
+        us += [np.full(2, 0.5)] * (n - 1) + [ui]
+        last.append(len(ids) - 1)
+    packed = pack_decode_rows(slots, ids, m, np.stack(us), hs, params.win_size, offsets=offsets, kinds=kinds)
+    picked = g.decode_sample(packed, kv_len=32)
+    assert [picked[i] for i in last] == want
+    assert fast.lengths.tolist() == ref.lengths.tolist() == [10, 5, 25, 14, 0, 0]
+    for s in range(4):
+        n = int(ref.lengths[s])
+        torch.testing.assert_close(fast.k[:, s, :, :n], ref.k[:, s, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fast.v[:, s, :, :n], ref.v[:, s, :, :n], atol=1e-5, rtol=1e-5)

@@ -116,8 +116,13 @@ class EngineConfig:
     #: the attention mask inside the GEMM and attention kernels), where Triton can run them
     #: (CUDA, bf16/fp16); else the plain-torch estimator.
     fused_flow: bool = True
-    #: Batch buckets for graph capture; a decode of n streams runs in the smallest bucket >= n.
-    graph_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
+    #: Batch buckets for graph capture; a decode step of n rows runs in the smallest bucket >= n
+    #: (the largest: max_streams + batched_input_rows).
+    graph_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+    #: Most rows of multi-row LLM inputs (bistream text groups, a first input after its voice
+    #: prefix) one decode step takes beside the other streams' decode rows; an input that does
+    #: not fit is prefilled into its slot by itself. 0: every multi-row input is prefilled.
+    batched_input_rows: int = 128
     #: Most token2wav chunks per engine step. None: 8 when token2wav runs CUDA graphs (a step's
     #: chunks of one length are one batched graph replay of up to 8 rows, so 16 first chunks
     #: take two steps), else 4 (eager chunks cost compute; the other streams' LLM step waits).
@@ -180,6 +185,7 @@ class EngineConfig:
             buckets,
             "a non-empty, strictly increasing list of positive integers",
         )
+        _check(self.batched_input_rows >= 0, s, "batched_input_rows", self.batched_input_rows, "0 or a number of rows")
         _check(
             self.max_chunks_per_step is None or self.max_chunks_per_step >= 1,
             s,

@@ -100,7 +100,7 @@ def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
         final = (tokens[:, : end - p], prompt, feat, emb)
         ids, n_valid, embedding, cond, _ = flow.final_inputs([final], end)
         flow.final_core(ids, n_valid, embedding, cond)
-        if runner.graphed is not None and runner.graphed.fused:
+        if runner.graphed.fused:
             runner.graphed.decode_eagerly()  # idle rows: nothing is appended to the cache
     return launches
 

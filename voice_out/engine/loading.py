@@ -183,8 +183,9 @@ def build_engine(
             graph_buckets=ec.graph_batch_buckets,
             pipeline_vocode=ec.pipeline_vocode,
             fused_decode=ec.fused_decode,
+            batched_input_rows=ec.batched_input_rows,
         )
-        if runner.graphed is not None and ec.fused_decode and not runner.graphed.fused:
+        if ec.fused_decode and device.type == "cuda" and not runner.graphed.fused:
             log.info("engine: fused decode kernels unavailable here (need Triton and bf16/fp16): plain-torch decode")
         return runner
 

@@ -49,8 +49,10 @@ VOICE_CACHE_SIZE = 32
 #: ``family_stream`` names of the side stream token2wav runs on and of the runner's own stream.
 SIDE_STREAM_FAMILY = "vocode"
 MAIN_STREAM_FAMILY = "steps"
-#: Attention window granularity of the batched decode (positions); bounds the K/V gathered.
+#: Attention window granularity of the warm-up's eager decode (positions).
 KV_WINDOW_STEP = 256
+#: The uniforms of a row whose draw is not used (a run's inner rows).
+_IDLE_UNIFORMS = np.full(2, 0.5)
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,7 @@ class Runner:
         graph_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 48, 64),
         pipeline_vocode: bool = True,
         fused_decode: bool = True,
+        batched_input_rows: int = 128,
     ) -> None:
         self.llm = llm
         #: CUDA: launch a step's token2wav chunks on the side stream and return their audio in
@@ -154,17 +157,22 @@ class Runner:
         self.fast_first = fast_first
         self.flow_path: FlowPath = "cached" if flow_path == "cached" else "rerun"
         self.fault_hook = fault_hook
-        # with graphs, one extra slot takes the writes of inactive rows (and capture's padding)
-        n_cache = n_slots + 1 if graphs else n_slots
-        self.cache = KVCache.allocate(llm.dims, n_cache, max_len, self.device, llm.llm_decoder.weight.dtype)
-        self.graphed: GraphedLLM | None = None
-        if graphs:
-            buckets = [b for b in graph_buckets if b <= n_slots] or [1]
-            if buckets[-1] < n_slots:
-                buckets.append(n_slots)
-            self.graphed = GraphedLLM(
-                llm, self.cache, self.sampling, decode_buckets=buckets, scratch_slot=n_slots, fused=fused_decode
-            )
+        self.batched_input_rows = batched_input_rows
+        # one extra slot takes the writes of idle rows (a graph bucket's padding)
+        self.cache = KVCache.allocate(llm.dims, n_slots + 1, max_len, self.device, llm.llm_decoder.weight.dtype)
+        # a step's rows: one per decoding stream, plus the multi-row inputs that ride along
+        top = n_slots + batched_input_rows
+        buckets = [b for b in graph_buckets if b < top] + [top]
+        #: The LLM steps: CUDA graphs with ``graphs``, else the same code eagerly.
+        self.graphed = GraphedLLM(
+            llm,
+            self.cache,
+            self.sampling,
+            decode_buckets=buckets,
+            scratch_slot=n_slots,
+            fused=fused_decode,
+            enabled=graphs,
+        )
         #: CUDA: the stream token2wav runs on while the LLM steps run on the runner's own one
         #: (``llm_stream_priority``). A family stream: no graph was captured on it, so its eager
         #: GEMMs have a cuBLAS workspace of their own (``voice_out.model.cuda_graphs``).
@@ -386,8 +394,7 @@ class Runner:
             self._t2w_pool.append(stream)
             self.cache.reset()
             self._voice_cache.clear()
-        if self.graphed is not None:
-            self.graphed.capture_all()  # before any stream holds a slot (capture runs the step)
+        self.graphed.capture_all()  # before any stream holds a slot (capture runs the step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -416,30 +423,37 @@ class Runner:
     def _llm_step(self, work: Sequence[LlmWork], result: StepResult) -> None:
         """Feed every item, then pick one token per item; the step waits once, for its tokens.
 
-        Single-row inputs go into ONE batched decode step; multi-row inputs (prompt, text
-        groups) are per-slot prefills. With CUDA graphs the decode graph looks up speech
-        embeddings itself, so a single non-speech row (rare: the bistream feed gives text in
-        groups) takes the prefill path instead."""
+        Every item's rows go into ONE batched decode step (``GraphedLLM.decode_sample``): a
+        decode row, or a run of rows for a multi-row input (a bistream text group, the rest of
+        a first input after its voice prefix), as long as the step has room
+        (``GraphedLLM.max_rows``, at most ``batched_input_rows`` of them multi-row). An input
+        that does not fit is prefilled into its slot by itself and its last row sampled apart."""
         prefilled: list[LlmWork] = []
         hidden: list[Tensor] = []
-        singles: list[LlmWork] = []
+        batched: list[tuple[LlmWork, list[tuple[int, int]]]] = []
+        multi = sum(len(w.step.inputs) > 1 for w in work)
+        room = min(self.graphed.max_rows - (len(work) - multi), self.batched_input_rows)
         for w in work:
             try:
                 self._hook(w.request_id, "llm")
-                speech = w.step.inputs[0][0] is LlmInputKind.SPEECH
-                if len(w.step.inputs) == 1 and (speech or self.graphed is None):
-                    self._check_room(w.slot, 1)
-                    singles.append(w)
+                self._check_room(w.slot, len(w.step.inputs))
+                rows, h = self._place_prefix(w)
+                if h is not None:
+                    prefilled.append(w)
+                    hidden.append(h)
+                elif len(w.step.inputs) == 1 or len(rows) <= room:
+                    room -= len(rows) if len(w.step.inputs) > 1 else 0
+                    batched.append((w, rows))
                 else:
-                    hidden.append(self._prefill(w))
+                    hidden.append(self._prefill_rows(w.slot, rows, self.slot_len[w.slot]))
                     prefilled.append(w)
             except Exception as e:  # noqa: BLE001 - one request's input fails alone
                 result.failed[w.request_id] = _describe(e)
         prefill_tokens = self._sample(prefilled, torch.stack(hidden)) if prefilled else None
-        tokens = self._decode_sample(singles) if singles else []
+        tokens = self._decode_sample(batched) if batched else []
         if prefill_tokens is not None:
             tokens = prefill_tokens.tolist() + tokens
-        for w, tok in zip([*prefilled, *singles], tokens, strict=True):
+        for w, tok in zip([*prefilled, *(w for w, _ in batched)], tokens, strict=True):
             result.tokens[w.request_id] = w.step.force if w.step.force is not None else int(tok)
 
     def _check_room(self, slot: int, n: int) -> None:
@@ -452,96 +466,97 @@ class Runner:
     def _rows(self, w: LlmWork) -> list[tuple[int, int]]:
         return [(_KIND[kind], ident) for kind, ident in w.step.inputs]
 
-    def _prefill(self, w: LlmWork) -> Tensor:
-        """Append the step's rows to its slot; the hidden state of the last row ``[H]``.
+    def _place_prefix(self, w: LlmWork) -> tuple[list[tuple[int, int]], Tensor | None]:
+        """The step's rows still to append after its voice prefix, if any, is in its slot; and
+        the last hidden state ``[H]`` when the prefix was the whole input (else None).
 
         A first step's voice prefix (``LlmStep.voice_prefix``: SOS and the prompt, the same rows
         at the same positions for every request of a voice) is prefilled once per voice and
         kept, K/V and last hidden state (``prefix_cache_size`` voices); later requests copy
-        it into their slot and prefill only the rest. The K/V are those a prefill of the prefix
-        computes, so every request of the voice starts from the same state."""
-        n = len(w.step.inputs)
-        self._check_room(w.slot, n)
+        it into their slot. The K/V are those a prefill of the prefix computes, so every
+        request of the voice starts from the same state."""
         rows = self._rows(w)
-        start = self.slot_len[w.slot]
-        p = w.step.voice_prefix if start == 0 and w.step.voice_prefix >= self.min_prefix_rows else 0
-        if p:
-            key = w.step.inputs[:p]
-            hit = self._prefixes.get(key)
-            if hit is None:
-                h = self._prefill_rows(w.slot, rows[:p], 0)
-                hit = (*self.cache.read_prefix(w.slot, p), h)  # h: a fresh tensor (see _prefill_rows)
-                self._prefixes[key] = hit
-                while len(self._prefixes) > self.prefix_cache_size:
-                    self._prefixes.popitem(last=False)
-            else:
-                self._prefixes.move_to_end(key)
-                self.cache.write_prefix(w.slot, hit[0], hit[1])
-                self.slot_len[w.slot] = p
-            if p == n:
-                return hit[2]
-            rows, start = rows[p:], p
-        return self._prefill_rows(w.slot, rows, start)
+        p = w.step.voice_prefix if self.slot_len[w.slot] == 0 and w.step.voice_prefix >= self.min_prefix_rows else 0
+        if not p:
+            return rows, None
+        key = w.step.inputs[:p]
+        hit = self._prefixes.get(key)
+        if hit is None:
+            h = self._prefill_rows(w.slot, rows[:p], 0)
+            hit = (*self.cache.read_prefix(w.slot, p), h)  # h: a fresh tensor (see _prefill_rows)
+            self._prefixes[key] = hit
+            while len(self._prefixes) > self.prefix_cache_size:
+                self._prefixes.popitem(last=False)
+        else:
+            self._prefixes.move_to_end(key)
+            self.cache.write_prefix(w.slot, hit[0], hit[1])
+            self.slot_len[w.slot] = p
+        return rows[p:], (hit[2] if p == len(rows) else None)
 
     def _prefill_rows(self, slot: int, rows: list[tuple[int, int]], start: int) -> Tensor:
         embeds = self.llm.embed_rows(rows)  # [L, H]
-        if self.graphed is not None:
-            # a graph returns its static output buffer: the next prefill of the same length
-            # bucket in this step would overwrite it
-            h = self.graphed.prefill(slot, embeds, start).clone()
-        else:
-            h = self.llm.prefill(self.cache, slot, embeds, start_pos=start)
+        # a graph returns its static output buffer: the next prefill of the same length
+        # bucket in this step would overwrite it
+        h = self.graphed.prefill(slot, embeds, start).clone()
         self.slot_len[slot] += len(rows)
         return h  # [H]
 
-    def _decode_sample(self, work: Sequence[LlmWork]) -> list[int]:
-        """One batched decode step for single-row inputs; their sampled ids (waits for them)."""
-        if self.graphed is None:
-            return [int(t) for t in self._sample(work, self._decode(work)).tolist()]
-        rows = self._pack(work, [w.step.inputs[0][1] for w in work])
-        longest = max(self.slot_len[w.slot] for w in work) + 1
-        tokens = self.graphed.decode_sample([w.slot for w in work], rows, kv_len=longest)
-        for w in work:
-            self.slot_len[w.slot] += 1
-        return tokens
+    def _decode_sample(self, items: Sequence[tuple[LlmWork, list[tuple[int, int]]]]) -> list[int]:
+        """One batched decode step over the items' rows (a run per item); each item's sampled
+        id, from its last row (waits for them). Each item's sampling inputs go on its last row;
+        the rows before it in its run are drawn from with idle inputs, their ids unused."""
+        lives = [self.live[w.request_id] for w, _ in items]
+        uniforms = counter_uniforms([lv.seed for lv in lives], [lv.draws for lv in lives])
+        for lv in lives:
+            lv.draws += 1
+        slots: list[int] = []
+        offsets: list[int] = []
+        kinds: list[int] = []
+        ids: list[int] = []
+        masked: list[bool] = []
+        history: list[Sequence[int]] = []
+        draws: list[np.ndarray] = []
+        last: list[int] = []
+        for (w, rows), u in zip(items, uniforms, strict=True):
+            n = len(rows)
+            slots += [w.slot] * n
+            offsets += range(n)
+            kinds += [kind for kind, _ in rows]
+            ids += [ident for _, ident in rows]
+            masked += [True] * (n - 1) + [not w.step.allow_eos]
+            history += [()] * (n - 1) + [w.recent]
+            draws += [_IDLE_UNIFORMS] * (n - 1) + [u]
+            last.append(len(ids) - 1)
+        packed = pack_decode_rows(
+            slots, ids, masked, np.stack(draws), history, self.sampling.win_size, offsets=offsets, kinds=kinds
+        )
+        longest = max(self.slot_len[w.slot] + len(rows) for w, rows in items)
+        picked = self.graphed.decode_sample(packed, kv_len=longest)
+        for w, rows in items:
+            self.slot_len[w.slot] += len(rows)
+        return [picked[i] for i in last]
 
-    def _decode(self, work: Sequence[LlmWork]) -> Tensor:
-        rows = [self._rows(w)[0] for w in work]
-        embeds = self.llm.embed_rows(rows)  # [B, H]
-        slots = [w.slot for w in work]
-        longest = max(self.slot_len[s] for s in slots) + 1
-        window = min(self.cache.max_len, -(-longest // KV_WINDOW_STEP) * KV_WINDOW_STEP)
-        packed = slots == list(range(len(slots)))
-        slot_t = None if packed else to_device(slots, self.device, torch.long)
-        h = self.llm.decode_step(self.cache, slot_t, embeds, kv_len=window)  # [B, H]
-        for s in slots:
-            self.slot_len[s] += 1
-        return h
-
-    def _pack(self, items: Sequence[LlmWork], tokens: Sequence[int]) -> np.ndarray:
-        """The items' sampling inputs as packed rows (``pack_decode_rows``): input ``tokens``,
-        EOS mask, each request's next two uniforms (its seed and draw counter,
-        ``counter_uniforms``; advances the counters) and repetition window."""
+    def _sampling_inputs(self, items: Sequence[LlmWork]) -> tuple[Tensor, Tensor, Tensor]:
+        """Repetition windows int64 ``[N, W]``, uniforms ``[N, 2]`` (two per request per step)
+        and the EOS mask bool ``[N]`` of prefilled items, on the device: one packed copy."""
         lives = [self.live[w.request_id] for w in items]
         uniforms = counter_uniforms([lv.seed for lv in lives], [lv.draws for lv in lives])
         for lv in lives:
             lv.draws += 1
         masked = [not w.step.allow_eos for w in items]
-        return pack_decode_rows(tokens, masked, uniforms, [w.recent for w in items], self.sampling.win_size)
-
-    def _sampling_inputs(self, items: Sequence[LlmWork]) -> tuple[Tensor, Tensor, Tensor]:
-        """Repetition windows int64 ``[N, W]``, uniforms ``[N, 2]`` (two per request per step)
-        and the EOS mask bool ``[N]``, on the device: one packed copy."""
-        packed = to_device(torch.from_numpy(self._pack(items, [0] * len(items))), self.device)
-        _, _, masked, uniforms, history = unpack_decode_rows(packed)
-        return history, uniforms, masked
+        slots = [w.slot for w in items]
+        rows = pack_decode_rows(
+            slots, [0] * len(items), masked, uniforms, [w.recent for w in items], self.sampling.win_size
+        )
+        got = unpack_decode_rows(to_device(torch.from_numpy(rows), self.device))
+        return got.history, got.uniforms, got.masked
 
     def _sample(self, items: Sequence[LlmWork], hidden: Tensor) -> Tensor:
         """The head and RAS for final-norm hidden states ``[N, H]``: int64 token ids ``[N]`` on
         the device (no sync). Where the decode graphs sample with the fused kernel, so does
         this (one kernel instead of ~60: the prefill rows are on the path to first audio)."""
         history, uniforms, masked = self._sampling_inputs(items)
-        if self.graphed is not None and self.graphed.fused:
+        if self.graphed.fused:
             logits = self.llm.logits(hidden)
             return decode_kernels.ras_sample(logits, history, uniforms, masked, EOS_TOKEN, self.sampling)
         logp = mask_eos_(self.llm.logprobs(hidden), masked, EOS_TOKEN)

@@ -6,13 +6,17 @@ copies and memsets) were ~10 kernels and ~18 us of a ~52 us layer at batch 1 (H2
 :func:`rope_append_attend` does all of it in ONE kernel per layer, and :func:`silu_mul` is the
 MLP's gate in one kernel instead of two.
 
-* ``rope_append_attend``: for each row b (row b = KV slot b, as the graphed step lays them out)
-  and kv head h, rotate the row's q heads of group h and its new k (rotate-half RoPE, float32,
-  rounded to the cache dtype like the eager path), write k and v at ``(write_slot[b],
-  write_pos[b])``, and attend the group's queries over slot b's keys ``0 .. pos[b] - 1`` plus
-  the new key, kept in registers (so an inactive row, whose write goes to a scratch slot, still
-  attends over its own keys). The loop runs to ``pos[b]``, not over a static window: one graph
-  serves every length.
+* ``rope_append_attend``: for each row b (of KV slot ``slot[b]``) and kv head h, rotate the
+  row's q heads of group h and its new k (rotate-half RoPE, float32, rounded to the cache dtype
+  like the eager path), write k and v at ``(write_slot[b], write_pos[b])``, and attend the
+  group's queries over the slot's keys ``0 .. pos[b] - 1`` plus the new key, kept in
+  registers (so an inactive row, whose write goes to a scratch slot, still attends over its
+  own keys). Several consecutive rows may feed one slot in one step (a text group appended
+  beside other streams' decode rows): row b is then ``offset[b]`` rows after the group's
+  first, and its keys ``pos[b] - offset[b] .. pos[b] - 1`` are those group rows' new keys,
+  which this launch is still writing, so the program recomputes them from their q/k/v rows
+  instead of reading the cache. The loops run to ``pos[b]``, not over a static window: one
+  graph serves every length.
 * ``silu_mul``: ``silu(gate) * up`` of the ``[gate; up]`` GEMM output.
 * ``ras_sample``: EOS masking, softmax and the whole repetition-aware sampling draw of
   ``voice_out.model.sampling.ras_sample_batch`` (stable top-k, top-p, inverse-CDF draw, the
@@ -78,6 +82,16 @@ def sampler_available(device: torch.device | str, vocab: int, top_k: int) -> boo
 if triton is not None:
 
     @triton.jit
+    def _attend_block(q, keys, vals, n_ok, m, l_sum, acc, qk_scale):  # type: ignore[no-untyped-def]
+        """One block of keys into the online softmax (base 2): the new (max, sum, accumulator)."""
+        s = tl.dot(q, tl.trans(keys)) * qk_scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        return m_new, l_sum * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
+
+    @triton.jit
     def _rope_append_attend_kernel(  # type: ignore[no-untyped-def]
         qkv_ptr,
         stride_qkv,
@@ -89,6 +103,8 @@ if triton is not None:
         cos_ptr,
         sin_ptr,
         pos_ptr,
+        slot_ptr,
+        off_ptr,
         wslot_ptr,
         wpos_ptr,
         out_ptr,
@@ -129,22 +145,32 @@ if triton is not None:
         m = s_new
         l_sum = tl.full([GP], 1.0, tl.float32)
         acc = tl.zeros([GP, D], tl.float32) + v_new.to(tl.float32)[None, :]
-        pos = tl.load(pos_ptr + b)
-        base = b * stride_slot + h * stride_head
-        for start in range(0, pos, BLOCK):
+        off = tl.load(off_ptr + b)
+        cached = tl.load(pos_ptr + b) - off  # keys already in the cache; then the group's rows
+        base = tl.load(slot_ptr + b) * stride_slot + h * stride_head
+        for start in range(0, cached, BLOCK):
             n = start + tl.arange(0, BLOCK)
-            n_ok = n < pos
+            n_ok = n < cached
             at = base + n[:, None] * stride_pos + d[None, :]
             keys = tl.load(k_cache_ptr + at, mask=n_ok[:, None], other=0.0)
             vals = tl.load(v_cache_ptr + at, mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(keys)) * qk_scale
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
-            m = m_new
+            m, l_sum, acc = _attend_block(q, keys, vals, n_ok, m, l_sum, acc, qk_scale)
+        # not software-pipelined (num_stages=1): staged copies of both loops' tiles do not fit
+        # shared memory at D = 128, and a run is short
+        for start in tl.range(0, off, BLOCK, num_stages=1):
+            # the group's earlier rows b - off .. b - 1: their keys as their own programs
+            # compute and write them (same float32 RoPE, same rounding)
+            n = start + tl.arange(0, BLOCK)
+            n_ok = n < off
+            r = b - off + n
+            r_row = qkv_ptr + r[:, None] * stride_qkv
+            r_cos = tl.load(cos_ptr + r[:, None] * D + d[None, :], mask=n_ok[:, None], other=0.0)
+            r_sin = tl.load(sin_ptr + r[:, None] * D + d[None, :], mask=n_ok[:, None], other=0.0) * sign[None, :]
+            k_r = tl.load(r_row + k_col + d[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            k_rp = tl.load(r_row + k_col + partner[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            keys = (k_r * r_cos + k_rp * r_sin).to(k_cache_ptr.dtype.element_ty)
+            vals = tl.load(r_row + (HQ + HKV + h) * D + d[None, :], mask=n_ok[:, None], other=0.0)
+            m, l_sum, acc = _attend_block(q, keys, vals, n_ok, m, l_sum, acc, qk_scale)
         o = acc / l_sum[:, None]
         tl.store(out_ptr + b * stride_out + q_cols + d[None, :], o.to(out_ptr.dtype.element_ty), mask=g_ok)
 
@@ -236,6 +262,8 @@ def rope_append_attend(
     cos: Tensor,
     sin: Tensor,
     pos: Tensor,
+    slot: Tensor,
+    offset: Tensor,
     write_slot: Tensor,
     write_pos: Tensor,
     n_heads: int,
@@ -244,9 +272,13 @@ def rope_append_attend(
     """RoPE, K/V append and decode attention of one layer, one kernel (see module docstring).
 
     * ``qkv`` ``[B, (Hq + 2 Hkv) D]``: the layer's q | k | v projections (bias added), row b
-      for KV slot b; ``k_cache``/``v_cache`` ``[S, Hkv, L, D]`` (S > B), D contiguous.
+      for KV slot ``slot[b]``; ``k_cache``/``v_cache`` ``[S, Hkv, L, D]``, D contiguous.
     * ``cos``/``sin`` float32 ``[B, D]``: :func:`voice_out.model.qwen2.rope_cos_sin` of ``pos``.
-    * ``pos`` int64 ``[B]``: keys ``0 .. pos[b] - 1`` of slot b are attended, then the new key;
+    * ``pos`` int64 ``[B]``: keys ``0 .. pos[b] - 1`` of slot ``slot[b]`` (int64 ``[B]``) are
+      attended, then the new key; ``offset`` int64 ``[B]``: row b is the ``offset[b]``-th row
+      after the first of a run of consecutive rows feeding the same slot at consecutive
+      positions (0 for a lone row): the last ``offset[b]`` of those keys are those rows' new
+      keys, taken from ``qkv`` (the cache holds the rest);
       ``write_slot``/``write_pos`` int64 ``[B]``: where the new k/v go.
 
     Returns the attention output ``[B, Hq * D]`` (head-major, as ``wo`` takes it), qkv's dtype.
@@ -260,6 +292,8 @@ def rope_append_attend(
         raise ValueError(f"rope_append_attend: qkv {tuple(qkv.shape)} does not match a cache of {tuple(k_cache.shape)}")
     if qkv.stride(1) != 1:
         raise ValueError("rope_append_attend: qkv rows must be contiguous")
+    if any(t.dim() != 1 or not t.is_contiguous() for t in (pos, slot, offset, write_slot, write_pos)):
+        raise ValueError("rope_append_attend: pos, slot, offset, write_slot and write_pos must be contiguous [B]")
     out = torch.empty(b, n_heads * d, device=qkv.device, dtype=qkv.dtype)
     grid = (b, n_kv_heads)
     kernel: Any = _rope_append_attend_kernel
@@ -276,6 +310,8 @@ def rope_append_attend(
         cos.contiguous(),
         sin.contiguous(),
         pos,
+        slot,
+        offset,
         write_slot,
         write_pos,
         out,

@@ -4,18 +4,20 @@ An eager decode step of the 0.5B backbone launches several hundred small kernels
 to 32 it costs the same ~10 ms on an H200 whatever the batch (launch-bound; the weights take
 ~0.3 ms to read). Replaying one captured graph per batch bucket removes the launch cost.
 
-* :class:`GraphedLLM` ``.decode_sample(slots, rows, kv_len)``: one batched decode step, the
-  ``llm_decoder`` head, EOS masking and repetition-aware sampling, for speech-token inputs.
-  Row r of the graph is KV slot r, so the step attends over views of the cache and never
-  gathers K/V (a gather of every layer's K and V cost more than the attention itself); slots
-  that do not decode this step are inactive rows: computed, but nothing is appended (their
-  writes go to a scratch slot, the cache's extra last slot). The graph is the one of the
-  smallest batch bucket above the highest slot used. Its whole input is ONE int64 tensor
-  ``[bucket, DECODE_COLS]`` (:func:`pack_decode_rows`: active flag, input speech token, EOS
-  mask, the two uniforms as float64 bits, the repetition window), written on the host into a
-  pinned buffer and copied in one transfer; the graph looks up the embeddings itself. Per step
-  the host then launches one copy and one graph, not a dozen small kernels and copies.
-  Returns the sampled ids as a host list (the one sync of the step).
+* :class:`GraphedLLM` ``.decode_sample(rows, kv_len)``: one batched decode step, the
+  ``llm_decoder`` head, EOS masking and repetition-aware sampling. Each row names its KV slot
+  and appends one position to it; a run of consecutive rows may feed one slot (offsets 0, 1,
+  2, ..: a bistream text group, or the rest of a request's first input after its voice
+  prefix), so a step's multi-row inputs ride along with the other streams' decode rows
+  instead of taking a prefill of their own (one graph replay a step, not one per stream that
+  takes text). Rows are padded to the smallest batch bucket with idle rows: computed, but
+  nothing is appended (their writes go to a scratch slot, the cache's extra last slot). The
+  step's whole input is ONE int64 tensor ``[bucket, DECODE_COLS]`` (:func:`pack_decode_rows`:
+  active flag, input id and its kind, slot, offset, EOS mask, the two uniforms as float64
+  bits, the repetition window), written on the host into a pinned buffer and copied in one
+  transfer; the graph looks up the embeddings itself. Per step the host then launches one
+  copy and one graph, not a dozen small kernels and copies. Returns the sampled ids as a
+  host list (the one sync of the step).
 * ``.prefill(slot, embeds, start)``: appends ``[L, H]`` rows to one slot, replayed from the
   graph of the smallest length bucket >= L (rows are padded; the padding's K/V land beyond the
   slot's new length, where they are masked and later overwritten). Returns the hidden state of
@@ -25,11 +27,11 @@ With ``fused`` (the default, where ``voice_out.model.decode_kernels`` can run: C
 Triton, bf16/fp16) the step is the fused one (``SpeechLM.decode_step(fused=True)``), the head
 a GEMM over a padded copy of ``llm_decoder`` and the sampling one kernel
 (``decode_kernels.ras_sample``); its attention runs to each row's length, so one window, the
-whole cache, serves every step. Otherwise a decode graph is captured per (batch bucket,
-attention window): a step attends over the
-smallest window of ``decode_windows`` (256, 512, ... and the whole cache) that holds its longest
-row, so short utterances do not pay for attending over the whole cache; the per-row validity
-mask does the rest. Prefill graphs are per (length bucket, window) too. Capture all
+whole cache, serves every step. Otherwise (plain torch) a decode graph is captured per (batch
+bucket, attention window): each row gathers its slot's K/V over the smallest window of
+``decode_windows`` (256, 512, ... and the whole cache) that holds the longest row, so short
+utterances do not pay for attending over the whole cache; the per-row validity mask does the
+rest. Prefill graphs are per (length bucket, window) too. Capture all
 buckets with :meth:`GraphedLLM.capture_all` at start-up, before any stream holds a slot:
 capture runs the step on scratch inputs. GPU worker thread only.
 """
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,6 +49,7 @@ from torch import Tensor
 
 from voice_out.model import decode_kernels
 from voice_out.model.cuda_graphs import GraphedFn
+from voice_out.model.llm_inputs import KIND_SPEECH
 from voice_out.model.qwen2 import Block, KVCache, SpeechLM, attend, group_mask, rope_cos_sin
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, mask_eos_, ras_sample_batch
 from voice_out.model.transfer import to_device
@@ -61,7 +65,7 @@ DEFAULT_DECODE_WINDOWS = (256, 512, 1024, 2048)
 
 
 #: Columns of a packed decode row (:func:`pack_decode_rows`); the repetition window follows.
-COL_ACTIVE, COL_TOKEN, COL_MASKED, COL_UNIFORMS, COL_HISTORY = 0, 1, 2, 3, 5
+COL_ACTIVE, COL_TOKEN, COL_KIND, COL_SLOT, COL_OFFSET, COL_MASKED, COL_UNIFORMS, COL_HISTORY = 0, 1, 2, 3, 4, 5, 6, 8
 
 
 def decode_cols(win_size: int) -> int:
@@ -70,16 +74,29 @@ def decode_cols(win_size: int) -> int:
 
 
 def pack_decode_rows(
-    tokens: Sequence[int], eos_masked: Sequence[bool], uniforms: np.ndarray, history: Sequence[Sequence[int]], win: int
+    slots: Sequence[int],
+    tokens: Sequence[int],
+    eos_masked: Sequence[bool],
+    uniforms: np.ndarray,
+    history: Sequence[Sequence[int]],
+    win: int,
+    *,
+    offsets: Sequence[int] | None = None,
+    kinds: Sequence[int] | None = None,
 ) -> np.ndarray:
     """The host side of one decode step: int64 ``[N, decode_cols(win)]``, row n = (active 1,
-    input speech token ``tokens[n]``, ``eos_masked[n]``, ``uniforms[n]`` (float64 ``[N, 2]``,
-    stored as their bits), the last ``win`` ids of ``history[n]`` right-aligned after
-    ``NO_TOKEN`` padding). Any thread; no torch."""
+    input id ``tokens[n]``, its kind ``kinds[n]`` (default 2, speech; 0 llm_embedding, 1
+    text), KV slot ``slots[n]``, ``offsets[n]`` (default 0; the row goes to the slot's length
+    plus it, see :meth:`GraphedLLM.decode_sample`), ``eos_masked[n]``, ``uniforms[n]``
+    (float64 ``[N, 2]``, stored as their bits), the last ``win`` ids of ``history[n]``
+    right-aligned after ``NO_TOKEN`` padding). Any thread; no torch."""
     n = len(tokens)
     rows = np.empty((n, decode_cols(win)), dtype=np.int64)
     rows[:, COL_ACTIVE] = 1
     rows[:, COL_TOKEN] = tokens
+    rows[:, COL_KIND] = KIND_SPEECH if kinds is None else kinds
+    rows[:, COL_SLOT] = slots
+    rows[:, COL_OFFSET] = 0 if offsets is None else offsets
     rows[:, COL_MASKED] = eos_masked
     rows[:, COL_UNIFORMS : COL_UNIFORMS + 2] = np.ascontiguousarray(uniforms, dtype=np.float64).view(np.int64)
     rows[:, COL_HISTORY:] = NO_TOKEN
@@ -90,22 +107,47 @@ def pack_decode_rows(
     return rows
 
 
-def unpack_decode_rows(packed: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The device side of :func:`pack_decode_rows` (graph-safe, no sync): from int64 ``[B,
-    decode_cols]``, (active bool ``[B]``, token int64 ``[B]``, EOS mask bool ``[B]``, uniforms
-    float32 ``[B, 2]``, repetition window int64 ``[B, W]``, a strided view of ``packed``)."""
-    active = packed[:, COL_ACTIVE] != 0
-    masked = packed[:, COL_MASKED] != 0
-    uniforms = packed[:, COL_UNIFORMS : COL_UNIFORMS + 2].view(torch.float64).float()
-    return active, packed[:, COL_TOKEN], masked, uniforms, packed[:, COL_HISTORY:]
+@dataclass(frozen=True)
+class DecodeInputs:
+    """The device side of :func:`pack_decode_rows`: views of the packed tensor, or small
+    tensors computed from it (graph-safe, no sync). Shapes ``[B]`` unless noted."""
+
+    active: Tensor  # bool
+    tokens: Tensor  # int64
+    kinds: Tensor  # int64
+    slots: Tensor  # int64
+    offsets: Tensor  # int64
+    masked: Tensor  # bool
+    uniforms: Tensor  # float32 [B, 2]
+    history: Tensor  # int64 [B, W]
 
 
-def _idle_row(win: int) -> np.ndarray:
-    """A packed row for a slot that does not decode: inactive, token 0, EOS masked, uniforms
-    0.5, empty window (its output is never read)."""
-    row = pack_decode_rows([0], [True], np.full((1, 2), 0.5), [[]], win)[0]
-    row[COL_ACTIVE] = 0
-    return row
+def unpack_decode_rows(packed: Tensor) -> DecodeInputs:
+    """Unpack int64 ``[B, decode_cols]`` rows of :func:`pack_decode_rows` on the device."""
+    return DecodeInputs(
+        active=packed[:, COL_ACTIVE] != 0,
+        tokens=packed[:, COL_TOKEN],
+        kinds=packed[:, COL_KIND],
+        slots=packed[:, COL_SLOT],
+        offsets=packed[:, COL_OFFSET],
+        masked=packed[:, COL_MASKED] != 0,
+        uniforms=packed[:, COL_UNIFORMS : COL_UNIFORMS + 2].view(torch.float64).float(),
+        history=packed[:, COL_HISTORY:],
+    )
+
+
+def check_runs(slots: np.ndarray, offsets: np.ndarray) -> str | None:
+    """Why packed rows' ``slots`` / ``offsets`` (int64 ``[N]``) do not make a decode step, or
+    None: each slot's rows must be ONE run of consecutive rows with offsets 0, 1, 2, ..."""
+    starts = offsets == 0
+    follows = np.zeros_like(starts)
+    follows[1:] = (slots[1:] == slots[:-1]) & (offsets[1:] == offsets[:-1] + 1)
+    if not np.all(starts | follows):
+        return "a row with offset k > 0 must follow the row of offset k - 1 of the same slot"
+    firsts = slots[starts]
+    if len(np.unique(firsts)) != len(firsts):
+        return "a slot takes at most one run of rows a step"
+    return None
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int | None:
@@ -206,7 +248,11 @@ class GraphedLLM:
                 self._head_bias[:vocab] = head.bias.detach()
         self._decode_windows = (cache.max_len,) if self.fused else self.decode_windows
         self._cols = decode_cols(sampling.win_size)
-        self._idle = _idle_row(sampling.win_size)
+        # an idle row: inactive, on the scratch slot, EOS masked, uniforms 0.5, empty window
+        self._idle = pack_decode_rows([self.scratch_slot], [0], [True], np.full((1, 2), 0.5), [[]], sampling.win_size)[
+            0
+        ]
+        self._idle[COL_ACTIVE] = 0
         #: Per decode bucket: the pinned host buffer its packed rows are written into.
         self._host_rows: dict[int, Tensor] = {}
         decode_fn: Callable[..., Tensor] = self._decode_fn
@@ -251,51 +297,66 @@ class GraphedLLM:
     # -- the captured functions -------------------------------------------------------------
 
     def _decode_fn(self, window: int, packed: Tensor) -> Tensor:
-        # row r is slot r: K/V are views of the cache, never gathered; rows that do not decode
-        # this step are inactive (nothing appended, their writes go to the scratch slot)
-        cache, scratch = self.cache, self.scratch_slot
-        active, tokens, masked, uniforms, history = unpack_decode_rows(packed)
-        embeds = self.lm.embed_speech(tokens)
+        # idle rows append nothing: their writes go to the scratch slot
+        rows = unpack_decode_rows(packed)
+        embeds = self.lm.embed_kinds(rows.kinds, rows.tokens)
         hidden = self.lm.decode_step(
-            cache, None, embeds, kv_len=window, active=active, scratch_slot=scratch, fused=self.fused
+            self.cache,
+            rows.slots,
+            embeds,
+            kv_len=window,
+            active=rows.active,
+            scratch_slot=self.scratch_slot,
+            fused=self.fused,
+            offsets=rows.offsets,
         )
         eos = self.lm.dims.eos_token
         if self.fused:
             # the bias in the GEMM's epilogue (addmm would first copy it into the output)
             logits = F.linear(hidden, self._head_weight, self._head_bias)[:, : self.lm.dims.speech_vocab_size]
-            return decode_kernels.ras_sample(logits, history, uniforms, masked, eos, self.sampling)
-        logp = mask_eos_(self.lm.logprobs(hidden), masked, eos)
-        return ras_sample_batch(logp, history, uniforms, self.sampling)
+            return decode_kernels.ras_sample(logits, rows.history, rows.uniforms, rows.masked, eos, self.sampling)
+        logp = mask_eos_(self.lm.logprobs(hidden), rows.masked, eos)
+        return ras_sample_batch(logp, rows.history, rows.uniforms, self.sampling)
 
     def _prefill_fn(self, window: int, slot: Tensor, start: Tensor, n_valid: Tensor, embeds: Tensor) -> Tensor:
         return prefill_static(self.lm, self.cache, slot, start, n_valid, embeds, window)
 
     # -- calls ------------------------------------------------------------------------------
 
-    def decode_sample(self, slots: Sequence[int], rows: np.ndarray, kv_len: int | None = None) -> list[int]:
-        """One decode + sample for the B streams in ``slots`` (distinct, any order): ``rows``
-        int64 ``[B, decode_cols]`` from :func:`pack_decode_rows`, row i for ``slots[i]``;
-        ``kv_len``: positions every row needs after this step (the longest row's length + 1),
-        None = the whole cache. Returns the B sampled ids, in the order of ``slots`` (this
-        waits for the step: the caller needs them to plan the next one).
+    @property
+    def max_rows(self) -> int:
+        """The most rows one :meth:`decode_sample` replays from a graph (the largest bucket)."""
+        return self.decode_buckets[-1]
 
-        The graph's row r is slot r: it runs the smallest batch bucket > ``max(slots)`` (so
-        keeping streams in the lowest slots, as the scheduler does, keeps it small) with the
-        slots not in ``slots`` inactive, and the smallest window >= ``kv_len``. The rows go
-        into a pinned host buffer of the bucket and reach the graph's input in one copy.
-        Eager above the largest bucket, on the CPU, or with graphs off."""
+    def decode_sample(self, rows: np.ndarray, kv_len: int | None = None) -> list[int]:
+        """One decode + sample step: ``rows`` int64 ``[N, decode_cols]`` from
+        :func:`pack_decode_rows`, each appending one position to its slot (in ``0 ..
+        scratch_slot - 1``); a slot's rows form one run of consecutive rows with offsets 0, 1,
+        2, .. (:func:`check_runs`), each attending causally over the slot and the run's earlier
+        rows. ``kv_len``: positions every row needs after this step (the longest slot's length
+        + its rows), None = the whole cache. Returns the N sampled ids, row by row (this waits
+        for the step: the caller needs them to plan the next one); only a run's last id means
+        anything, the others are draws from its inner positions.
+
+        Runs the graph of the smallest batch bucket >= N, the rest idle rows, and the smallest
+        window >= ``kv_len``. The rows go into a pinned host buffer of the bucket and reach the
+        graph's input in one copy. Eager above the largest bucket, on the CPU, or with graphs off."""
         need = self.cache.max_len if kv_len is None else kv_len
         window = _bucket(need, self._decode_windows)
         if window is None:
             raise ValueError(f"decode needs {need} positions, the cache holds {self.cache.max_len}")
-        if not slots or max(slots) >= self.scratch_slot or min(slots) < 0 or len(set(slots)) != len(slots):
-            raise ValueError(f"decode slots must be distinct, in 0..{self.scratch_slot - 1}: {list(slots)}")
-        if rows.shape != (len(slots), self._cols) or rows.dtype != np.int64:
-            raise ValueError(f"decode rows must be int64 [{len(slots)}, {self._cols}], got {rows.dtype} {rows.shape}")
-        top = max(slots) + 1
-        bucket = _bucket(top, self.decode_buckets) if self.enabled else top
+        n = len(rows)
+        if rows.ndim != 2 or n == 0 or rows.shape[1] != self._cols or rows.dtype != np.int64:
+            raise ValueError(f"decode rows must be int64 [N >= 1, {self._cols}], got {rows.dtype} {rows.shape}")
+        slots = rows[:, COL_SLOT]
+        if slots.max() >= self.scratch_slot or slots.min() < 0:
+            raise ValueError(f"decode slots must be in 0..{self.scratch_slot - 1}: {slots.tolist()}")
+        why = check_runs(slots, rows[:, COL_OFFSET])
+        if why is not None:
+            raise ValueError(f"decode rows: {why}")
+        bucket = _bucket(n, self.decode_buckets) if self.enabled else n
         if bucket is None:  # more rows than the largest bucket: eager, same code
-            bucket = top
+            bucket = n
         graph = self._decode[window] if self.enabled and bucket in self.decode_buckets else None
         bufs = graph.static_inputs(bucket) if graph is not None else None
         # The bucket's pinned host buffer is free to rewrite: the previous call's copy out of
@@ -305,8 +366,8 @@ class GraphedLLM:
             host = torch.empty((bucket, self._cols), dtype=torch.int64, pin_memory=self.device.type == "cuda")
             self._host_rows[bucket] = host
         host_rows = host.numpy()
-        host_rows[:] = self._idle
-        host_rows[list(slots)] = rows
+        host_rows[:n] = rows
+        host_rows[n:] = self._idle
         out: Tensor
         if graph is not None and bufs is not None:
             bufs[0].copy_(host, non_blocking=True)
@@ -314,8 +375,8 @@ class GraphedLLM:
         else:  # eager, or the first call of a bucket not captured at start-up (captures it)
             packed = host.to(self.device, copy=True)
             out = graph(bucket, packed) if graph is not None else self._decode_fn(window, packed)
-        picked = out.tolist()
-        return [int(picked[s]) for s in slots]
+        picked: list[int] = out[:n].tolist()
+        return picked
 
     def prefill(self, slot: int, embeds: Tensor, start: int) -> Tensor:
         """Append ``embeds`` ``[L, H]`` to ``slot`` from position ``start``; hidden ``[H]``."""

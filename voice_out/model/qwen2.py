@@ -18,8 +18,10 @@ The state lives outside the module in a preallocated :class:`KVCache` that the c
 * ``prefill(cache, slot, embeds[L, H])`` appends L positions to ONE slot (a prompt, or more text
   later on: bistream feeds text between decode steps) and returns the last hidden state;
 * ``decode_step(cache, slots[B], embeds[B, H])`` appends one position to each of B slots in one
-  batched call, every row at its own position. Shapes are static, positions are tensors, the
-  cache is written by index and nothing syncs with the host, so it can be CUDA-graphed.
+  batched call, every row at its own position (with ``offsets``, a run of rows may append
+  several positions to one slot: a text group rides along with the other streams' decode rows).
+  Shapes are static, positions are tensors, the cache is written by index and nothing syncs
+  with the host, so it can be CUDA-graphed.
 
 Hidden states returned are after the final norm (the ``llm_decoder`` input). ``logprobs``
 applies the head and a float32 log-softmax.
@@ -355,6 +357,17 @@ class SpeechLM(nn.Module):
         """``speech_embedding`` rows for device-side token ids ``[B]`` -> ``[B, H]`` (no sync)."""
         return self.speech_embedding(ids)
 
+    def embed_kinds(self, kinds: Tensor, ids: Tensor) -> Tensor:
+        """Embeddings ``[B, H]`` of device-side rows, as :meth:`embed_rows` (no sync): ``kinds``
+        int64 ``[B]`` (0 llm_embedding, 1 text, 2 speech), ``ids`` int64 ``[B]``. Each table
+        is read with the ids of other kinds replaced by 0, so a speech id never indexes past
+        ``llm_embedding``."""
+        out = self.speech_embedding(torch.where(kinds == KIND_SPEECH, ids, 0))
+        for kind, table in ((KIND_TEXT, self.embed_tokens), (KIND_LLM, self.llm_embedding)):
+            mine = kinds == kind
+            out = torch.where(mine[:, None], table(torch.where(mine, ids, 0)), out)
+        return out
+
     # -- backbone ---------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -399,24 +412,29 @@ class SpeechLM(nn.Module):
         active: Tensor | None = None,
         scratch_slot: int | None = None,
         fused: bool = False,
+        offsets: Tensor | None = None,
     ) -> Tensor:
-        """Append one row to each of B slots; return final-norm hidden states ``[B, H]``.
+        """Append one row per row of ``embeds`` to its slot; return final-norm hidden states ``[B, H]``.
 
-        * ``slots``: int64 ``[B]`` distinct slot indices, or None for slots ``0..B-1`` (views
-          instead of gathers: the K/V of a slot subset must be gathered every layer).
-        * ``embeds``: ``[B, H]``; row b goes to position ``cache.lengths[slots[b]]``.
+        * ``slots``: int64 ``[B]`` slot indices, or None for slots ``0..B-1`` (the eager path
+          then takes views instead of gathering the K/V of a slot subset every layer).
+        * ``embeds``: ``[B, H]``; row b goes to position ``cache.lengths[slots[b]] + offsets[b]``.
+        * ``offsets``: int64 ``[B]`` or None (zeros). Several rows may feed one slot: a run of
+          consecutive rows with offsets 0, 1, 2, .. appends that many positions to it in one
+          step (a bistream text group beside other streams' decode rows), each row attending
+          causally over the slot and the run's earlier rows, as a prefill of those rows would.
+          Without offsets the slots must be distinct.
         * ``kv_len``: attend over the first ``kv_len`` positions only (a static bound, e.g. a
           bucket; must exceed every active row's position). None = ``cache.max_len``.
-        * ``active`` (with ``slots`` None only): bool ``[B]``, the rows that really decode. An
+        * ``active``: bool ``[B]``, the rows that really append (with ``scratch_slot``). An
           inactive row is computed (static shapes) but appends nothing: its slot's length stays
           and its K/V go to position 0 of ``scratch_slot`` (a slot no stream owns), so a slot
           that is mid-utterance but not decoding this step is left exactly as it was.
-        * ``fused`` (with ``slots`` None only): RoPE, the K/V append and attention as one Triton
-          kernel per layer, and the MLP gate as one (``voice_out.model.decode_kernels``; check
-          ``decode_kernels.available`` first). Attention then runs to each row's own length and
-          ``kv_len`` only bounds the positions. An inactive row attends over its slot's keys
-          and its new key (the eager path reads whatever is at its position instead); its
-          output is unused either way.
+        * ``fused``: RoPE, the K/V append and attention as one Triton kernel per layer, and the
+          MLP gate as one (``voice_out.model.decode_kernels``; check ``decode_kernels.available``
+          first). Attention then runs to each row's own length and ``kv_len`` only bounds the
+          positions. An inactive row attends over its slot's keys and its new key (the eager
+          path reads whatever is at its position instead); its output is unused either way.
 
         Static shapes, tensor positions, index writes, no host sync: CUDA-graph capturable.
         """
@@ -428,20 +446,21 @@ class SpeechLM(nn.Module):
             slot_idx = torch.arange(b, device=dev)
             lengths = cache.lengths[:b]
         else:
-            slot_idx = slots
-            lengths = cache.lengths.index_select(0, slots)
+            slot_idx = slots.contiguous()  # e.g. a column of the packed decode rows
+            lengths = cache.lengths.index_select(0, slot_idx)
         pos = lengths.long()  # [B]
+        offs = torch.zeros_like(pos) if offsets is None else offsets.contiguous()
+        if offsets is not None:
+            pos = pos + offs
         write_slot, write_pos = slot_idx, pos
         if active is not None:
-            if slots is not None or scratch_slot is None:
-                raise ValueError("decode_step: active rows need slots=None and a scratch_slot")
+            if scratch_slot is None:
+                raise ValueError("decode_step: active rows need a scratch_slot")
             write_slot = torch.where(active, slot_idx, scratch_slot)
             write_pos = torch.where(active, pos, 0)
         h = embeds.to(dtype)  # [B, H]
         if fused:
-            if slots is not None:
-                raise ValueError("decode_step: the fused kernels need slots=None (row b = slot b)")
-            h = self._layers_fused(cache, h, pos, write_slot, write_pos)
+            h = self._layers_fused(cache, h, pos, slot_idx, offs, write_slot, write_pos)
         else:
             h = self._layers_eager(cache, slots, h, pos, write_slot, write_pos, window)
         step = (
@@ -495,8 +514,17 @@ class SpeechLM(nn.Module):
             h = layer.mlp(layer.post_attention_layernorm(h), h)
         return h
 
-    def _layers_fused(self, cache: KVCache, h: Tensor, pos: Tensor, write_slot: Tensor, write_pos: Tensor) -> Tensor:
-        """The decode step's layers with the Triton kernels (row b = slot b); h ``[B, H]``.
+    def _layers_fused(
+        self,
+        cache: KVCache,
+        h: Tensor,
+        pos: Tensor,
+        slot: Tensor,
+        offset: Tensor,
+        write_slot: Tensor,
+        write_pos: Tensor,
+    ) -> Tensor:
+        """The decode step's layers with the Triton kernels (row b of ``slot[b]``); h ``[B, H]``.
 
         Per layer 7 kernels: norm, qkv GEMM, RoPE + K/V append + attention, wo GEMM with the
         residual, norm, w13 GEMM, silu * up, w2 GEMM with the residual. The residual GEMMs run
@@ -511,7 +539,18 @@ class SpeechLM(nn.Module):
             attn, mlp = layer.attn, layer.mlp
             qkv = attn.wqkv(layer.input_layernorm(h))  # [B, (Hq + 2 Hkv) D]
             o = decode_kernels.rope_append_attend(
-                qkv, cache.k[i], cache.v[i], cos, sin, pos, write_slot, write_pos, dims.n_heads, dims.n_kv_heads
+                qkv,
+                cache.k[i],
+                cache.v[i],
+                cos,
+                sin,
+                pos,
+                slot,
+                offset,
+                write_slot,
+                write_pos,
+                dims.n_heads,
+                dims.n_kv_heads,
             )
             h = torch.addmm(h, o, attn.wo.weight.t()) if i == 0 else h.addmm_(o, attn.wo.weight.t())
             act = decode_kernels.silu_mul(mlp.w13(layer.post_attention_layernorm(h)))
