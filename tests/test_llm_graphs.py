@@ -8,7 +8,6 @@ import torch
 
 from tests.conftest import REPO_ROOT
 from voice_out.model.checkpoint import random_llm
-from voice_out.model.llm_inputs import KIND_LLM, KIND_SPEECH, KIND_TEXT
 from voice_out.model.llm_graphs import (
     COL_HISTORY,
     COL_KIND,
@@ -21,6 +20,7 @@ from voice_out.model.llm_graphs import (
     pack_decode_rows,
     prefill_static,
 )
+from voice_out.model.llm_inputs import KIND_LLM, KIND_SPEECH, KIND_TEXT
 from voice_out.model.qwen2 import KVCache, SpeechLM
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, mask_eos_, ras_sample_batch
 
