@@ -2,9 +2,10 @@
 
 The runner owns the model, the static KV cache, one sampling generator and one token2wav
 stream per admitted request. It never decides policy: it resets the slots it is told to, feeds
-each LLM work item its inputs (a per-slot prefill for multi-row inputs: prompt, text groups;
-ONE batched decode step for all single-row inputs), samples every row at once with each
-request's own generator, applies forced tokens, and runs the token2wav chunks in the order
+each LLM work item its inputs (ONE batched decode step for all of them: a row per single-row
+input, a run of rows per multi-row input such as a text group; a voice prefix is copied in,
+and what does not fit the step is prefilled per slot), samples every input's last row at once
+with each request's own counter uniforms, applies forced tokens, and runs the token2wav chunks in the order
 given (the flow of several streams' chunks in one batched call, ``Token2Wav.run_chunks``), on
 CUDA on a second stream alongside the LLM step (and, with ``pipeline_vocode``, without waiting
 for them: their audio comes back in a later step's result).
