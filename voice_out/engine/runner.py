@@ -1,14 +1,15 @@
 """The GPU side of the engine: executes a :class:`~voice_out.engine.scheduler.StepPlan`.
 
-The runner owns the model, the static KV cache, one sampling generator and one token2wav
-stream per admitted request. It never decides policy: it resets the slots it is told to, feeds
+The runner owns the model, the static KV cache, each admitted request's sampling counter and
+token2wav stream. It never decides policy: it resets the slots it is told to, feeds
 each LLM work item its inputs (ONE batched decode step for all of them: a row per single-row
 input, a run of rows per multi-row input such as a text group; a voice prefix is copied in,
-and what does not fit the step is prefilled per slot), samples every input's last row at once
-with each request's own counter uniforms, applies forced tokens, and runs the token2wav chunks in the order
-given (the flow of several streams' chunks in one batched call, ``Token2Wav.run_chunks``), on
-CUDA on a second stream alongside the LLM step (and, with ``pipeline_vocode``, without waiting
-for them: their audio comes back in a later step's result).
+and what does not fit the step is prefilled per slot), samples every input's last row at
+once with each request's own counter uniforms, applies forced tokens, and runs the token2wav
+chunks in the order given (the flow of several streams' chunks in one batched call,
+``Token2Wav.run_chunks``), on CUDA on a second stream alongside the LLM step (and, with
+``pipeline_vocode``, without waiting for them: their audio comes back in a later step's
+result).
 Failures are reported per request in the :class:`StepResult`; an exception escaping
 :meth:`Runner.execute` means the whole step failed (the worker fails the step's requests).
 
@@ -506,10 +507,7 @@ class Runner:
         """One batched decode step over the items' rows (a run per item); each item's sampled
         id, from its last row (waits for them). Each item's sampling inputs go on its last row;
         the rows before it in its run are drawn from with idle inputs, their ids unused."""
-        lives = [self.live[w.request_id] for w, _ in items]
-        uniforms = counter_uniforms([lv.seed for lv in lives], [lv.draws for lv in lives])
-        for lv in lives:
-            lv.draws += 1
+        uniforms = self._next_uniforms([w for w, _ in items])
         slots: list[int] = []
         offsets: list[int] = []
         kinds: list[int] = []
@@ -537,13 +535,19 @@ class Runner:
             self.slot_len[w.slot] += len(rows)
         return [picked[i] for i in last]
 
-    def _sampling_inputs(self, items: Sequence[LlmWork]) -> tuple[Tensor, Tensor, Tensor]:
-        """Repetition windows int64 ``[N, W]``, uniforms ``[N, 2]`` (two per request per step)
-        and the EOS mask bool ``[N]`` of prefilled items, on the device: one packed copy."""
+    def _next_uniforms(self, items: Sequence[LlmWork]) -> np.ndarray:
+        """Each request's next two uniforms, float64 ``[N, 2]`` (a hash of its seed and draw
+        counter, ``counter_uniforms``); advances the counters."""
         lives = [self.live[w.request_id] for w in items]
         uniforms = counter_uniforms([lv.seed for lv in lives], [lv.draws for lv in lives])
         for lv in lives:
             lv.draws += 1
+        return uniforms
+
+    def _sampling_inputs(self, items: Sequence[LlmWork]) -> tuple[Tensor, Tensor, Tensor]:
+        """Repetition windows int64 ``[N, W]``, uniforms ``[N, 2]`` (two per request per step)
+        and the EOS mask bool ``[N]`` of prefilled items, on the device: one packed copy."""
+        uniforms = self._next_uniforms(items)
         masked = [not w.step.allow_eos for w in items]
         slots = [w.slot for w in items]
         rows = pack_decode_rows(

@@ -249,10 +249,9 @@ class GraphedLLM:
         self._decode_windows = (cache.max_len,) if self.fused else self.decode_windows
         self._cols = decode_cols(sampling.win_size)
         # an idle row: inactive, on the scratch slot, EOS masked, uniforms 0.5, empty window
-        self._idle = pack_decode_rows([self.scratch_slot], [0], [True], np.full((1, 2), 0.5), [[]], sampling.win_size)[
-            0
-        ]
-        self._idle[COL_ACTIVE] = 0
+        idle = pack_decode_rows([self.scratch_slot], [0], [True], np.full((1, 2), 0.5), [[]], sampling.win_size)
+        idle[:, COL_ACTIVE] = 0
+        self._idle = idle[0]
         #: Per decode bucket: the pinned host buffer its packed rows are written into.
         self._host_rows: dict[int, Tensor] = {}
         decode_fn: Callable[..., Tensor] = self._decode_fn
