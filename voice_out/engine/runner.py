@@ -29,14 +29,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from voice_out.engine.request import EOS_TOKEN, LlmInputKind
+from voice_out.engine.request import LlmInputKind
 from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
-from voice_out.model import decode_kernels
 from voice_out.model.chunk_schedule import HopPolicy
 from voice_out.model.cuda_graphs import family_stream
 from voice_out.model.llm_graphs import GraphedLLM, pack_decode_rows, unpack_decode_rows
 from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT, KVCache, SpeechLM
-from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, mask_eos_, ras_sample_batch
+from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, ras_sample_batch
 from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2Wav, Token2WavStream
 from voice_out.model.transfer import to_device
 
@@ -469,8 +468,9 @@ class Runner:
         return [(_KIND[kind], ident) for kind, ident in w.step.inputs]
 
     def _place_prefix(self, w: LlmWork) -> tuple[list[tuple[int, int]], Tensor | None]:
-        """The step's rows still to append after its voice prefix, if any, is in its slot; and
-        the last hidden state ``[H]`` when the prefix was the whole input (else None).
+        """Put a first step's voice prefix into its slot (if it has one worth reusing); returns
+        the rows still to append, and the last hidden state ``[H]`` when the prefix was the
+        whole input (else None).
 
         A first step's voice prefix (``LlmStep.voice_prefix``: SOS and the prompt, the same rows
         at the same positions for every request of a voice) is prefilled once per voice and
@@ -505,9 +505,23 @@ class Runner:
 
     def _decode_sample(self, items: Sequence[tuple[LlmWork, list[tuple[int, int]]]]) -> list[int]:
         """One batched decode step over the items' rows (a run per item); each item's sampled
-        id, from its last row (waits for them). Each item's sampling inputs go on its last row;
-        the rows before it in its run are drawn from with idle inputs, their ids unused."""
-        uniforms = self._next_uniforms([w for w, _ in items])
+        id, from its last row (waits for them)."""
+        packed, last = self._pack(items)
+        longest = max(self.slot_len[w.slot] + len(rows) for w, rows in items)
+        picked = self.graphed.decode_sample(packed, kv_len=longest)
+        for w, rows in items:
+            self.slot_len[w.slot] += len(rows)
+        return [picked[i] for i in last]
+
+    def _pack(self, items: Sequence[tuple[LlmWork, Sequence[tuple[int, int]]]]) -> tuple[np.ndarray, list[int]]:
+        """The items' rows packed (``pack_decode_rows``), a run per item, and the index of each
+        item's last row. Each item's sampling inputs go on its last row (its next two counter
+        uniforms: this advances the counters); the rows before it in its run draw with idle
+        inputs, their ids unused."""
+        lives = [self.live[w.request_id] for w, _ in items]
+        uniforms = counter_uniforms([lv.seed for lv in lives], [lv.draws for lv in lives])
+        for lv in lives:
+            lv.draws += 1
         slots: list[int] = []
         offsets: list[int] = []
         kinds: list[int] = []
@@ -529,43 +543,14 @@ class Runner:
         packed = pack_decode_rows(
             slots, ids, masked, np.stack(draws), history, self.sampling.win_size, offsets=offsets, kinds=kinds
         )
-        longest = max(self.slot_len[w.slot] + len(rows) for w, rows in items)
-        picked = self.graphed.decode_sample(packed, kv_len=longest)
-        for w, rows in items:
-            self.slot_len[w.slot] += len(rows)
-        return [picked[i] for i in last]
-
-    def _next_uniforms(self, items: Sequence[LlmWork]) -> np.ndarray:
-        """Each request's next two uniforms, float64 ``[N, 2]`` (a hash of its seed and draw
-        counter, ``counter_uniforms``); advances the counters."""
-        lives = [self.live[w.request_id] for w in items]
-        uniforms = counter_uniforms([lv.seed for lv in lives], [lv.draws for lv in lives])
-        for lv in lives:
-            lv.draws += 1
-        return uniforms
-
-    def _sampling_inputs(self, items: Sequence[LlmWork]) -> tuple[Tensor, Tensor, Tensor]:
-        """Repetition windows int64 ``[N, W]``, uniforms ``[N, 2]`` (two per request per step)
-        and the EOS mask bool ``[N]`` of prefilled items, on the device: one packed copy."""
-        uniforms = self._next_uniforms(items)
-        masked = [not w.step.allow_eos for w in items]
-        slots = [w.slot for w in items]
-        rows = pack_decode_rows(
-            slots, [0] * len(items), masked, uniforms, [w.recent for w in items], self.sampling.win_size
-        )
-        got = unpack_decode_rows(to_device(torch.from_numpy(rows), self.device))
-        return got.history, got.uniforms, got.masked
+        return packed, last
 
     def _sample(self, items: Sequence[LlmWork], hidden: Tensor) -> Tensor:
-        """The head and RAS for final-norm hidden states ``[N, H]``: int64 token ids ``[N]`` on
-        the device (no sync). Where the decode graphs sample with the fused kernel, so does
-        this (one kernel instead of ~60: the prefill rows are on the path to first audio)."""
-        history, uniforms, masked = self._sampling_inputs(items)
-        if self.graphed.fused:
-            logits = self.llm.logits(hidden)
-            return decode_kernels.ras_sample(logits, history, uniforms, masked, EOS_TOKEN, self.sampling)
-        logp = mask_eos_(self.llm.logprobs(hidden), masked, EOS_TOKEN)
-        return ras_sample_batch(logp, history, uniforms, self.sampling)
+        """The head and RAS for prefilled items' final-norm hidden states ``[N, H]``: int64 ids
+        ``[N]`` on the device (no sync), as the decode step samples (``GraphedLLM.sample``);
+        the sampling inputs reach the device in one packed copy."""
+        packed, _ = self._pack([(w, self._rows(w)[-1:]) for w in items])
+        return self.graphed.sample(hidden, unpack_decode_rows(to_device(torch.from_numpy(packed), self.device)))
 
     # ---- token2wav ---------------------------------------------------------------------------
 

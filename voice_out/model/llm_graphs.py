@@ -309,6 +309,12 @@ class GraphedLLM:
             fused=self.fused,
             offsets=rows.offsets,
         )
+        return self.sample(hidden, rows)
+
+    def sample(self, hidden: Tensor, rows: DecodeInputs) -> Tensor:
+        """The ``llm_decoder`` head, EOS masking and RAS for final-norm hidden states ``[N, H]``
+        with the sampling inputs of ``rows`` (``[N]`` of each): int64 ids ``[N]`` on the device,
+        no sync. The decode step's own tail, and what a prefilled row is sampled with."""
         eos = self.lm.dims.eos_token
         if self.fused:
             # the bias in the GEMM's epilogue (addmm would first copy it into the output)
