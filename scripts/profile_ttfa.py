@@ -26,6 +26,7 @@ from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.engine import Engine  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
+from voice_out.model.llm_graphs import PendingIds  # noqa: E402
 from voice_out.model.token2wav import Token2Wav  # noqa: E402
 
 TIMES: dict[str, list[float]] = {}
@@ -55,7 +56,8 @@ def main() -> None:
         (Runner, "execute", "step (all)"),
         (Runner, "_place_prefix", "LLM voice prefix (copy or prefill)"),
         (Runner, "_prefill_rows", "LLM prefill of rows that did not fit a step"),
-        (Runner, "_decode_sample", "LLM decode+sample (all rows batched)"),
+        (Runner, "_launch", "LLM decode+sample launch (all rows batched; no wait)"),
+        (PendingIds, "ids", "LLM: wait for a step's ids"),
         (Runner, "_sample", "sampling of prefilled rows"),
         (Token2Wav, "_flow_mel", "token2wav: flow"),
         (Token2Wav, "_vocoder", "token2wav: vocoder"),

@@ -32,7 +32,7 @@ from voice_out.engine.api import (
 from voice_out.engine.engine import Engine, EngineStats, EngineStream
 from voice_out.engine.request import SAMPLES_PER_TOKEN, LlmInputKind, LlmStep, VoicePrompt
 from voice_out.engine.runner import Runner, noise_voice
-from voice_out.engine.scheduler import Admit, ForcedTokens, LlmWork, StepPlan, VocodeWork
+from voice_out.engine.scheduler import Admit, ForcedTokens, LlmWork, NextGuess, StepPlan, VocodeWork
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
 from voice_out.model.token2wav import Token2WavStream
 
@@ -73,7 +73,12 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(prev)
 
 
-def make_engine(tmp: Path, *, hook: Hook | None = None, **engine: object) -> Engine:
+FORCED_3 = ForcedTokens(3)
+
+
+def make_engine(
+    tmp: Path, *, hook: Hook | None = None, forced: ForcedTokens | None = FORCED_3, **engine: object
+) -> Engine:
     kw: dict[str, object] = {"max_streams": 8, "max_ahead_s": 1.0, "max_text_chars": 200}
     kw.update(engine)
     cfg = Config(server=ServerConfig(voices_dir=str(tmp / "no-voices")), engine=EngineConfig(**kw))  # type: ignore[arg-type]
@@ -81,7 +86,7 @@ def make_engine(tmp: Path, *, hook: Hook | None = None, **engine: object) -> Eng
         cfg,
         model="random:tiny",
         device="cpu",
-        forced=ForcedTokens(3),
+        forced=forced,
         warmup=False,
         text_normalizer="none",
         noise_prompt_tokens=0,
@@ -674,6 +679,44 @@ def test_sampled_streams_are_isolated_in_the_batched_llm(engine: Engine) -> None
         )
 
 
+@pytest.mark.parametrize("forced", [True, False], ids=["forced_tokens", "sampled"])
+def test_planning_ahead_speaks_exactly_as_without(tmp_path: Path, forced: bool) -> None:
+    """``engine.step_ahead``: three streams with text arriving in pieces, their tokens forced
+    (text groups after forced FILLs) or sampled (EOS included): the same audio, bit for bit,
+    with the next steps launched ahead as without, and most of those guesses confirmed."""
+    texts = ["hello there", "a b c", "quick fox"]
+    audio: dict[bool, list[np.ndarray]] = {}
+    for ahead in (False, True):
+        eng = make_engine(tmp_path / str(ahead), forced=FORCED_3 if forced else None, step_ahead=ahead)
+        eng.start(timeout=120)
+        try:
+
+            async def together(eng: Engine = eng) -> list[list[PcmChunk]]:
+                streams = [eng.open_stream(seed=300 + i) for i in range(len(texts))]
+                for s, t in zip(streams, texts, strict=True):
+                    for j in range(0, len(t), 4):
+                        s.push_text(t[j : j + 4])
+                    s.end_text()
+
+                async def consume(s: EngineStream) -> list[PcmChunk]:
+                    return [c async for c in s]
+
+                return list(await asyncio.gather(*(consume(s) for s in streams)))
+
+            audio[ahead] = [np.concatenate([c.pcm for c in chunks]) for chunks in asyncio.run(together())]
+            runner = engine_runner(eng)
+            assert_clean(eng)
+        finally:
+            eng.close()
+        if ahead:
+            print(f"step ahead: {runner.ahead_confirmed} guesses confirmed, {runner.ahead_dropped} dropped")
+            assert runner.ahead_confirmed > 50 and runner.ahead_confirmed > 5 * runner.ahead_dropped
+        else:
+            assert runner.ahead_confirmed == runner.ahead_dropped == 0
+    for a, b in zip(audio[True], audio[False], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_say_stream_reads_deltas_from_a_pipe_as_they_arrive(engine: Engine) -> None:
     import os
 
@@ -771,6 +814,83 @@ def test_a_voice_prefix_is_prefilled_once_and_equals_a_whole_prefill(
     torch.testing.assert_close(runner.cache.k[:, 0, :, :n], whole.cache.k[:, 0, :, :n], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(runner.cache.v[:, 0, :, :n], whole.cache.v[:, 0, :, :n], atol=1e-5, rtol=1e-5)
     assert isinstance(alone, int) and len(runner._prefixes) == 1
+
+
+SPEECH = LlmInputKind.SPEECH
+TEXT = LlmInputKind.TEXT
+
+
+def group(base: int) -> tuple[tuple[LlmInputKind, int], ...]:
+    return tuple((TEXT, base + i) for i in range(5))
+
+
+Inputs = tuple[tuple[LlmInputKind, int], ...]
+#: One request's step in a hand-made script: (inputs, force, guess of its next step); None
+#: inputs = one speech row of the request's last token.
+ScriptStep = tuple[Inputs | None, int | None, NextGuess | None]
+
+
+def guess_script() -> list[dict[str, ScriptStep]]:
+    """15 steps of requests "a" and "b" (a request missing from a step is paused). "a": a text
+    group after a forced FILL guessed right (step 5), an unexpected text group (8), a wrongly
+    guessed one (12); "b": paused at step 6, a forced speech token at step 10."""
+    speech_next = NextGuess(None, False)
+    first: ScriptStep = (((LlmInputKind.SOS, 0), *group(10)), None, speech_next)
+    a: list[ScriptStep] = [first] + [(None, None, speech_next)] * 14
+    a[4] = (None, 6563, NextGuess(group(20), False))  # forced FILL: guesses the next group
+    a[5] = (group(20), None, speech_next)
+    a[8] = (group(30), None, speech_next)
+    a[11] = (None, 6563, NextGuess(group(50), False))
+    a[12] = (group(60), None, speech_next)
+    b: list[ScriptStep] = [(((LlmInputKind.SOS, 0), *group(70)), None, speech_next)] + [(None, None, speech_next)] * 14
+    b[10] = (None, 123, speech_next)
+    return [{"a": a[i], "b": b[i]} if i != 6 else {"a": a[i]} for i in range(15)]
+
+
+def run_guess_script(runner: Runner, guesses: bool) -> list[dict[str, int]]:
+    """:func:`guess_script` through ``runner`` (with its guesses, or none); the tokens per step."""
+    _, flow = noise_voice(0, seed=3)
+    voice = VoicePrompt("v", flow=flow)
+    history: dict[str, list[int]] = {"a": [], "b": []}
+    slots = {"a": 0, "b": 1}
+    out = []
+    for i, step in enumerate(guess_script()):
+        work = []
+        for rid, (inputs, force, guess) in step.items():
+            rows = inputs if inputs is not None else ((SPEECH, history[rid][-1]),)
+            llm_step = LlmStep(rows, allow_eos=False, force=force)
+            work.append(LlmWork(rid, slots[rid], llm_step, tuple(history[rid][-10:]), guess if guesses else None))
+        admit = tuple(Admit(rid, slots[rid], 40 + slots[rid], voice) for rid in slots) if i == 0 else ()
+        result = runner.execute(StepPlan(admit=admit, llm=tuple(work)))
+        assert not result.failed and set(result.tokens) == set(step)
+        for rid, token in result.tokens.items():
+            history[rid].append(token)
+        out.append(dict(result.tokens))
+    return out
+
+
+def test_steps_launched_ahead_change_nothing_and_roll_back_what_the_plan_drops(engine: Engine) -> None:
+    """``LlmWork.guess`` (engine.step_ahead): a guessed next step launched before the host has
+    the token is used when the next plan confirms it and dropped (its slot's length rolled back
+    on the device) when not; the sampled tokens and the KV cache are those of a runner that
+    never guesses."""
+    plain, ahead = hand_runner(engine), hand_runner(engine)
+    want = run_guess_script(plain, guesses=False)
+    got = run_guess_script(ahead, guesses=True)
+    assert got == want
+    assert len({t for step in want for t in step.values()}) > 10  # really sampled
+    assert (plain.ahead_confirmed, plain.ahead_dropped) == (0, 0)
+    # a: every step after the first but the unexpected group (8) and the wrong guess (12);
+    # b: every step after the first but its pause (6) and its step after the pause (7)
+    assert (ahead.ahead_confirmed, ahead.ahead_dropped) == (24, 3)
+    lengths = ahead.cache.lengths[:2].tolist()
+    assert ahead.slot_len[:2] == plain.slot_len[:2]
+    assert lengths == [n + 1 for n in ahead.slot_len[:2]]  # the next guesses are in flight
+    ahead.execute(StepPlan())  # a step without them: dropped, rolled back
+    assert ahead.cache.lengths[:2].tolist() == ahead.slot_len[:2] and ahead.ahead_dropped == 5
+    for slot, n in enumerate(plain.slot_len[:2]):
+        for a, b in ((ahead.cache.k, plain.cache.k), (ahead.cache.v, plain.cache.v)):
+            torch.testing.assert_close(a[:, slot, :, :n], b[:, slot, :, :n], atol=1e-5, rtol=1e-5)
 
 
 def admit_all(runner: Runner, tag: str) -> list[tuple[str, VoicePrompt, list[int]]]:

@@ -9,6 +9,7 @@ import torch
 from tests.conftest import REPO_ROOT
 from voice_out.model.checkpoint import random_llm
 from voice_out.model.llm_graphs import (
+    COL_FEED,
     COL_HISTORY,
     COL_KIND,
     COL_OFFSET,
@@ -19,6 +20,7 @@ from voice_out.model.llm_graphs import (
     decode_cols,
     pack_decode_rows,
     prefill_static,
+    unpack_decode_rows,
 )
 from voice_out.model.llm_inputs import KIND_LLM, KIND_SPEECH, KIND_TEXT
 from voice_out.model.qwen2 import KVCache, SpeechLM
@@ -85,8 +87,11 @@ def test_pack_decode_rows_layout() -> None:
     assert rows.shape == (2, decode_cols(4)) and rows.dtype == np.int64
     # active, token, kind (speech), slot, offset, masked
     assert rows[:, :COL_UNIFORMS].tolist() == [[1, 17, 2, 2, 0, 1], [1, 4, 2, 0, 0, 0]]
-    assert rows[:, COL_UNIFORMS:COL_HISTORY].copy().view(np.float64).tolist() == u.tolist()
+    assert rows[:, COL_UNIFORMS : COL_UNIFORMS + 2].copy().view(np.float64).tolist() == u.tolist()
+    assert rows[:, COL_FEED].tolist() == [0, 0]
     assert rows[:, COL_HISTORY:].tolist() == [[NO_TOKEN] * 4, [NO_TOKEN, 1, 2, 3]]
+    fed = pack_decode_rows([2, 0], [17, 4], [True, False], u, [[], [1, 2, 3]], 4, feed=[False, True])
+    assert fed[:, COL_FEED].tolist() == [0, 1]
     tail = pack_decode_rows([0], [1], [False], u[:1], [list(range(9))], 4)[0, COL_HISTORY:]
     assert tail.tolist() == [5, 6, 7, 8]
     run = pack_decode_rows([3, 3], [9, 8], [True, True], u, [[], []], 4, offsets=[0, 1], kinds=[1, 1])
@@ -133,6 +138,58 @@ def _run_equivalence(device: str, dtype: torch.dtype) -> None:
                 fast.k[layer, s, :, :n].float(), ref.k[layer, s, :, :n].float(), atol=2e-2, rtol=2e-2
             )
     assert int(fast.lengths[fast_llm.scratch_slot]) <= 4  # padding never reaches real slots
+
+
+def _run_fed_rows(device: str, dtype: torch.dtype) -> None:
+    """A step launched before the previous one's ids reached the host, its rows fed on the
+    device (``feed``), equals the same step fed from the host after waiting."""
+    lm, a, b = _setup(device, dtype)
+    params = SamplingParams()
+    win = params.win_size
+    ahead, waits = (GraphedLLM(lm, c, params, decode_buckets=(1, 2, 4), prefill_buckets=(8, 32)) for c in (a, b))
+    for g in (ahead, waits):
+        g.capture_all()
+        for slot, n in enumerate([6, 11, 3]):
+            g.prefill(slot, _embeds(lm, n, slot), 0)
+    slots, hist = [2, 0, 1], [[5, 5, 5], [], [7] * win]
+    first = pack_decode_rows(slots, [11, 12, 13], [True] * 3, counter_uniforms([1, 2, 3], [0] * 3), hist, win)
+    second_u = counter_uniforms([1, 2, 3], [1] * 3)
+    for step in range(3):
+        launched = ahead.decode_launch(first, kv_len=40)
+        fed = [[*h, NO_TOKEN] for h in hist]  # the window's last id: fed too
+        # slot 0 is not fed (its id known on the host): fed and host rows mix in one step
+        known = [False, True, False]
+        ids = [0, 4321, 0]
+        rows = pack_decode_rows(slots, ids, [True] * 3, second_u, fed, win, feed=[not k for k in known])
+        launched_next = ahead.decode_launch(rows, kv_len=40)
+        got = launched.ids(), launched_next.ids()
+        picked = waits.decode_sample(first, kv_len=40)
+        tokens = [4321 if k else p for k, p in zip(known, picked, strict=True)]
+        rows = pack_decode_rows(
+            slots, tokens, [True] * 3, second_u, [[*h, t] for h, t in zip(hist, tokens, strict=True)], win
+        )
+        want = picked, waits.decode_sample(rows, kv_len=40)
+        assert got == want, step
+        first = pack_decode_rows(slots, want[1], [True] * 3, counter_uniforms([1, 2, 3], [2 + step] * 3), hist, win)
+    assert a.lengths.tolist() == b.lengths.tolist()
+    torch.testing.assert_close(a.k, b.k, atol=0, rtol=0)
+    assert ahead.last_ids[slots].tolist() == want[1]
+    # a fed row's window ends with the fed id too (it decides the repetition fallback)
+    fed_rows = pack_decode_rows(
+        slots, [0, 9, 0], [True] * 3, second_u, [[1, NO_TOKEN]] * 3, win, feed=[True, False, True]
+    )
+    resolved = ahead._resolve_fed(unpack_decode_rows(torch.from_numpy(fed_rows).to(device)))
+    assert resolved.tokens.tolist() == [want[1][0], 9, want[1][2]]
+    assert resolved.history[:, -2:].tolist() == [[1, want[1][0]], [1, NO_TOKEN], [1, want[1][2]]]
+
+
+def test_fed_rows_equal_rows_fed_from_the_host_cpu() -> None:
+    _run_fed_rows("cpu", torch.float32)
+
+
+@pytest.mark.requires_cuda
+def test_fed_rows_equal_rows_fed_from_the_host_cuda() -> None:
+    _run_fed_rows("cuda", torch.bfloat16)  # the graphed fused step where Triton runs
 
 
 def test_decode_window_too_small_for_the_cache_is_refused() -> None:

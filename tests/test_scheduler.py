@@ -791,3 +791,74 @@ def test_a_first_chunk_is_waited_for_only_when_no_other_first_audio_needs_the_ll
     many = create_scheduler(max_streams=8, first_audio_priority=False)
     create_requests(many, 6, text="a" * 40, prefix="m")  # 6 rows decode: more than the wait allows
     assert not waits_at_first_chunk(many, "m0")
+
+
+def test_step_after_guesses_the_next_step_and_changes_nothing() -> None:
+    feed = BistreamFeed()
+    feed.add_text([10, 11, 12, 13, 14, 15, 16])
+    assert feed.step_after(3) is None  # no step handed out yet
+    first = feed.next_step()
+    assert first is not None
+    guess = feed.step_after(3)
+    assert guess is not None and guess.inputs == ((LlmInputKind.SPEECH, 3),) and guess.voice_prefix == 0
+    fed, state = feed.text_fed, repr(feed.state)
+    step = first
+    while step.force != FILL_TOKEN:
+        guessed = feed.step_after(4)
+        feed.on_token(4)
+        step = feed.next_step()
+        assert step is not None and guessed == step and step.inputs == ((LlmInputKind.SPEECH, 4),)
+    # a forced FILL: the next step is the next text group, but only 2 ids are buffered
+    assert feed.step_after(FILL_TOKEN) is None
+    feed.add_text([17, 18, 19])
+    after = feed.step_after(FILL_TOKEN)
+    assert after is not None and [i for _, i in after.inputs] == [15, 16, 17, 18, 19]
+    assert feed.text_fed == 5 and fed == 5 and state != repr(feed.state)
+    before = repr(feed.state)
+    feed.step_after(FILL_TOKEN)
+    assert repr(feed.state) == before  # asking changed nothing
+    feed.on_token(FILL_TOKEN)
+    assert feed.next_step() == after
+
+
+def test_the_plan_guesses_each_stream_s_next_step() -> None:
+    """``LlmWork.guess`` (engine.step_ahead): one speech row of the token being picked, the
+    next text group after a forced FILL, nothing before a forced stop, near the back-pressure
+    limit, or with step_ahead off."""
+    sched = create_scheduler(max_ahead_s=60.0)
+    (rid,) = create_requests(sched, 1, text="abcdefghij")
+    plan = sched.plan()
+    (w,) = plan.llm
+    assert w.guess is not None and w.guess.inputs is None and w.guess.allow_eos is False
+    fills = 0
+    for _ in range(60):
+        (w,) = plan.llm
+        if w.step.force == FILL_TOKEN:
+            fills += 1
+            assert w.guess is not None and w.guess.inputs is not None  # the rest of the text, TASK
+            assert {k for k, _ in w.guess.inputs} <= {LlmInputKind.TEXT, LlmInputKind.TASK}
+            sched.update(plan, fake_result(plan))
+            plan = sched.plan()
+            assert plan.llm[0].step.inputs == w.guess.inputs  # the guess was right
+            continue
+        if w.step.force == EOS_TOKEN:
+            assert w.guess is None
+            break
+        assert w.guess is not None and w.guess.inputs is None and w.guess.allow_eos == w.step.allow_eos
+        sched.update(plan, fake_result(plan))
+        plan = sched.plan()
+    assert fills >= 1 and w.step.force == EOS_TOKEN
+
+    tight = create_scheduler(max_ahead_s=SAMPLES_PER_TOKEN * 2.5 / SAMPLE_RATE)  # 2.5 tokens ahead
+    create_requests(tight, 1, text="abcdefghij")
+    guesses = []
+    for _ in range(3):
+        plan = tight.plan()
+        guesses.append(plan.llm[0].guess)
+        tight.update(plan, fake_result(plan))
+    assert guesses[0] is not None and guesses[1] is not None
+    assert guesses[2] is None  # its token is the third: 3 tokens ahead pass the limit
+
+    off = create_scheduler(step_ahead=False)
+    create_requests(off, 1, text="abc")
+    assert off.plan().llm[0].guess is None

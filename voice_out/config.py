@@ -131,6 +131,12 @@ class EngineConfig:
     #: later step, so LLM steps go on while the flow runs (docs/engine.md); off: every step
     #: waits for its own chunks (they still overlap that step's LLM work).
     pipeline_vocode: bool = True
+    #: Plan one LLM step ahead: while a step runs on the GPU, the next one of every stream
+    #: likely to go on (its input the token being sampled, on the device; after a forced FILL,
+    #: the next text group) is already launched behind it, so the host's planning between two
+    #: steps overlaps the GPU work. A guess the next plan does not confirm is dropped (its KV
+    #: rows are rolled back), so the output is the same either way (docs/llm.md).
+    step_ahead: bool = True
     #: While an admitted stream waits for its first audio, the GPU goes to first audio: the
     #: scheduler plans first chunks and the chunks of streams about to run dry, and defers the
     #: rest (other streams' audio already buffered) so they do not slow the first chunks and

@@ -156,6 +156,11 @@ class TextFeed(Protocol):
 
     def on_token(self, token: int) -> TokenOutcome: ...
 
+    def step_after(self, token: int) -> LlmStep | None:
+        """The step ``next_step`` would give once the outstanding step is answered with
+        ``token`` and nothing else happens; changes nothing (a guess to plan ahead with)."""
+        ...
+
     @property
     def text_fed(self) -> int:
         """How many of the request's text ids (prompt transcript excluded) were given to the

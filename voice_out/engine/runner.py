@@ -33,7 +33,7 @@ from voice_out.engine.request import LlmInputKind
 from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
 from voice_out.model.chunk_schedule import HopPolicy
 from voice_out.model.cuda_graphs import family_stream
-from voice_out.model.llm_graphs import GraphedLLM, pack_decode_rows, unpack_decode_rows
+from voice_out.model.llm_graphs import GraphedLLM, PendingIds, pack_decode_rows, unpack_decode_rows
 from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT, KVCache, SpeechLM
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, ras_sample_batch
 from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2Wav, Token2WavStream
@@ -80,6 +80,35 @@ class _Inflight:
 
     audio: list[tuple[str, Tensor]]
     done: torch.cuda.Event
+
+
+@dataclass
+class _Run:
+    """One request's rows in a decode launch: ``rows`` (kind, id) appended to ``slot`` from
+    position ``start``; the last row samples with EOS ``masked``, repetition ``window`` and the
+    request's draw number ``draw``. ``fed``: one speech row whose id, and the window's last,
+    are the slot's last sampled id on the device (placeholders here)."""
+
+    request_id: str
+    slot: int
+    start: int
+    rows: list[tuple[int, int]]
+    fed: bool
+    masked: bool
+    window: tuple[int, ...]
+    draw: int
+
+
+@dataclass
+class _Ahead:
+    """A guessed next step already launched (``LlmWork.guess``): its run, and where its id
+    comes back (``pending``, row ``index``). ``after``: the token of the step it follows, once
+    the runner has it (a fed row's id)."""
+
+    run: _Run
+    pending: PendingIds
+    index: int
+    after: int | None = None
 
 
 @dataclass
@@ -182,6 +211,13 @@ class Runner:
         if self.device.type == "cuda" and self.llm_stream_priority is not None:
             self._main_stream = family_stream(MAIN_STREAM_FAMILY, self.device, priority=self.llm_stream_priority)
         self._inflight: list[_Inflight] = []
+        #: An admission queued work on the runner's stream that the next chunks must wait for.
+        self._side_waits = False
+        #: Guessed next steps already launched, by request (``_llm_step``), and how many were
+        #: confirmed / dropped so far.
+        self._ahead: dict[str, _Ahead] = {}
+        self.ahead_confirmed = 0
+        self.ahead_dropped = 0
         #: Host copy of the cache lengths: no sync is needed to place rows or bound attention.
         self.slot_len = [0] * n_slots
         self.live: dict[str, _Live] = {}
@@ -235,12 +271,12 @@ class Runner:
             for part in (firsts, [item for item in vocode if item[0].chunk.index > 0]):
                 if part:
                     self._launch_vocode(part, result)
-            if llm:
+            if llm or self._ahead:
                 self._llm_step(llm, result)
             self._collect_vocode(result, block=not self.pipeline_vocode or plan.wait_vocode)
             return result
         made: list[tuple[str, Tensor]] = []
-        if llm:
+        if llm or self._ahead:
             self._llm_step(llm, result)
         if vocode:
             made = self._vocode_step(vocode, result)
@@ -256,7 +292,12 @@ class Runner:
         Their tokens come from earlier steps, so nothing depends on the LLM work queued next."""
         side = self._side_stream
         assert side is not None
-        side.wait_stream(torch.cuda.current_stream(self.device))  # admissions, voice copies
+        if self._side_waits:
+            # what admissions queued on the runner's stream (a pooled token2wav stream's reset,
+            # a voice's tensors); nothing else there is read by a chunk, so otherwise the side
+            # stream does not wait behind the LLM step launched ahead
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            self._side_waits = False
         with torch.cuda.stream(side):
             made = self._vocode_step(vocode, result)
             host: list[tuple[str, Tensor]] = []
@@ -302,6 +343,7 @@ class Runner:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def _release(self, rel: Release) -> None:
+        self._ahead.pop(rel.request_id, None)  # its slot's length is reset below, or was
         if rel.slot is not None:
             self.cache.reset(rel.slot)  # in place: the tensors (and any graph over them) stay
             self.slot_len[rel.slot] = 0
@@ -317,6 +359,7 @@ class Runner:
     def release_all(self) -> None:
         """Drop every request and reset every slot (after a failed step, or on shutdown)."""
         self._settle_vocode()
+        self._ahead.clear()
         for rid in list(self.live):
             self._release(Release(rid, self.live[rid].slot, drop=True))
         self.cache.reset()
@@ -363,6 +406,7 @@ class Runner:
         self.cache.reset(adm.slot)
         self.slot_len[adm.slot] = 0
         self.live[adm.request_id] = _Live(adm.slot, adm.seed, stream)
+        self._side_waits = True
 
     @_on_main_stream
     def warmup(self, voice: FlowVoice) -> None:
@@ -424,19 +468,28 @@ class Runner:
     def _llm_step(self, work: Sequence[LlmWork], result: StepResult) -> None:
         """Feed every item, then pick one token per item; the step waits once, for its tokens.
 
-        Every item's rows go into ONE batched decode step (``GraphedLLM.decode_sample``): a
+        Every item's rows go into ONE batched decode step (``GraphedLLM.decode_launch``): a
         decode row, or a run of rows for a multi-row input (a bistream text group, the rest of
         a first input after its voice prefix), as long as the step has room
         (``GraphedLLM.max_rows``, at most ``batched_input_rows`` of them multi-row). An input
-        that does not fit is prefilled into its slot by itself and its last row sampled apart."""
+        that does not fit is prefilled into its slot by itself and its last row sampled apart.
+
+        Planning ahead (``LlmWork.guess``, ``engine.step_ahead``): an item the previous step
+        already launched as its guess (same slot position, rows, EOS mask, window and draw)
+        is not run again: its token is that launch's. The same launch carries the guesses of
+        this step's confirmed items (fed with the ids being sampled, on the device); the
+        guesses of the items it computes itself follow in a second launch. The host then waits
+        for this step's tokens while the next step is already queued behind them. A guess
+        the plan does not confirm is dropped and its slot's length rolled back (its K/V rows
+        lie past the length, masked, and are overwritten later)."""
+        confirmed, fresh = self._take_ahead(work, result)
         prefilled: list[LlmWork] = []
         hidden: list[Tensor] = []
         batched: list[tuple[LlmWork, list[tuple[int, int]]]] = []
-        multi = sum(len(w.step.inputs) > 1 for w in work)
-        room = min(self.graphed.max_rows - (len(work) - multi), self.batched_input_rows)
-        for w in work:
+        multi = sum(len(w.step.inputs) > 1 for w in fresh)
+        room = min(self.graphed.max_rows - len(confirmed) - (len(fresh) - multi), self.batched_input_rows)
+        for w in fresh:
             try:
-                self._hook(w.request_id, "llm")
                 self._check_room(w.slot, len(w.step.inputs))
                 rows, h = self._place_prefix(w)
                 if h is not None:
@@ -450,12 +503,123 @@ class Runner:
                     prefilled.append(w)
             except Exception as e:  # noqa: BLE001 - one request's input fails alone
                 result.failed[w.request_id] = _describe(e)
-        prefill_tokens = self._sample(prefilled, torch.stack(hidden)) if prefilled else None
-        tokens = self._decode_sample(batched) if batched else []
-        if prefill_tokens is not None:
-            tokens = prefill_tokens.tolist() + tokens
-        for w, tok in zip([*prefilled, *(w for w, _ in batched)], tokens, strict=True):
-            result.tokens[w.request_id] = w.step.force if w.step.force is not None else int(tok)
+        # queued in this order: the prefilled items' draws (they set their slots' last ids),
+        # this step's rows with the confirmed items' guesses, then the other items' guesses
+        prefill_ids = self._sample(prefilled, torch.stack(hidden)) if prefilled else None
+        runs = [self._commit_run(w, rows) for w, rows in batched]
+        ahead_now = self._guess_runs([w for w, _ in confirmed], room)
+        launch = self._launch([*runs, *ahead_now]) if runs or ahead_now else None
+        ahead_next = self._guess_runs([*prefilled, *(w for w, _ in batched)], self.batched_input_rows)
+        launch_next = self._launch(ahead_next) if ahead_next else None
+        for runs_, pending in ((ahead_now, launch), (ahead_next, launch_next)):
+            if pending is not None:
+                last = pending[1][len(pending[1]) - len(runs_) :]
+                self._ahead.update((r.request_id, _Ahead(r, pending[0], i)) for r, i in zip(runs_, last, strict=True))
+        picked: dict[str, int] = {}
+        for w, done in confirmed:
+            picked[w.request_id] = done.pending.ids()[done.index]
+        if prefill_ids is not None:
+            picked.update(zip((w.request_id for w in prefilled), prefill_ids.tolist(), strict=True))
+        if batched:
+            assert launch is not None
+            ids = launch[0].ids()
+            picked.update((w.request_id, ids[i]) for (w, _), i in zip(batched, launch[1][: len(batched)], strict=True))
+        for w in (*(w for w, _ in confirmed), *prefilled, *(w for w, _ in batched)):
+            token = w.step.force if w.step.force is not None else picked[w.request_id]
+            result.tokens[w.request_id] = token
+            guessed = self._ahead.get(w.request_id)
+            if guessed is not None:
+                guessed.after = token
+
+    def _take_ahead(
+        self, work: Sequence[LlmWork], result: StepResult
+    ) -> tuple[list[tuple[LlmWork, _Ahead]], list[LlmWork]]:
+        """Split the items into those the previous launch already ran as its guess (their rows
+        are committed here) and the rest; drop every other guess, rolling back its slot's
+        length on the device."""
+        confirmed: list[tuple[LlmWork, _Ahead]] = []
+        fresh: list[LlmWork] = []
+        for w in work:
+            ahead = self._ahead.pop(w.request_id, None)
+            try:
+                self._hook(w.request_id, "llm")
+            except Exception as e:  # noqa: BLE001 - one request's input fails alone
+                result.failed[w.request_id] = _describe(e)
+                if ahead is not None:
+                    self._ahead[w.request_id] = ahead  # rolled back below
+                continue
+            if ahead is not None and self._confirms(ahead, w):
+                self.slot_len[w.slot] += len(ahead.run.rows)
+                self.live[w.request_id].draws += 1
+                confirmed.append((w, ahead))
+            else:
+                if ahead is not None:
+                    self._ahead[w.request_id] = ahead
+                fresh.append(w)
+        if self._ahead:
+            slots = [a.run.slot for a in self._ahead.values()]
+            self._ahead.clear()
+            self.ahead_dropped += len(slots)
+            lengths = to_device([*slots, *(self.slot_len[s] for s in slots)], self.device, torch.long)
+            self.cache.lengths.index_copy_(0, lengths[: len(slots)], lengths[len(slots) :].to(torch.int32))
+        self.ahead_confirmed += len(confirmed)
+        return confirmed, fresh
+
+    def _confirms(self, ahead: _Ahead, w: LlmWork) -> bool:
+        """Whether the guess ``ahead`` launched is exactly item ``w``: slot and position, rows,
+        EOS mask, repetition window and draw."""
+        run, after = ahead.run, ahead.after
+        if after is None or run.slot != w.slot or run.start != self.slot_len[w.slot]:
+            return False
+        rows = [(kind, after) for kind, _ in run.rows] if run.fed else run.rows
+        window = (*run.window[:-1], after) if run.fed else run.window
+        win = self.sampling.win_size
+        return (
+            rows == self._rows(w)
+            and run.masked == (not w.step.allow_eos)
+            and window[-win:] == tuple(w.recent)[-win:]
+            and run.draw == self.live[w.request_id].draws
+        )
+
+    def _guess_runs(self, items: Sequence[LlmWork], room: int) -> list[_Run]:
+        """The runs of ``items``' guessed next steps (``LlmWork.guess``), after their rows of
+        this step (already counted in ``slot_len``; their draws taken). A guessed input of
+        several rows takes ``room`` (left over from this step's multi-row inputs)."""
+        runs: list[_Run] = []
+        for w in items:
+            guess, known = w.guess, w.step.force
+            if guess is None:
+                continue
+            if guess.inputs is None:  # one speech row: this step's token
+                fed = known is None
+                rows = [(KIND_SPEECH, 0 if known is None else known)]
+            elif known is not None:  # the rows after a forced token (a text group after FILL)
+                fed, rows = False, [(_KIND[kind], ident) for kind, ident in guess.inputs]
+            else:
+                continue
+            start = self.slot_len[w.slot]
+            if start + len(rows) > self.cache.max_len or (len(rows) > 1 and len(rows) > room):
+                continue
+            room -= len(rows) if len(rows) > 1 else 0
+            window = (*w.recent, NO_TOKEN if known is None else known)
+            lv = self.live[w.request_id]
+            runs.append(_Run(w.request_id, w.slot, start, rows, fed, not guess.allow_eos, window, lv.draws))
+        return runs
+
+    def _commit_run(self, w: LlmWork, rows: list[tuple[int, int]]) -> _Run:
+        """The run of item ``w``'s ``rows`` in this step (:meth:`_draw_run`), appended to its
+        slot's length."""
+        run = self._draw_run(w, rows)
+        self.slot_len[w.slot] += len(rows)
+        return run
+
+    def _draw_run(self, w: LlmWork, rows: list[tuple[int, int]]) -> _Run:
+        """Item ``w``'s ``rows`` from its slot's length, sampled with its step's inputs; takes
+        the request's next draw."""
+        lv = self.live[w.request_id]
+        run = _Run(w.request_id, w.slot, self.slot_len[w.slot], rows, False, not w.step.allow_eos, w.recent, lv.draws)
+        lv.draws += 1
+        return run
 
     def _check_room(self, slot: int, n: int) -> None:
         if self.slot_len[slot] + n > self.cache.max_len:
@@ -503,53 +667,47 @@ class Runner:
         self.slot_len[slot] += len(rows)
         return h  # [H]
 
-    def _decode_sample(self, items: Sequence[tuple[LlmWork, list[tuple[int, int]]]]) -> list[int]:
-        """One batched decode step over the items' rows (a run per item); each item's sampled
-        id, from its last row (waits for them)."""
-        packed, last = self._pack(items)
-        longest = max(self.slot_len[w.slot] + len(rows) for w, rows in items)
-        picked = self.graphed.decode_sample(packed, kv_len=longest)
-        for w, rows in items:
-            self.slot_len[w.slot] += len(rows)
-        return [picked[i] for i in last]
+    def _launch(self, runs: Sequence[_Run]) -> tuple[PendingIds, list[int]]:
+        """One decode step over ``runs`` (no wait): its pending ids and each run's last row."""
+        packed, last = self._pack(runs)
+        longest = max(r.start + len(r.rows) for r in runs)
+        return self.graphed.decode_launch(packed, kv_len=longest), last
 
-    def _pack(self, items: Sequence[tuple[LlmWork, Sequence[tuple[int, int]]]]) -> tuple[np.ndarray, list[int]]:
-        """The items' rows packed (``pack_decode_rows``), a run per item, and the index of each
-        item's last row. Each item's sampling inputs go on its last row (its next two counter
-        uniforms: this advances the counters); the rows before it in its run draw with idle
-        inputs, their ids unused."""
-        lives = [self.live[w.request_id] for w, _ in items]
-        uniforms = counter_uniforms([lv.seed for lv in lives], [lv.draws for lv in lives])
-        for lv in lives:
-            lv.draws += 1
+    def _pack(self, runs: Sequence[_Run]) -> tuple[np.ndarray, list[int]]:
+        """The runs packed (``pack_decode_rows``), and the index of each run's last row. A run's
+        sampling inputs go on its last row (its draw's counter uniforms); the rows before it
+        draw with idle inputs, their ids unused."""
+        uniforms = counter_uniforms([self.live[r.request_id].seed for r in runs], [r.draw for r in runs])
         slots: list[int] = []
         offsets: list[int] = []
         kinds: list[int] = []
         ids: list[int] = []
         masked: list[bool] = []
+        fed: list[bool] = []
         history: list[Sequence[int]] = []
         draws: list[np.ndarray] = []
         last: list[int] = []
-        for (w, rows), u in zip(items, uniforms, strict=True):
-            n = len(rows)
-            slots += [w.slot] * n
+        for r, u in zip(runs, uniforms, strict=True):
+            n = len(r.rows)
+            slots += [r.slot] * n
             offsets += range(n)
-            kinds += [kind for kind, _ in rows]
-            ids += [ident for _, ident in rows]
-            masked += [True] * (n - 1) + [not w.step.allow_eos]
-            history += [()] * (n - 1) + [w.recent]
+            kinds += [kind for kind, _ in r.rows]
+            ids += [ident for _, ident in r.rows]
+            masked += [True] * (n - 1) + [r.masked]
+            fed += [False] * (n - 1) + [r.fed]
+            history += [()] * (n - 1) + [r.window]
             draws += [_IDLE_UNIFORMS] * (n - 1) + [u]
             last.append(len(ids) - 1)
         packed = pack_decode_rows(
-            slots, ids, masked, np.stack(draws), history, self.sampling.win_size, offsets=offsets, kinds=kinds
+            slots, ids, masked, np.stack(draws), history, self.sampling.win_size, offsets=offsets, kinds=kinds, feed=fed
         )
         return packed, last
 
     def _sample(self, items: Sequence[LlmWork], hidden: Tensor) -> Tensor:
         """The head and RAS for prefilled items' final-norm hidden states ``[N, H]``: int64 ids
         ``[N]`` on the device (no sync), as the decode step samples (``GraphedLLM.sample``);
-        the sampling inputs reach the device in one packed copy."""
-        packed, _ = self._pack([(w, self._rows(w)[-1:]) for w in items])
+        the sampling inputs reach the device in one packed copy. Takes each item's draw."""
+        packed, _ = self._pack([self._draw_run(w, self._rows(w)[-1:]) for w in items])
         return self.graphed.sample(hidden, unpack_decode_rows(to_device(torch.from_numpy(packed), self.device)))
 
     # ---- token2wav ---------------------------------------------------------------------------

@@ -49,7 +49,10 @@ from voice_out.engine.api import (
 )
 from voice_out.engine.request import (
     EOS_TOKEN,
+    FILL_TOKEN,
+    SAMPLES_PER_TOKEN,
     SPEECH_VOCAB,
+    LlmInputKind,
     LlmStep,
     Request,
     RequestStatus,
@@ -94,14 +97,27 @@ class Admit:
 
 
 @dataclass(frozen=True)
+class NextGuess:
+    """What a request's next LLM step will likely be, for the runner to launch it before this
+    step's token is known (``engine.step_ahead``): ``inputs`` None = one speech row, the token
+    this step picks; else these rows (a text group after a forced FILL). A guess the next
+    plan does not confirm is dropped."""
+
+    inputs: tuple[tuple[LlmInputKind, int], ...] | None
+    allow_eos: bool
+
+
+@dataclass(frozen=True)
 class LlmWork:
     """Feed ``step.inputs`` into ``slot``, then pick a token (``step.force`` or a sample over the
-    logits with ``recent`` as the repetition window)."""
+    logits with ``recent`` as the repetition window). ``guess``: the likely next step (None: no
+    guess, nothing is launched ahead)."""
 
     request_id: str
     slot: int
     step: LlmStep
     recent: tuple[int, ...]
+    guess: NextGuess | None = None
 
 
 @dataclass(frozen=True)
@@ -421,7 +437,8 @@ class Scheduler:
             if self.forced is not None and step.force is None:
                 step = self._force(req, step)
             assert req.slot is not None
-            llm.append(LlmWork(req.request_id, req.slot, step, tuple(req.history[-win:])))
+            guess = self._guess(req, step) if self.config.step_ahead else None
+            llm.append(LlmWork(req.request_id, req.slot, step, tuple(req.history[-win:]), guess))
 
         ready: list[tuple[Request, ChunkPlan]] = []
         inflight = bool(self.inflight_ids())
@@ -464,6 +481,18 @@ class Scheduler:
                 self.requests[w.request_id].first_audio_time is None and w.request_id not in firsts for w in llm
             )
         return StepPlan(releases, tuple(admits), tuple(llm), vocode, wait_vocode=wait)
+
+    def _guess(self, req: Request, step: LlmStep) -> NextGuess | None:
+        """The request's likely next step after ``step`` (``LlmWork.guess``), or None when it is
+        unlikely to decode right after: a forced stop, or back-pressure about to pause it."""
+        if step.force == FILL_TOKEN:
+            after = req.feed.step_after(FILL_TOKEN)  # the next text group, if the text is there
+            return NextGuess(after.inputs, after.allow_eos) if after is not None else None
+        if step.force is not None and step.force >= SPEECH_VOCAB:
+            return None  # EOS or another stop: the request's LLM ends
+        if req.ahead_samples() + SAMPLES_PER_TOKEN > self._max_ahead:
+            return None  # this token brings it to its limit: the next plan pauses it
+        return NextGuess(None, step.allow_eos)
 
     def _ordered(self, reqs: Iterable[Request]) -> list[Request]:
         return sorted(reqs, key=lambda r: self._order[r.request_id])

@@ -74,9 +74,22 @@ class BistreamFeed:
         if step is None or self._handed_out:
             return None
         self._handed_out = True
+        first, self._first = self._first, False
+        return self._llm_step(step, first)
+
+    def step_after(self, token: int) -> LlmStep | None:
+        """The step :meth:`next_step` would hand out once the step handed out now is answered
+        with ``token`` and no text arrives in between (None: it would wait for text, or end, or
+        no step is out). Changes nothing: a guess the scheduler plans ahead with."""
+        if not self._handed_out:
+            return None
+        state = bs.copy_state(self.state)
+        bs.process(state, bs.StepDone(token))
+        return self._llm_step(state.step, False) if state.step is not None else None
+
+    def _llm_step(self, step: bs.Step, first: bool) -> LlmStep:
         inputs = tuple(_row(kind, ident) for kind, ident in step.feed)
-        prefix = self._voice_prefix(inputs) if self._first else 0
-        self._first = False
+        prefix = self._voice_prefix(inputs) if first else 0
         if step.mode is bs.StepMode.FORCE_FILL:
             return LlmStep(inputs, allow_eos=False, force=FILL_TOKEN, voice_prefix=prefix)
         return LlmStep(inputs, allow_eos=step.mode is bs.StepMode.SAMPLE_FINAL, voice_prefix=prefix)

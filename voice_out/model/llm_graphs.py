@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -65,7 +65,8 @@ DEFAULT_DECODE_WINDOWS = (256, 512, 1024, 2048)
 
 
 #: Columns of a packed decode row (:func:`pack_decode_rows`); the repetition window follows.
-COL_ACTIVE, COL_TOKEN, COL_KIND, COL_SLOT, COL_OFFSET, COL_MASKED, COL_UNIFORMS, COL_HISTORY = 0, 1, 2, 3, 4, 5, 6, 8
+COL_ACTIVE, COL_TOKEN, COL_KIND, COL_SLOT, COL_OFFSET, COL_MASKED, COL_UNIFORMS, COL_FEED = 0, 1, 2, 3, 4, 5, 6, 8
+COL_HISTORY = 9
 
 
 def decode_cols(win_size: int) -> int:
@@ -83,13 +84,16 @@ def pack_decode_rows(
     *,
     offsets: Sequence[int] | None = None,
     kinds: Sequence[int] | None = None,
+    feed: Sequence[bool] | None = None,
 ) -> np.ndarray:
     """The host side of one decode step: int64 ``[N, decode_cols(win)]``, row n = (active 1,
     input id ``tokens[n]``, its kind ``kinds[n]`` (default 2, speech; 0 llm_embedding, 1
     text), KV slot ``slots[n]``, ``offsets[n]`` (default 0; the row goes to the slot's length
     plus it, see :meth:`GraphedLLM.decode_sample`), ``eos_masked[n]``, ``uniforms[n]``
-    (float64 ``[N, 2]``, stored as their bits), the last ``win`` ids of ``history[n]``
-    right-aligned after ``NO_TOKEN`` padding). Any thread; no torch."""
+    (float64 ``[N, 2]``, stored as their bits), ``feed[n]`` (default False; True: the input
+    id, and the last id of the window, are the slot's last sampled id on the device, see
+    :meth:`GraphedLLM.decode_launch`), the last ``win`` ids of ``history[n]`` right-aligned
+    after ``NO_TOKEN`` padding). Any thread; no torch."""
     n = len(tokens)
     rows = np.empty((n, decode_cols(win)), dtype=np.int64)
     rows[:, COL_ACTIVE] = 1
@@ -99,6 +103,7 @@ def pack_decode_rows(
     rows[:, COL_OFFSET] = 0 if offsets is None else offsets
     rows[:, COL_MASKED] = eos_masked
     rows[:, COL_UNIFORMS : COL_UNIFORMS + 2] = np.ascontiguousarray(uniforms, dtype=np.float64).view(np.int64)
+    rows[:, COL_FEED] = 0 if feed is None else feed
     rows[:, COL_HISTORY:] = NO_TOKEN
     for i, recent in enumerate(history):
         tail = list(recent)[-win:]
@@ -120,6 +125,7 @@ class DecodeInputs:
     masked: Tensor  # bool
     uniforms: Tensor  # float32 [B, 2]
     history: Tensor  # int64 [B, W]
+    feed: Tensor  # bool
 
 
 def unpack_decode_rows(packed: Tensor) -> DecodeInputs:
@@ -133,6 +139,7 @@ def unpack_decode_rows(packed: Tensor) -> DecodeInputs:
         masked=packed[:, COL_MASKED] != 0,
         uniforms=packed[:, COL_UNIFORMS : COL_UNIFORMS + 2].view(torch.float64).float(),
         history=packed[:, COL_HISTORY:],
+        feed=packed[:, COL_FEED] != 0,
     )
 
 
@@ -201,6 +208,38 @@ def prefill_static(
     return lm.norm(last)[0]
 
 
+class PendingIds:
+    """Sampled ids on their way to the host: a copy into pinned memory queued on the current
+    stream right after the step (a later replay of the same graph overwrites its output).
+    GPU worker thread only."""
+
+    def __init__(self, ids: Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        self._ids: list[int] | None = None
+        if ids.device.type == "cuda":
+            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self._host.copy_(ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = ids.clone()
+
+    def __len__(self) -> int:
+        return int(self._host.shape[0])
+
+    def done(self) -> bool:
+        """Whether the ids are on the host (no wait)."""
+        return self._event is None or self._event.query()
+
+    def ids(self) -> list[int]:
+        """The ids (waits for the step that samples them)."""
+        if self._ids is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._ids = self._host.tolist()
+        return self._ids
+
+
 class GraphedLLM:
     """CUDA-graphed decode+sample and prefill over one :class:`KVCache` (see module docstring).
 
@@ -252,8 +291,11 @@ class GraphedLLM:
         idle = pack_decode_rows([self.scratch_slot], [0], [True], np.full((1, 2), 0.5), [[]], sampling.win_size)
         idle[:, COL_ACTIVE] = 0
         self._idle = idle[0]
-        #: Per decode bucket: the pinned host buffer its packed rows are written into.
-        self._host_rows: dict[int, Tensor] = {}
+        #: Per slot: the id its latest sampled row drew (written by every decode step and
+        #: :meth:`sample`; index ``scratch_slot`` takes the other rows' writes). A fed row
+        #: (``COL_FEED``) reads its input id from here, so a step can be launched before the
+        #: host has seen the previous step's ids.
+        self.last_ids = torch.zeros(cache.n_slots, dtype=torch.long, device=self.device)
         decode_fn: Callable[..., Tensor] = self._decode_fn
         if compile and self.enabled:
             # Inductor fuses the norms, RoPE, residual adds and the MLP gate into a few kernels per
@@ -297,7 +339,7 @@ class GraphedLLM:
 
     def _decode_fn(self, window: int, packed: Tensor) -> Tensor:
         # idle rows append nothing: their writes go to the scratch slot
-        rows = unpack_decode_rows(packed)
+        rows = self._resolve_fed(unpack_decode_rows(packed))
         embeds = self.lm.embed_kinds(rows.kinds, rows.tokens)
         hidden = self.lm.decode_step(
             self.cache,
@@ -316,12 +358,26 @@ class GraphedLLM:
         with the sampling inputs of ``rows`` (``[N]`` of each): int64 ids ``[N]`` on the device,
         no sync. The decode step's own tail, and what a prefilled row is sampled with."""
         eos = self.lm.dims.eos_token
+        ids: Tensor
         if self.fused:
             # the bias in the GEMM's epilogue (addmm would first copy it into the output)
             logits = F.linear(hidden, self._head_weight, self._head_bias)[:, : self.lm.dims.speech_vocab_size]
-            return decode_kernels.ras_sample(logits, rows.history, rows.uniforms, rows.masked, eos, self.sampling)
-        logp = mask_eos_(self.lm.logprobs(hidden), rows.masked, eos)
-        return ras_sample_batch(logp, rows.history, rows.uniforms, self.sampling)
+            ids = decode_kernels.ras_sample(logits, rows.history, rows.uniforms, rows.masked, eos, self.sampling)
+        else:
+            logp = mask_eos_(self.lm.logprobs(hidden), rows.masked, eos)
+            ids = ras_sample_batch(logp, rows.history, rows.uniforms, self.sampling)
+        # a run's last row is its draw: keep it per slot for the rows fed from it
+        last = torch.ones_like(rows.masked)
+        last[:-1] = rows.offsets[1:] == 0
+        self.last_ids.index_copy_(0, torch.where(last, rows.slots, self.scratch_slot), ids)
+        return ids
+
+    def _resolve_fed(self, rows: DecodeInputs) -> DecodeInputs:
+        """Fed rows (``rows.feed``) take their slot's last sampled id as their input id and
+        as the last id of their repetition window (the host packed a placeholder there)."""
+        fed = torch.where(rows.feed, self.last_ids.index_select(0, rows.slots), rows.tokens)
+        window = torch.cat([rows.history[:, :-1], torch.where(rows.feed, fed, rows.history[:, -1])[:, None]], dim=1)
+        return replace(rows, tokens=fed, history=window)
 
     def _prefill_fn(self, window: int, slot: Tensor, start: Tensor, n_valid: Tensor, embeds: Tensor) -> Tensor:
         return prefill_static(self.lm, self.cache, slot, start, n_valid, embeds, window)
@@ -334,18 +390,27 @@ class GraphedLLM:
         return self.decode_buckets[-1]
 
     def decode_sample(self, rows: np.ndarray, kv_len: int | None = None) -> list[int]:
-        """One decode + sample step: ``rows`` int64 ``[N, decode_cols]`` from
+        """:meth:`decode_launch`, then wait for its ids: the N sampled ids, row by row."""
+        return self.decode_launch(rows, kv_len).ids()
+
+    def decode_launch(self, rows: np.ndarray, kv_len: int | None = None) -> PendingIds:
+        """Launch one decode + sample step; no wait. ``rows`` int64 ``[N, decode_cols]`` from
         :func:`pack_decode_rows`, each appending one position to its slot (in ``0 ..
         scratch_slot - 1``); a slot's rows form one run of consecutive rows with offsets 0, 1,
         2, .. (:func:`check_runs`), each attending causally over the slot and the run's earlier
         rows. ``kv_len``: positions every row needs after this step (the longest slot's length
-        + its rows), None = the whole cache. Returns the N sampled ids, row by row (this waits
-        for the step: the caller needs them to plan the next one); only a run's last id means
-        anything, the others are draws from its inner positions.
+        + its rows), None = the whole cache. Returns the N sampled ids on their way to the host
+        (:class:`PendingIds`); only a run's last id means anything, the others are draws from
+        its inner positions.
+
+        A fed row (``feed``) takes the id its slot's latest sampled row drew, on the device:
+        the step may be launched while the step that samples that id is still running (the
+        GPU runs them in order), so the host plans ahead instead of waiting for each step.
 
         Runs the graph of the smallest batch bucket >= N, the rest idle rows, and the smallest
-        window >= ``kv_len``. The rows go into a pinned host buffer of the bucket and reach the
-        graph's input in one copy. Eager above the largest bucket, on the CPU, or with graphs off."""
+        window >= ``kv_len``. The rows go into a pinned host buffer (one per launch: an earlier
+        launch's copy may still be queued) and reach the graph's input in one copy. Eager above
+        the largest bucket, on the CPU, or with graphs off."""
         need = self.cache.max_len if kv_len is None else kv_len
         window = _bucket(need, self._decode_windows)
         if window is None:
@@ -364,12 +429,9 @@ class GraphedLLM:
             bucket = n
         graph = self._decode[window] if self.enabled and bucket in self.decode_buckets else None
         bufs = graph.static_inputs(bucket) if graph is not None else None
-        # The bucket's pinned host buffer is free to rewrite: the previous call's copy out of
-        # it ran before that call's graph, whose tokens the call waited for.
-        host = self._host_rows.get(bucket)
-        if host is None:
-            host = torch.empty((bucket, self._cols), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-            self._host_rows[bucket] = host
+        # pinned memory from torch's caching host allocator: a block is reused only once the
+        # copies queued from it have run
+        host = torch.empty((bucket, self._cols), dtype=torch.int64, pin_memory=self.device.type == "cuda")
         host_rows = host.numpy()
         host_rows[:n] = rows
         host_rows[n:] = self._idle
@@ -380,8 +442,7 @@ class GraphedLLM:
         else:  # eager, or the first call of a bucket not captured at start-up (captures it)
             packed = host.to(self.device, copy=True)
             out = graph(bucket, packed) if graph is not None else self._decode_fn(window, packed)
-        picked: list[int] = out[:n].tolist()
-        return picked
+        return PendingIds(out[:n])
 
     def prefill(self, slot: int, embeds: Tensor, start: int) -> Tensor:
         """Append ``embeds`` ``[L, H]`` to ``slot`` from position ``start``; hidden ``[H]``."""

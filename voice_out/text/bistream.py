@@ -65,7 +65,7 @@ the final phase); here they end the stream with ``Finished(STOP_TOKEN)``.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum, IntEnum
 
 from voice_out.model.llm_inputs import KIND_SPEECH, KIND_TEXT, SOS, TASK_ID, Row
@@ -312,6 +312,20 @@ def process(state: BistreamState | WholeTextState, event: Event) -> list[Action]
     if isinstance(event, StepDone):
         return _step_done(state, int(event.token))
     raise TypeError(f"unknown event {event!r}")
+
+
+def copy_state(state: BistreamState | WholeTextState) -> BistreamState | WholeTextState:
+    """An independent copy of ``state`` (its containers copied; the rest is immutable): to ask
+    what :func:`process` would do without changing the stream."""
+    if isinstance(state, WholeTextState):
+        return replace(state)
+    return replace(
+        state,
+        pending=list(state.pending),
+        text_buf=list(state.text_buf),
+        prompt_speech=list(state.prompt_speech),
+        chunks=deque(state.chunks),
+    )
 
 
 def _pull(state: BistreamState) -> list[Action]:
