@@ -681,13 +681,13 @@ def test_sampled_streams_are_isolated_in_the_batched_llm(engine: Engine) -> None
 
 @pytest.mark.parametrize("forced", [True, False], ids=["forced_tokens", "sampled"])
 def test_planning_ahead_speaks_exactly_as_without(tmp_path: Path, forced: bool) -> None:
-    """``engine.step_ahead``: three streams with text arriving in pieces, their tokens forced
+    """``engine.step_ahead_rows``: three streams with text arriving in pieces, their tokens forced
     (text groups after forced FILLs) or sampled (EOS included): the same audio, bit for bit,
     with the next steps launched ahead as without, and most of those guesses confirmed."""
     texts = ["hello there", "a b c", "quick fox"]
     audio: dict[bool, list[np.ndarray]] = {}
     for ahead in (False, True):
-        eng = make_engine(tmp_path / str(ahead), forced=FORCED_3 if forced else None, step_ahead=ahead)
+        eng = make_engine(tmp_path / str(ahead), forced=FORCED_3 if forced else None, step_ahead_rows=4 if ahead else 0)
         eng.start(timeout=120)
         try:
 
@@ -870,7 +870,7 @@ def run_guess_script(runner: Runner, guesses: bool) -> list[dict[str, int]]:
 
 
 def test_steps_launched_ahead_change_nothing_and_roll_back_what_the_plan_drops(engine: Engine) -> None:
-    """``LlmWork.guess`` (engine.step_ahead): a guessed next step launched before the host has
+    """``LlmWork.guess`` (engine.step_ahead_rows): a guessed next step launched before the host has
     the token is used when the next plan confirms it and dropped (its slot's length rolled back
     on the device) when not; the sampled tokens and the KV cache are those of a runner that
     never guesses."""

@@ -822,9 +822,9 @@ def test_step_after_guesses_the_next_step_and_changes_nothing() -> None:
 
 
 def test_the_plan_guesses_each_stream_s_next_step() -> None:
-    """``LlmWork.guess`` (engine.step_ahead): one speech row of the token being picked, the
+    """``LlmWork.guess`` (engine.step_ahead_rows): one speech row of the token being picked, the
     next text group after a forced FILL, nothing before a forced stop, near the back-pressure
-    limit, or with step_ahead off."""
+    limit, or in a step of more rows than ``step_ahead_rows``."""
     sched = create_scheduler(max_ahead_s=60.0)
     (rid,) = create_requests(sched, 1, text="abcdefghij")
     plan = sched.plan()
@@ -859,6 +859,10 @@ def test_the_plan_guesses_each_stream_s_next_step() -> None:
     assert guesses[0] is not None and guesses[1] is not None
     assert guesses[2] is None  # its token is the third: 3 tokens ahead pass the limit
 
-    off = create_scheduler(step_ahead=False)
+    off = create_scheduler(step_ahead_rows=0)
     create_requests(off, 1, text="abc")
     assert off.plan().llm[0].guess is None
+    for limit, guessed in ((4, False), (5, True)):
+        busy = create_scheduler(max_streams=5, step_ahead_rows=limit)
+        create_requests(busy, 5, text="abc")
+        assert [w.guess is not None for w in busy.plan().llm] == [guessed] * 5

@@ -474,7 +474,7 @@ class Runner:
         (``GraphedLLM.max_rows``, at most ``batched_input_rows`` of them multi-row). An input
         that does not fit is prefilled into its slot by itself and its last row sampled apart.
 
-        Planning ahead (``LlmWork.guess``, ``engine.step_ahead``): an item the previous step
+        Planning ahead (``LlmWork.guess``, ``engine.step_ahead_rows``): an item the previous step
         already launched as its guess (same slot position, rows, EOS mask, window and draw)
         is not run again: its token is that launch's. The same launch carries the guesses of
         this step's confirmed items (fed with the ids being sampled, on the device); the

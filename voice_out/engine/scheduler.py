@@ -99,7 +99,7 @@ class Admit:
 @dataclass(frozen=True)
 class NextGuess:
     """What a request's next LLM step will likely be, for the runner to launch it before this
-    step's token is known (``engine.step_ahead``): ``inputs`` None = one speech row, the token
+    step's token is known (``engine.step_ahead_rows``): ``inputs`` None = one speech row, the token
     this step picks; else these rows (a text group after a forced FILL). A guess the next
     plan does not confirm is dropped."""
 
@@ -426,8 +426,7 @@ class Scheduler:
             self._slot_owner[slot] = rid
             admits.append(Admit(rid, slot, req.seed, req.voice, req.schedule.fast_first))
 
-        llm: list[LlmWork] = []
-        win = self.config.ras_win_size
+        steps: list[tuple[Request, LlmStep]] = []
         for req in self._ordered(r for r in self.requests.values() if r.status.holds_slot):
             if req.llm_done or not self._can_decode(req):
                 continue
@@ -436,8 +435,13 @@ class Scheduler:
                 continue  # waiting for text: the others go on
             if self.forced is not None and step.force is None:
                 step = self._force(req, step)
+            steps.append((req, step))
+        win = self.config.ras_win_size
+        ahead = len(steps) <= self.config.step_ahead_rows  # light load: launch the next steps ahead
+        llm: list[LlmWork] = []
+        for req, step in steps:
             assert req.slot is not None
-            guess = self._guess(req, step) if self.config.step_ahead else None
+            guess = self._guess(req, step) if ahead else None
             llm.append(LlmWork(req.request_id, req.slot, step, tuple(req.history[-win:]), guess))
 
         ready: list[tuple[Request, ChunkPlan]] = []
