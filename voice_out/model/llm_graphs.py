@@ -17,7 +17,10 @@ to 32 it costs the same ~10 ms on an H200 whatever the batch (launch-bound; the 
   bits, the repetition window), written on the host into a pinned buffer and copied in one
   transfer; the graph looks up the embeddings itself. Per step the host then launches one
   copy and one graph, not a dozen small kernels and copies. Returns the sampled ids as a
-  host list (the one sync of the step).
+  host list (the one sync of the step). ``.decode_launch`` is the same without the wait: its
+  :class:`PendingIds` arrive in pinned memory behind the step, and a row of the next step
+  may be *fed* (``feed``) with the id its slot's latest row drew, on the device
+  (``last_ids``), so the next step can be queued before the host has this one's ids.
 * ``.prefill(slot, embeds, start)``: appends ``[L, H]`` rows to one slot, replayed from the
   graph of the smallest length bucket >= L (rows are padded; the padding's K/V land beyond the
   slot's new length, where they are masked and later overwritten). Returns the hidden state of
