@@ -19,6 +19,7 @@ GPU worker thread only: every method, the constructor excepted.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -87,7 +88,8 @@ class _Run:
     """One request's rows in a decode launch: ``rows`` (kind, id) appended to ``slot`` from
     position ``start``; the last row samples with EOS ``masked``, repetition ``window`` and the
     request's draw number ``draw``. ``fed``: one speech row whose id, and the window's last,
-    are the slot's last sampled id on the device (placeholders here)."""
+    are the slot's last sampled id on the device (placeholders here). ``guess``: a guessed
+    next step (``LlmWork.guess``), launched ahead."""
 
     request_id: str
     slot: int
@@ -97,6 +99,7 @@ class _Run:
     masked: bool
     window: tuple[int, ...]
     draw: int
+    guess: bool = False
 
 
 @dataclass
@@ -507,23 +510,16 @@ class Runner:
         # this step's rows with the confirmed items' guesses, then the other items' guesses
         prefill_ids = self._sample(prefilled, torch.stack(hidden)) if prefilled else None
         runs = [self._commit_run(w, rows) for w, rows in batched]
-        ahead_now = self._guess_runs([w for w, _ in confirmed], room)
-        launch = self._launch([*runs, *ahead_now]) if runs or ahead_now else None
-        ahead_next = self._guess_runs([*prefilled, *(w for w, _ in batched)], self.batched_input_rows)
-        launch_next = self._launch(ahead_next) if ahead_next else None
-        for runs_, pending in ((ahead_now, launch), (ahead_next, launch_next)):
-            if pending is not None:
-                last = pending[1][len(pending[1]) - len(runs_) :]
-                self._ahead.update((r.request_id, _Ahead(r, pending[0], i)) for r, i in zip(runs_, last, strict=True))
+        launched = self._launch([*runs, *self._guess_runs([w for w, _ in confirmed], room)])
+        self._launch(self._guess_runs([*prefilled, *(w for w, _ in batched)], self.batched_input_rows))
         picked: dict[str, int] = {}
         for w, done in confirmed:
             picked[w.request_id] = done.pending.ids()[done.index]
         if prefill_ids is not None:
             picked.update(zip((w.request_id for w in prefilled), prefill_ids.tolist(), strict=True))
-        if batched:
-            assert launch is not None
-            ids = launch[0].ids()
-            picked.update((w.request_id, ids[i]) for (w, _), i in zip(batched, launch[1][: len(batched)], strict=True))
+        if launched is not None and runs:  # this step's rows come first in the launch
+            ids = launched.ids()
+            picked.update((r.request_id, ids[i]) for r, i in zip(runs, self._last_rows(runs), strict=True))
         for w in (*(w for w, _ in confirmed), *prefilled, *(w for w, _ in batched)):
             token = w.step.force if w.step.force is not None else picked[w.request_id]
             result.tokens[w.request_id] = token
@@ -537,28 +533,25 @@ class Runner:
         """Split the items into those the previous launch already ran as its guess (their rows
         are committed here) and the rest; drop every other guess, rolling back its slot's
         length on the device."""
+        guesses, self._ahead = self._ahead, {}
         confirmed: list[tuple[LlmWork, _Ahead]] = []
         fresh: list[LlmWork] = []
         for w in work:
-            ahead = self._ahead.pop(w.request_id, None)
             try:
                 self._hook(w.request_id, "llm")
             except Exception as e:  # noqa: BLE001 - one request's input fails alone
                 result.failed[w.request_id] = _describe(e)
-                if ahead is not None:
-                    self._ahead[w.request_id] = ahead  # rolled back below
-                continue
+                continue  # its guess, if any, is dropped below
+            ahead = guesses.get(w.request_id)
             if ahead is not None and self._confirms(ahead, w):
+                del guesses[w.request_id]
                 self.slot_len[w.slot] += len(ahead.run.rows)
                 self.live[w.request_id].draws += 1
                 confirmed.append((w, ahead))
             else:
-                if ahead is not None:
-                    self._ahead[w.request_id] = ahead
                 fresh.append(w)
-        if self._ahead:
-            slots = [a.run.slot for a in self._ahead.values()]
-            self._ahead.clear()
+        if guesses:
+            slots = [a.run.slot for a in guesses.values()]
             self.ahead_dropped += len(slots)
             lengths = to_device([*slots, *(self.slot_len[s] for s in slots)], self.device, torch.long)
             self.cache.lengths.index_copy_(0, lengths[: len(slots)], lengths[len(slots) :].to(torch.int32))
@@ -603,7 +596,7 @@ class Runner:
             room -= len(rows) if len(rows) > 1 else 0
             window = (*w.recent, NO_TOKEN if known is None else known)
             lv = self.live[w.request_id]
-            runs.append(_Run(w.request_id, w.slot, start, rows, fed, not guess.allow_eos, window, lv.draws))
+            runs.append(_Run(w.request_id, w.slot, start, rows, fed, not guess.allow_eos, window, lv.draws, guess=True))
         return runs
 
     def _commit_run(self, w: LlmWork, rows: list[tuple[int, int]]) -> _Run:
@@ -667,16 +660,27 @@ class Runner:
         self.slot_len[slot] += len(rows)
         return h  # [H]
 
-    def _launch(self, runs: Sequence[_Run]) -> tuple[PendingIds, list[int]]:
-        """One decode step over ``runs`` (no wait): its pending ids and each run's last row."""
-        packed, last = self._pack(runs)
+    def _launch(self, runs: Sequence[_Run]) -> PendingIds | None:
+        """One decode step over ``runs`` (none: nothing launched); no wait. Its runs that are
+        guesses (``_Run.guess``) are kept for the next step to confirm (:meth:`_take_ahead`)."""
+        if not runs:
+            return None
         longest = max(r.start + len(r.rows) for r in runs)
-        return self.graphed.decode_launch(packed, kv_len=longest), last
+        launched = self.graphed.decode_launch(self._pack(runs), kv_len=longest)
+        for r, i in zip(runs, self._last_rows(runs), strict=True):
+            if r.guess:
+                self._ahead[r.request_id] = _Ahead(r, launched, i)
+        return launched
 
-    def _pack(self, runs: Sequence[_Run]) -> tuple[np.ndarray, list[int]]:
-        """The runs packed (``pack_decode_rows``), and the index of each run's last row. A run's
-        sampling inputs go on its last row (its draw's counter uniforms); the rows before it
-        draw with idle inputs, their ids unused."""
+    @staticmethod
+    def _last_rows(runs: Sequence[_Run]) -> list[int]:
+        """The packed index of each run's last row (its draw)."""
+        return [n - 1 for n in itertools.accumulate(len(r.rows) for r in runs)]
+
+    def _pack(self, runs: Sequence[_Run]) -> np.ndarray:
+        """The runs packed (``pack_decode_rows``). A run's sampling inputs go on its last row
+        (its draw's counter uniforms); the rows before it draw with idle inputs, their ids
+        unused."""
         uniforms = counter_uniforms([self.live[r.request_id].seed for r in runs], [r.draw for r in runs])
         slots: list[int] = []
         offsets: list[int] = []
@@ -686,7 +690,6 @@ class Runner:
         fed: list[bool] = []
         history: list[Sequence[int]] = []
         draws: list[np.ndarray] = []
-        last: list[int] = []
         for r, u in zip(runs, uniforms, strict=True):
             n = len(r.rows)
             slots += [r.slot] * n
@@ -697,17 +700,15 @@ class Runner:
             fed += [False] * (n - 1) + [r.fed]
             history += [()] * (n - 1) + [r.window]
             draws += [_IDLE_UNIFORMS] * (n - 1) + [u]
-            last.append(len(ids) - 1)
-        packed = pack_decode_rows(
+        return pack_decode_rows(
             slots, ids, masked, np.stack(draws), history, self.sampling.win_size, offsets=offsets, kinds=kinds, feed=fed
         )
-        return packed, last
 
     def _sample(self, items: Sequence[LlmWork], hidden: Tensor) -> Tensor:
         """The head and RAS for prefilled items' final-norm hidden states ``[N, H]``: int64 ids
         ``[N]`` on the device (no sync), as the decode step samples (``GraphedLLM.sample``);
         the sampling inputs reach the device in one packed copy. Takes each item's draw."""
-        packed, _ = self._pack([self._draw_run(w, self._rows(w)[-1:]) for w in items])
+        packed = self._pack([self._draw_run(w, self._rows(w)[-1:]) for w in items])
         return self.graphed.sample(hidden, unpack_decode_rows(to_device(torch.from_numpy(packed), self.device)))
 
     # ---- token2wav ---------------------------------------------------------------------------

@@ -227,13 +227,6 @@ class PendingIds:
         else:
             self._host = ids.clone()
 
-    def __len__(self) -> int:
-        return int(self._host.shape[0])
-
-    def done(self) -> bool:
-        """Whether the ids are on the host (no wait)."""
-        return self._event is None or self._event.query()
-
     def ids(self) -> list[int]:
         """The ids (waits for the step that samples them)."""
         if self._ids is None:

@@ -314,11 +314,9 @@ def process(state: BistreamState | WholeTextState, event: Event) -> list[Action]
     raise TypeError(f"unknown event {event!r}")
 
 
-def copy_state(state: BistreamState | WholeTextState) -> BistreamState | WholeTextState:
+def copy_state(state: BistreamState) -> BistreamState:
     """An independent copy of ``state`` (its containers copied; the rest is immutable): to ask
     what :func:`process` would do without changing the stream."""
-    if isinstance(state, WholeTextState):
-        return replace(state)
     return replace(
         state,
         pending=list(state.pending),
