@@ -824,7 +824,7 @@ def test_step_after_guesses_the_next_step_and_changes_nothing() -> None:
 def test_the_plan_guesses_each_stream_s_next_step() -> None:
     """``LlmWork.guess`` (engine.step_ahead_rows): one speech row of the token being picked, the
     next text group after a forced FILL, nothing before a forced stop, near the back-pressure
-    limit, or in a step of more rows than ``step_ahead_rows``."""
+    limit, or in a step feeding more streams than ``step_ahead_rows``."""
     sched = create_scheduler(max_ahead_s=60.0)
     (rid,) = create_requests(sched, 1, text="abcdefghij")
     plan = sched.plan()

@@ -131,13 +131,14 @@ class EngineConfig:
     #: later step, so LLM steps go on while the flow runs (docs/engine.md); off: every step
     #: waits for its own chunks (they still overlap that step's LLM work).
     pipeline_vocode: bool = True
-    #: Plan LLM steps one ahead while a step has at most this many LLM rows (light load; 0:
-    #: never): the next step of every stream likely to go on (its input the token being
-    #: sampled, on the device; after a forced FILL, the next text group) is launched behind the
-    #: current one, so the host's planning between two steps overlaps the GPU work. A guess
-    #: the next plan does not confirm is dropped (its KV rows rolled back): the output is the
-    #: same either way. Under load the GPU has token2wav work for those gaps anyway, and a
-    #: step queued ahead only takes it from the chunks (docs/llm.md).
+    #: Plan LLM steps one ahead while a step feeds at most this many streams (light load; 0:
+    #: never; a stream counts once, whatever its input rows): the next step of every stream
+    #: likely to go on (its input the token being sampled, on the device; after a forced FILL,
+    #: the next text group) is launched behind the current one, so the host's planning between
+    #: two steps overlaps the GPU work. A guess the next plan does not confirm is dropped (its
+    #: KV rows rolled back): the output is the same either way. Under load the GPU has
+    #: token2wav work for those gaps anyway, and a step queued ahead only takes it from the
+    #: chunks (docs/llm.md).
     step_ahead_rows: int = 4
     #: While an admitted stream waits for its first audio, the GPU goes to first audio: the
     #: scheduler plans first chunks and the chunks of streams about to run dry, and defers the
@@ -194,7 +195,7 @@ class EngineConfig:
             "a non-empty, strictly increasing list of positive integers",
         )
         _check(self.batched_input_rows >= 0, s, "batched_input_rows", self.batched_input_rows, "0 or a number of rows")
-        _check(self.step_ahead_rows >= 0, s, "step_ahead_rows", self.step_ahead_rows, "0 (off) or a number of rows")
+        _check(self.step_ahead_rows >= 0, s, "step_ahead_rows", self.step_ahead_rows, "0 (off) or a number of streams")
         _check(
             self.max_chunks_per_step is None or self.max_chunks_per_step >= 1,
             s,
