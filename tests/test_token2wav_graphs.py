@@ -18,7 +18,7 @@ from tests.conftest import REPO_ROOT, random_speech, random_voice
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkPlan
 from voice_out.model.cuda_graphs import GraphedFn, graphs_disabled
-from voice_out.model.token2wav import Token2Wav, Token2WavStream
+from voice_out.model.token2wav import FINAL_COARSE_CHUNKS, FINAL_FINE_TOKENS, Token2Wav, Token2WavStream
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
 
@@ -271,19 +271,45 @@ def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, monkeypatch: pyt
         print(f"{dtype}: graphed rounds vs each stream alone, max abs pcm {err:.2g}")
 
 
+def test_final_total_keys() -> None:
+    """A final chunk's padded length: a whole flow chunk (25) up to FINAL_FINE_TOKENS, then a
+    multiple of FINAL_COARSE_CHUNKS chunks (100)."""
+    t2w = Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
+    token, feat, emb = random_voice(50, "cpu")
+    sched = t2w.open_stream(token, feat, emb).schedule
+    assert sched.chunk_size == 25 and FINAL_FINE_TOKENS == 500 and FINAL_COARSE_CHUNKS == 4
+    got = {n: t2w.final_total(sched, n) for n in (1, 25, 26, 476, 500, 501, 525, 526, 600, 601, 1650)}
+    assert got == {
+        1: 25,
+        25: 25,
+        26: 50,
+        476: 500,
+        500: 500,
+        501: 600,
+        525: 600,
+        526: 600,
+        600: 600,
+        601: 700,
+        1650: 1700,
+    }
+
+
 @pytest.mark.requires_cuda
-def test_graphed_final_chunks_equal_eager() -> None:
+def test_graphed_final_chunks_equal_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """The final chunk (full attention) replays a start-up graph over tokens padded to the
-    next multiple of 25 (masked): utterances of any length within the captured range."""
+    next multiple of 25 (masked), beyond 500 tokens of 100: utterances of any length within
+    the captured range. Batched-chunk graphs only within ``batch_tokens``."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     t2w = Token2Wav(random_flow(TINY, "cuda"), random_hift(TINY, "cuda"))
-    wants = {n: _stream_all(t2w, "rerun", 50, n, "cuda") for n in (20, 31, 77, 140)}
+    wants = {n: _stream_all(t2w, "rerun", 50, n, "cuda") for n in (20, 31, 77, 140, 480)}
     t2w.use_cuda_graphs(True)
     token, feat, emb = random_voice(50, "cuda")
-    t2w.capture_stream_shapes(token, feat, emb, 150)
-    final = t2w._graph_flow_final
-    assert final is not None and sorted(final.captured_keys) == list(range(75, 201, 25))  # type: ignore[type-var]
+    t2w.capture_stream_shapes(token, feat, emb, 600, max_batch=2, batch_tokens=100)
+    final, batched = t2w._graph_flow_final, t2w._graph_flow_batch
+    assert final is not None and batched is not None
+    assert sorted(final.captured_keys) == [*range(75, 501, 25), 600, 700]  # type: ignore[type-var]
+    assert batched.captured_keys == t2w.batch_keys(50, 100, 2) == [(2, 75), (2, 125)]
     # the final vocoder too: every length a final chunk can have (fresh: shorter than the
     # first chunk, 1..27 tokens; after a cached chunk: 0..102 new tokens)
     fresh, cached = t2w._graph_hift, t2w._graph_hift_cached
@@ -298,9 +324,27 @@ def test_graphed_final_chunks_equal_eager() -> None:
         return forward(mel, *a)
 
     t2w.hift.forward = counting_forward  # type: ignore[method-assign]
+    replays: list[tuple[str, object]] = []
+    call = GraphedFn.__call__
+
+    def spy(self: GraphedFn, key: object, *args: torch.Tensor) -> object:
+        replays.append((self.name, key))
+        return call(self, key, *args)
+
+    monkeypatch.setattr(GraphedFn, "__call__", spy)
+    eager_flow = t2w.flow.inference
+    eager_calls: list[int] = []
+
+    def counting_inference(token: torch.Tensor, *a: object, **k: object) -> torch.Tensor:
+        eager_calls.append(int(token.shape[1]))
+        return eager_flow(token, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(t2w.flow, "inference", counting_inference)
     for n, want in wants.items():
         got = _stream_all(t2w, "rerun", 50, n, "cuda")
         assert [len(c) for c in got] == [len(c) for c in want]
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
     assert eager_hift == []  # every vocoder call, the final ones included, replayed a graph
+    assert eager_calls == []  # every flow call too: 480 tokens' chunks and its final (530 -> 600)
+    assert ("flow.final_chunk", 600) in replays

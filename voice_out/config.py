@@ -131,6 +131,17 @@ class EngineConfig:
     #: later step, so LLM steps go on while the flow runs (docs/engine.md); off: every step
     #: waits for its own chunks (they still overlap that step's LLM work).
     pipeline_vocode: bool = True
+    #: CUDA graphs: the token2wav graphs start-up captures for the default voice's prompt
+    #: length cover an utterance of up to this many speech tokens (25 per second of audio:
+    #: 1500 = 60 s); a longer utterance's chunks beyond it run eagerly (a key is never
+    #: captured mid-stream: that would stall every stream). Each 100 tokens more is about a
+    #: second more of start-up.
+    capture_tokens: int = 1500
+    #: The batched-chunk graphs (several streams' chunks of one length in one replay) within
+    #: the first this many speech tokens (at most capture_tokens); a batched chunk beyond it
+    #: replays each stream's own graph. They are the costliest to capture (up to 8 rows of a
+    #: whole utterance each), and streams rarely meet at the same length late in an utterance.
+    capture_batch_tokens: int = 500
     #: Plan LLM steps one ahead while a step feeds at most this many streams (light load; 0:
     #: never; a stream counts once, whatever its input rows): the next step of every stream
     #: likely to go on (its input the token being sampled, on the device; after a forced FILL,
@@ -195,6 +206,21 @@ class EngineConfig:
             "a non-empty, strictly increasing list of positive integers",
         )
         _check(self.batched_input_rows >= 0, s, "batched_input_rows", self.batched_input_rows, "0 or a number of rows")
+        # the flow's fixed noise covers 7500 tokens of prompt + speech (spec: 15000 frames)
+        _check(
+            1 <= self.capture_tokens <= 6000,
+            s,
+            "capture_tokens",
+            self.capture_tokens,
+            "a number of speech tokens in 1..6000",
+        )
+        _check(
+            0 <= self.capture_batch_tokens <= self.capture_tokens,
+            s,
+            "capture_batch_tokens",
+            self.capture_batch_tokens,
+            f"a number of speech tokens in 0..capture_tokens ({self.capture_tokens})",
+        )
         _check(self.step_ahead_rows >= 0, s, "step_ahead_rows", self.step_ahead_rows, "0 (off) or a number of streams")
         _check(
             self.max_chunks_per_step is None or self.max_chunks_per_step >= 1,

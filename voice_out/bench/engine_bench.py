@@ -48,7 +48,7 @@ import voice_out
 from voice_out.bench.listener import Listener, percentile, run_stream
 from voice_out.bench.report import Report
 from voice_out.config import Config, load_config
-from voice_out.engine.api import StreamClosedError
+from voice_out.engine.api import SAMPLE_RATE, StreamClosedError
 from voice_out.engine.engine import Engine
 from voice_out.engine.loading import resolve_device
 from voice_out.engine.scheduler import FirstAudioTrace, ForcedTokens
@@ -445,21 +445,31 @@ async def _run_engine(
     if "rtf" in scen:
         log(f"rtf: 1 stream, {opts.long_chars} chars")
         lis = Listener()
+        before = engine.stats()
         stream = engine.open_stream(seed=7)
         lis.t_text = loop.time()
         stream.push_text(text_of(opts.long_chars))
         stream.end_text()
+        arrivals: list[tuple[float, float]] = []  # (s since the text, s of audio so far)
 
         async def drain() -> None:
             async for chunk in stream:
                 lis.on_chunk(loop.time(), chunk.start_sample, len(chunk.pcm))
+                arrivals.append((loop.time() - lis.t_text, (chunk.start_sample + len(chunk.pcm)) / SAMPLE_RATE))
 
         await asyncio.wait_for(drain(), opts.timeout_s)
+        after = engine.stats()
         if lis.rtf is None:
             raise RuntimeError(f"the long utterance gave no audio ({stream.state.value})")
+        steps = after.steps - before.steps
+        busy = after.busy_s - before.busy_s
         report.add("rtf.long_text", lis.rtf, "x", 1)
         report.add("rtf.long_text.audio_s", lis.audio_s, "s", 1)
-        log(f"rtf: {lis.rtf:.3f} for {lis.audio_s:.1f} s of audio")
+        report.add("rtf.long_text.steps", steps, "count", 1)
+        report.add("rtf.long_text.step_ms.mean", 1000 * busy / max(steps, 1), "ms", 1)
+        report.add("rtf.long_text.worker_busy", busy / max(arrivals[-1][0], 1e-9), "fraction", 1)
+        log(f"rtf: {lis.rtf:.3f} for {lis.audio_s:.1f} s of audio, {steps} steps, worker busy {busy:.2f} s")
+        log("rtf: chunks (s since the text -> s of audio): " + ", ".join(f"{t:.3f}->{a:.1f}" for t, a in arrivals))
         save()
 
     if "memory" in scen:

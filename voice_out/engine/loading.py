@@ -204,7 +204,12 @@ def build_engine(
                 return
             if isinstance(default_voice.flow, FlowVoice):
                 t0 = time.perf_counter()
-                n = runner.precapture(default_voice.flow, max_batch=chunks_per_step)
+                n = runner.precapture(
+                    default_voice.flow,
+                    ec.capture_tokens,
+                    max_batch=chunks_per_step,
+                    batch_tokens=ec.capture_batch_tokens,
+                )
                 log.info(
                     "engine: %d token2wav graphs captured for voice %r (batched chunks up to %d) in %.1f s",
                     n,

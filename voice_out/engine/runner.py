@@ -447,11 +447,14 @@ class Runner:
             torch.cuda.synchronize(self.device)
 
     @_on_main_stream
-    def precapture(self, voice: FlowVoice, n_tokens: int = 500, *, max_batch: int = 1) -> int:
+    def precapture(
+        self, voice: FlowVoice, n_tokens: int = 500, *, max_batch: int = 1, batch_tokens: int | None = None
+    ) -> int:
         """Capture the token2wav graphs of ``voice``'s prompt length for its first ``n_tokens``
         speech tokens (start-up, so no stream stalls on a capture later), with the batched-chunk
         graphs for steps of up to ``max_batch`` chunks (the engine passes its
-        ``max_chunks_per_step``). Returns graphs held."""
+        ``max_chunks_per_step``) within the first ``batch_tokens`` (None: ``n_tokens``).
+        Returns graphs held."""
         token, feat, emb, _ = self._voice(voice)
         n = self.t2w.capture_stream_shapes(
             token,
@@ -461,6 +464,7 @@ class Runner:
             hops=self.hops,
             fast_first=self.fast_first,
             max_batch=max_batch,
+            batch_tokens=batch_tokens,
         )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

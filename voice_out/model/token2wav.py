@@ -76,6 +76,12 @@ from voice_out.model.transfer import to_device
 #: upstream's hops (25, 50, 100): what a stream gets unless told otherwise
 DEFAULT_HOPS = HopPolicy()
 MEL_FRAMES_PER_TOKEN = 2  # token_mel_ratio: 25 Hz tokens, 50 Hz mel
+#: A final chunk's graph is keyed by prompt + tokens rounded up to a whole flow chunk while that
+#: total is at most FINAL_FINE_TOKENS, beyond it to FINAL_COARSE_CHUNKS flow chunks (padding is
+#: masked, so exact): a long utterance's final graphs are a quarter as many to capture, and its
+#: final pass, once per utterance, computes at most 3 padding chunks more.
+FINAL_FINE_TOKENS = 500
+FINAL_COARSE_CHUNKS = 4
 HIFT_CACHE_FRAMES = 8  # vocoder overlap between chunks (160 ms)
 #: The ``GraphedFn`` family of every token2wav graph: they replay alongside the LLM's graphs
 #: (family "llm"), so they are captured on a stream of their own (``voice_out.model.cuda_graphs``).
@@ -411,13 +417,16 @@ class Token2Wav:
         hops: HopPolicy = DEFAULT_HOPS,
         fast_first: int = 0,
         max_batch: int = 1,
+        batch_tokens: int | None = None,
     ) -> int:
         """Capture now (start-up) the graphs a stream of this prompt length meets in its first
-        ``n_tokens`` speech tokens, instead of mid-stream: its single-chunk flow graphs and
-        vocoder graphs, and (``max_batch`` >= 2, grouped batching on) the batched-chunk graphs
-        of :meth:`batch_keys` for groups of up to ``max_batch`` chunks (a batched key depends
-        on T only, so it serves every prompt length whose chunks end at the same T). Returns
-        the number of graphs held."""
+        ``n_tokens`` speech tokens, instead of mid-stream: its single-chunk flow graphs, final
+        chunk graphs (:meth:`final_total`) and vocoder graphs, and (``max_batch`` >= 2, grouped
+        batching on) the batched-chunk graphs of :meth:`batch_keys` for groups of up to
+        ``max_batch`` chunks within the first ``batch_tokens`` (None: ``n_tokens``; a batched
+        key depends on T only, so it serves every prompt length whose chunks end at the same
+        T; the long ones are the costliest to capture: B rows of a whole utterance each).
+        Returns the number of graphs held."""
         if self._graph_flow is None:
             return 0
         self._capturing = True
@@ -433,7 +442,8 @@ class Token2Wav:
         prompt_token, prompt_feat = prompt_token.to(self.device), prompt_feat.to(self.device)
         embedding = embedding.to(self.device)
         n_prompt = int(prompt_token.shape[1])
-        keys = self.batch_keys(n_prompt, n_tokens, max_batch, hops=hops, fast_first=fast_first)
+        n_batched = n_tokens if batch_tokens is None else min(n_tokens, batch_tokens)
+        keys = self.batch_keys(n_prompt, n_batched, max_batch, hops=hops, fast_first=fast_first)
         for bucket, total in keys:
             assert graph is not None
             token = self._as_tokens(dummy[: total - n_prompt + stream.schedule.lookahead])
@@ -443,8 +453,9 @@ class Token2Wav:
             graph.capture((bucket, total), ids, emb, cond)
         final = self._graph_flow_final
         if final is not None:  # the final chunk of an utterance ending anywhere in n_tokens
-            sched = stream.schedule  # every multiple of the chunk a final can round to:
-            for total in range(sched.round_up(n_prompt + 1), sched.round_up(n_prompt + n_tokens) + 1, sched.chunk_size):
+            sched = stream.schedule
+            totals = sorted({self.final_total(sched, n_prompt + n) for n in range(1, n_tokens + 1)})
+            for total in totals:
                 token = self._as_tokens(dummy[: total - n_prompt])
                 ids, n_valid, emb, cond, _ = cast(FinalFlow, self.flow).final_inputs(
                     [(token, prompt_token, prompt_feat, embedding)], total
@@ -596,7 +607,7 @@ class Token2Wav:
         args = self._rerun_args(stream, plan, token)
         start = MEL_FRAMES_PER_TOKEN * plan.token_offset
         graph = self._graph_flow_final if token.is_cuda else None
-        total = stream.schedule.round_up(stream.schedule.prompt_tokens + plan.token_len)
+        total = self.final_total(stream.schedule, stream.schedule.prompt_tokens + plan.token_len)
         if graph is not None and (self._capturing or graph.has(total)):
             flow = cast(FinalFlow, self.flow)
             ids, n_valid, emb, cond, spans = flow.final_inputs([args], total)
@@ -604,6 +615,16 @@ class Token2Wav:
             return graph(total, ids, n_valid, emb, cond)[:, :, lo + start : hi].float().clone()
         mel = self.flow.inference(*args, streaming=False, finalize=True)
         return mel[:, :, start:].float()
+
+    def final_total(self, sched: ChunkSchedule, n_tokens: int) -> int:
+        """The padded length (prompt + tokens, ``n_tokens`` of them real) of a final chunk's pass,
+        its graph's key: a whole flow chunk up to ``FINAL_FINE_TOKENS``, then a multiple of
+        ``FINAL_COARSE_CHUNKS`` chunks."""
+        fine = sched.round_up(n_tokens)
+        if fine <= FINAL_FINE_TOKENS:
+            return fine
+        coarse = sched.chunk_size * FINAL_COARSE_CHUNKS
+        return -(-n_tokens // coarse) * coarse
 
     @staticmethod
     def _rerun_args(stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
