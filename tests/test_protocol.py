@@ -21,6 +21,8 @@ from voice_out.server.session import Session
 def test_parse_every_client_message() -> None:
     assert p.parse('{"type":"text.delta","id":"u1","delta":"Hel"}') == p.TextDelta("u1", "Hel")
     assert p.parse('{"type":"text.delta","id":"u1","delta":"","voice":"bob"}') == p.TextDelta("u1", "", "bob")
+    assert p.parse('{"type":"text.delta","id":"u1","delta":"","fast_first":12}') == p.TextDelta("u1", "", fast_first=12)
+    assert p.parse('{"type":"text.delta","id":"u1","delta":"","fast_first":0}') == p.TextDelta("u1", "", fast_first=0)
     assert p.parse('{"type":"text.done","id":"u1"}') == p.TextDone("u1")
     assert p.parse('{"type":"cancel"}') == p.Cancel(None)
     assert p.parse('{"type":"cancel","id":null}') == p.Cancel(None)
@@ -74,6 +76,11 @@ BAD_INPUT: list[tuple[str | bytes, p.ErrorCode]] = [
     ('{"type":"text.delta","id":"a","delta":null}', p.ErrorCode.BAD_FIELD),
     ('{"type":"text.delta","id":"a","delta":"x","voice":3}', p.ErrorCode.BAD_FIELD),
     ('{"type":"text.delta","id":"a","delta":"x","voice":""}', p.ErrorCode.BAD_FIELD),
+    ('{"type":"text.delta","id":"a","delta":"x","fast_first":"12"}', p.ErrorCode.BAD_FIELD),
+    ('{"type":"text.delta","id":"a","delta":"x","fast_first":true}', p.ErrorCode.BAD_FIELD),
+    ('{"type":"text.delta","id":"a","delta":"x","fast_first":-1}', p.ErrorCode.BAD_FIELD),
+    ('{"type":"text.delta","id":"a","delta":"x","fast_first":1.5}', p.ErrorCode.BAD_FIELD),
+    ('{"type":"text.delta","id":"a","delta":"x","fast_first":1001}', p.ErrorCode.BAD_FIELD),
     ('{"type":"text.done","id":["a"]}', p.ErrorCode.BAD_FIELD),
     ('{"type":"cancel","id":42}', p.ErrorCode.BAD_FIELD),
     ('{"type":"ping","t":"now"}', p.ErrorCode.BAD_FIELD),

@@ -289,6 +289,8 @@ BAD_MESSAGES: list[tuple[str | bytes, str]] = [
     ('{"type":"text.delta","id":"x","delta":["x"]}', "bad_field"),
     ('{"type":"text.delta","id":"x","delta":"x","voice":17}', "bad_field"),
     ('{"type":"text.delta","id":"x","delta":"hi","voice":"mallory"}', "unknown_voice"),
+    ('{"type":"text.delta","id":"x","delta":"x","fast_first":"soon"}', "bad_field"),
+    ('{"type":"text.delta","id":"x","delta":"hi","fast_first":4}', "bad_field"),  # the fake has no such option
     ('{"type":"text.delta","id":"x","delta":"' + "y" * 5000 + '"}', "text_too_long"),
     ('{"type":"text.done"}', "missing_field"),
     ('{"type":"text.done","id":"never"}', "unknown_id"),

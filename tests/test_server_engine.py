@@ -2,7 +2,8 @@
 
 One test walks a whole session, since starting the engine dominates the cost: audio arrives
 and carries energy, events arrive in order, a barge-in silences the track and the engine drops
-the stream, a disconnect mid-utterance frees the engine's slots, shutdown stops the worker.
+the stream, a per-utterance fast first chunk is served (and one out of range refused), a
+disconnect mid-utterance frees the engine's slots, shutdown stops the worker.
 Random weights speak noise; forced tokens make the LLM stop after a realistic length.
 """
 
@@ -100,7 +101,18 @@ async def test_real_engine_session() -> None:
         assert last_audible < 3 + 5, [round(f.peak, 4) for f in frames[:12]]
         assert len(frames) - last_audible > 10
 
-        # 3. A disconnect mid-utterance frees the session and the engine's slot.
+        # 3. Per-utterance first hop: out of the engine's range it is refused and the session
+        # goes on; a fast first chunk needs fewer LLM steps before the first audio.
+        client.send_text("u2x", "Too fast.", fast_first=30)
+        err = await client.wait_for("error", "u2x", timeout_s=10)
+        assert isinstance(err, p.Error) and err.code == "bad_field" and "fast_first" in err.message
+        client.send_text("u2y", "Quick start, then the rest of the sentence.", fast_first=4)
+        client.done("u2y")
+        await client.wait_for("audio.done", "u2y", timeout_s=EVENT_TIMEOUT_S)
+        traces = {t.request_id.rsplit("/", 1)[-1]: t for t in engine.stats().first_audio}
+        assert traces["u2y"].llm_steps < traces["u2"].llm_steps, traces
+
+        # 4. A disconnect mid-utterance frees the session and the engine's slot.
         client.send_text("u3", "Nobody will hear this one, the client leaves.")
         client.done("u3")
         await asyncio.sleep(0.5)
@@ -112,10 +124,10 @@ async def test_real_engine_session() -> None:
         assert stats.open_streams == 0 and stats.used_slots == 0 and stats.waiting == 0
         m = app[METRICS_KEY]
         assert m.active_streams._value.get() == 0 and m.active_sessions._value.get() == 0
-        # u1 and u2 started; u3 only if its first audio beat the disconnect (a fast machine)
+        # u1, u2 and u2y started; u3 only if its first audio beat the disconnect (a fast machine)
         u3_started = any(isinstance(ev.message, p.AudioStarted) and ev.message.id == "u3" for ev in client.events)
         # (its audio.started may also have been sent but not yet received when the client left)
-        assert 2 + int(u3_started) <= (m.registry.get_sample_value("voice_out_ttfa_seconds_count") or 0) <= 3
+        assert 3 + int(u3_started) <= (m.registry.get_sample_value("voice_out_ttfa_seconds_count") or 0) <= 4
     finally:
         await server.close()  # on_shutdown + cleanup_ctx: the engine's worker stops
     assert not engine.ready and engine.stats().worker_threads == 0

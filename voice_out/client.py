@@ -144,10 +144,13 @@ class VoiceOutClient:
         self.channel.send(text)
         return time.monotonic()
 
-    def send_text(self, uid: str, delta: str, voice: str | None = None) -> float:
+    def send_text(self, uid: str, delta: str, voice: str | None = None, fast_first: int | None = None) -> float:
+        """Send a ``text.delta``; ``voice`` and ``fast_first`` count on an utterance's first one."""
         msg: dict[str, object] = {"type": "text.delta", "id": uid, "delta": delta}
         if voice is not None:
             msg["voice"] = voice
+        if fast_first is not None:
+            msg["fast_first"] = fast_first
         return self._send(msg)
 
     def done(self, uid: str) -> float:

@@ -32,6 +32,9 @@ MAX_ID_CHARS = 128
 MAX_MESSAGE_BYTES = 64 * 1024
 #: Longest voice name on a text.delta.
 MAX_VOICE_CHARS = 128
+#: Largest ``fast_first`` a text.delta may name (the engine's own limit is lower: below its
+#: first hop, 25 tokens by default); guards the integer before it reaches the engine.
+MAX_FAST_FIRST = 1000
 
 
 class ErrorCode(enum.StrEnum):
@@ -85,11 +88,14 @@ class InterruptMessage(ClientMessage):
 
 @dataclass(frozen=True)
 class TextDelta(DataMessage):
-    """Append ``delta`` to utterance ``id``; a new id starts an utterance in ``voice``."""
+    """Append ``delta`` to utterance ``id``; a new id starts an utterance in ``voice``, with a
+    first chunk of ``fast_first`` speech tokens when set (0: upstream's; None: the server's
+    ``engine.fast_first_tokens``)."""
 
     id: str
     delta: str
     voice: str | None = None
+    fast_first: int | None = None
 
 
 @dataclass(frozen=True)
@@ -242,8 +248,15 @@ def parse(text: str | bytes) -> ClientMessage:
             raise ProtocolError(
                 ErrorCode.BAD_FIELD, f"text.delta: 'voice' must be a voice name, got {voice!r:.40}", uid
             )
+        fast_first = obj.get("fast_first")
+        if fast_first is not None and (type(fast_first) is not int or not 0 <= fast_first <= MAX_FAST_FIRST):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"text.delta: 'fast_first' must be a whole number of speech tokens, got {fast_first!r:.40}",
+                uid,
+            )
         assert uid is not None
-        return TextDelta(id=uid, delta=delta, voice=voice)
+        return TextDelta(id=uid, delta=delta, voice=voice, fast_first=fast_first)
     if mtype == "text.done":
         uid = _id(obj, mtype)
         assert uid is not None

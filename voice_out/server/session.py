@@ -120,6 +120,8 @@ class Session:
         # An engine whose open_stream takes ``auto_ack`` lets the transport say what was
         # *played* (stream.ack), so its back-pressure follows the listener, not the buffer.
         self._acks = "auto_ack" in inspect.signature(engine.open_stream).parameters
+        # ... and one whose open_stream takes ``fast_first`` serves a per-utterance first hop
+        self._fast_first = "fast_first" in inspect.signature(engine.open_stream).parameters
 
     # -- wiring --------------------------------------------------------------------------------
 
@@ -219,15 +221,21 @@ class Session:
             )
         if not self.engine.ready:
             raise p.ProtocolError(p.ErrorCode.NOT_READY, "the engine is not accepting streams now", msg.id)
+        options: dict[str, Any] = {}
+        if self._acks:
+            options["auto_ack"] = False
+        if msg.fast_first is not None:
+            if not self._fast_first:
+                raise p.ProtocolError(p.ErrorCode.BAD_FIELD, "this engine has no 'fast_first' option", msg.id)
+            options["fast_first"] = msg.fast_first
         try:
             sid = f"{self.id}/{msg.id}"
-            if self._acks:
-                open_stream: Any = self.engine.open_stream
-                stream = open_stream(msg.voice, stream_id=sid, auto_ack=False)
-            else:
-                stream = self.engine.open_stream(msg.voice, stream_id=sid)
+            open_stream: Any = self.engine.open_stream
+            stream = open_stream(msg.voice, stream_id=sid, **options)
         except VoiceOutError as e:
             raise p.ProtocolError(_error_code(e), str(e), msg.id) from None
+        except ValueError as e:  # an option out of the engine's range (fast_first)
+            raise p.ProtocolError(p.ErrorCode.BAD_FIELD, f"text.delta: {e}", msg.id) from None
         self._seq += 1
         u = Utterance(msg.id, self._seq, stream, self.clock.now())
         self.live[msg.id] = u
