@@ -116,11 +116,6 @@ class EngineConfig:
     #: the attention mask inside the GEMM and attention kernels), where Triton can run them
     #: (CUDA, bf16/fp16); else the plain-torch estimator.
     fused_flow: bool = True
-    #: CUDA, Hopper or later: launch the fused Triton kernels (decode and flow) with
-    #: programmatic dependent launch, so a kernel's programs are scheduled while the kernel
-    #: before it finishes (they wait for its writes); hides most of the gap between two
-    #: dependent kernels, inside CUDA graphs too. Process-wide (voice_out.model.launch).
-    pdl: bool = True
     #: Batch buckets for graph capture; a decode step of n rows runs in the smallest bucket >= n
     #: (the largest: max_streams + batched_input_rows).
     graph_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)

@@ -24,7 +24,6 @@ from voice_out.engine.scheduler import ForcedTokens, hop_policy
 from voice_out.engine.textfeed import TokenizerPipeline
 from voice_out.engine.worker import StepRunner
 from voice_out.hub import resolve_model
-from voice_out.model.launch import use_pdl
 
 if TYPE_CHECKING:
     from voice_out.engine.engine import Engine
@@ -167,10 +166,6 @@ def build_engine(
             log.info("engine: flow estimator with fused kernels")
         elif ec.fused_flow and torch.device(device).type == "cuda":
             log.info("engine: fused flow kernels unavailable here (need Triton and bf16/fp16): plain-torch flow")
-        pdl = ec.pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-        use_pdl(pdl)  # process-wide, before any kernel compiles or graph is captured
-        if pdl:
-            log.info("engine: Triton kernels launched with programmatic dependent launch")
         t2w = Token2Wav(flow, hift, device=device)
         # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere)
         t2w.use_cuda_graphs(graphs)

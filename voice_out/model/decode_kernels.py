@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from voice_out.model.launch import gdc_enter, launch
+from voice_out.model.launch import launch
 from voice_out.model.sampling import SamplingParams
 
 try:  # Triton comes with PyTorch's CUDA wheels; the CPU build has none (then: the eager path)
@@ -116,9 +116,7 @@ if triton is not None:
         GP: tl.constexpr,
         D: tl.constexpr,
         BLOCK: tl.constexpr,
-        USE_GDC: tl.constexpr,
     ):
-        gdc_enter(USE_GDC)
         b = tl.program_id(0)
         h = tl.program_id(1)
         half: tl.constexpr = D // 2
@@ -177,10 +175,7 @@ if triton is not None:
         tl.store(out_ptr + b * stride_out + q_cols + d[None, :], o.to(out_ptr.dtype.element_ty), mask=g_ok)
 
     @triton.jit
-    def _silu_mul_kernel(  # type: ignore[no-untyped-def]
-        x_ptr, out_ptr, stride_x, stride_out, N: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr
-    ):
-        gdc_enter(USE_GDC)
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, N: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         r = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = c < N
@@ -210,9 +205,7 @@ if triton is not None:
         WIN: tl.constexpr,
         BLOCK_W: tl.constexpr,
         ID_BITS: tl.constexpr,
-        USE_GDC: tl.constexpr,
     ):
-        gdc_enter(USE_GDC)
         r = tl.program_id(0)
         col = tl.arange(0, BLOCK_V)
         in_vocab = col < V

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from voice_out.model.launch import gdc_enter, launch
+from voice_out.model.launch import launch
 
 try:  # Triton comes with PyTorch's CUDA wheels; the CPU build has none (then: the plain path)
     import triton
@@ -117,9 +117,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         GELU: tl.constexpr,
-        USE_GDC: tl.constexpr,
     ):
-        gdc_enter(USE_GDC)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -164,9 +162,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr,
-        USE_GDC: tl.constexpr,
     ):
-        gdc_enter(USE_GDC)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -202,9 +198,7 @@ if triton is not None:
         HAS_KF: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        USE_GDC: tl.constexpr,
     ):
-        gdc_enter(USE_GDC)
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -278,9 +272,7 @@ if triton is not None:
         NORM: tl.constexpr,
         HAS_ADD: tl.constexpr,
         HAS_RES: tl.constexpr,
-        USE_GDC: tl.constexpr,
     ):
-        gdc_enter(USE_GDC)
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         r_ok = rows < M

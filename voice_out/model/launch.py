@@ -17,12 +17,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-try:  # Triton comes with PyTorch's CUDA wheels; the CPU build has none (no kernel launches then)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-
 
 @dataclass(frozen=True)
 class Launch:
@@ -35,52 +29,14 @@ class Launch:
 
 
 _recorded: list[Launch] | None = None
-_pdl = False
-
-
-def use_pdl(on: bool) -> None:
-    """Launch every kernel with programmatic dependent launch (Hopper and later): a kernel's
-    programs are scheduled while the one before it in the stream finishes, and wait for it
-    (``gdc_enter``) before they touch memory, which hides most of the launch gap between two
-    dependent kernels (also inside a CUDA graph). Set before the kernels are compiled and
-    graphs captured (start-up, the thread that owns CUDA); a kernel's compiled form depends on
-    it (``USE_GDC``)."""
-    global _pdl
-    _pdl = on
-
-
-def pdl_enabled() -> bool:
-    return _pdl
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """Launch ``kernel`` on ``grid`` (its last constexpr ``USE_GDC`` is set here, see
-    :func:`use_pdl`); inside :func:`recording`, record the launch instead."""
-    kwargs["USE_GDC"] = _pdl
+    """Launch ``kernel`` on ``grid``; inside :func:`recording`, record the launch instead."""
     if _recorded is not None:
         _recorded.append(Launch(kernel, grid, args, kwargs))
         return
-    if _pdl:
-        kernel[grid](*args, launch_pdl=True, **kwargs)
-    else:
-        kernel[grid](*args, **kwargs)
-
-
-#: The first statement of every kernel :func:`launch` runs (a Triton function; None without Triton).
-gdc_enter: Any = None
-
-if triton is not None:
-
-    @triton.jit
-    def _gdc_enter(USE_GDC: tl.constexpr):  # type: ignore[no-untyped-def]
-        """A kernel's first statement: with PDL, wait until the kernel before it in the stream
-        has finished and its writes are visible (every read and write comes after this, so
-        nothing races it), then let the next kernel's programs be scheduled."""
-        if USE_GDC:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-
-    gdc_enter = _gdc_enter
+    kernel[grid](*args, **kwargs)
 
 
 @contextmanager
