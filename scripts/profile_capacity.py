@@ -20,6 +20,7 @@ process at exit when the round ended before those 3 steps).
 
     python scripts/profile_capacity.py --streams 32 --stall 2 --timeout 60
     python scripts/profile_capacity.py --streams 32 --sync
+    python scripts/profile_capacity.py --streams 16 --warm-rounds 1
     python scripts/profile_capacity.py --model random:tiny --device cpu --streams 2 --quick
 """
 
@@ -30,6 +31,7 @@ import asyncio
 import dataclasses
 import faulthandler
 import functools
+import gc
 import os
 import subprocess
 import sys
@@ -73,6 +75,10 @@ def main() -> None:
         metavar="MS",
         help="profile (torch.profiler) the 3 steps after the first step slower than MS ms; table and trace to $OUT",
     )
+    p.add_argument(
+        "--warm-rounds", type=int, default=0, help="unprofiled rounds of the same streams first (first-use costs)"
+    )
+    p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the start (and warm-up rounds)")
     p.add_argument("--llm-priority", default="-1", help="Runner.llm_stream_priority: a CUDA priority, or 'none'")
     p.add_argument("--timeout", type=float, default=0.0, help="give up on the round after this many seconds")
     p.add_argument("--stall", type=float, default=0.0, metavar="S", help="report the GPU state after S s with no step")
@@ -91,7 +97,19 @@ def main() -> None:
     Runner.llm_stream_priority = None if args.llm_priority == "none" else int(args.llm_priority)
     engine = eb.load_engine(cfg, opts)
     engine.start(timeout=600)
+    for k in range(args.warm_rounds):
+        w = asyncio.run(
+            eb.capacity_round(engine, args.streams, eb.text_of(opts.capacity_chars), opts, torch.device(args.device))
+        )
+        print(f"warm-up round {k + 1}: {eb.round_summary(w)}")
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    _time_gc()
     timer = functools.partial(time_method, times=TIMES, sync=args.sync)
+    timer(GraphedFn, "__call__", lambda self, key, *a: f"graph call {self.name}")
+    timer(Flow, "batch_inputs", lambda self, items: f"flow batch_inputs, {len(items)} rows")
+    timer(Token2Wav, "_finish_chunk", lambda self, stream, plan, mel: "finish chunk (vocoder, cross-fade)")
     timer(GraphedFn, "_capture", lambda self, key, a: f"graph capture {self.name}")
     timer(Flow, "inference", lambda self, *a, **k: f"eager flow (finalize={k.get('finalize')})")
     timer(Flow, "inference_batch", lambda self, items: f"eager flow batch of {len(items)}")
@@ -134,6 +152,21 @@ def main() -> None:
     for label, v in rows:
         print(f"  {len(v):6d} calls {sum(v):9.1f} ms  max {max(v):8.1f} ms  {label}")
     save_out(f"capacity_profile_{args.streams}.json", {"summary": summary, "calls": dict(rows)}, indent=1)
+
+
+def _time_gc() -> None:
+    """Time Python's garbage collections (any thread: a collection stops them all) per generation."""
+    started: dict[str, float] = {}
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        elif "t" in started:
+            TIMES.setdefault(f"python gc, generation {info['generation']}", []).append(
+                (time.perf_counter() - started.pop("t")) * 1e3
+            )
+
+    gc.callbacks.append(on_gc)
 
 
 def _watch_steps(step_ms: list[float], slow_ms: float) -> None:
