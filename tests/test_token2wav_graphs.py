@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT, random_speech, random_voice
+from voice_out.model import token2wav
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkPlan
 from voice_out.model.cuda_graphs import GraphedFn, graphs_disabled
@@ -305,7 +306,12 @@ def test_graphed_final_chunks_equal_eager(monkeypatch: pytest.MonkeyPatch) -> No
     wants = {n: _stream_all(t2w, "rerun", 50, n, "cuda") for n in (20, 31, 77, 140, 480)}
     t2w.use_cuda_graphs(True)
     token, feat, emb = random_voice(50, "cuda")
+    # the dummy stream runs 250 tokens (upstream's hops: chunks at 28, 78, 178 tokens); the
+    # single-chunk graphs past them (278 .. 578 tokens) are captured directly, without warm-up
+    monkeypatch.setattr(token2wav, "STREAM_CAPTURE_TOKENS", 250)
     t2w.capture_stream_shapes(token, feat, emb, 600, max_batch=2, batch_tokens=100)
+    single = t2w._graph_flow
+    assert single is not None and {(50, 278), (50, 378), (50, 478), (50, 578)} <= set(single.captured_keys)
     final, batched = t2w._graph_flow_final, t2w._graph_flow_batch
     assert final is not None and batched is not None
     assert sorted(final.captured_keys) == [*range(75, 501, 25), 600, 700]  # type: ignore[type-var]
@@ -331,6 +337,7 @@ def test_graphed_final_chunks_equal_eager(monkeypatch: pytest.MonkeyPatch) -> No
         replays.append((self.name, key))
         return call(self, key, *args)
 
+    captured_single = set(single.captured_keys)
     monkeypatch.setattr(GraphedFn, "__call__", spy)
     eager_flow = t2w.flow.inference
     eager_calls: list[int] = []
@@ -347,4 +354,5 @@ def test_graphed_final_chunks_equal_eager(monkeypatch: pytest.MonkeyPatch) -> No
             torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
     assert eager_hift == []  # every vocoder call, the final ones included, replayed a graph
     assert eager_calls == []  # every flow call too: 480 tokens' chunks and its final (530 -> 600)
-    assert ("flow.final_chunk", 600) in replays
+    assert ("flow.final_chunk", 600) in replays and ("flow.rerun_chunk", (50, 378)) in replays
+    assert set(single.captured_keys) == captured_single  # nothing captured mid-stream

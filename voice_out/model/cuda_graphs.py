@@ -173,13 +173,17 @@ class GraphedFn:
         cap.graph.replay()
         return cap.output
 
-    def capture(self, key: Hashable, *args: torch.Tensor) -> None:
-        """Capture ``key`` now (start-up warm-up) without replaying it."""
+    def capture(self, key: Hashable, *args: torch.Tensor, warmup: int | None = None) -> None:
+        """Capture ``key`` now (start-up warm-up) without replaying it. ``warmup``: runs of
+        ``fn`` before the capture (None: the wrapper's own rule); 0 only where an earlier key
+        has run the same kernels (same code, other lengths)."""
         if self._active(args) and key not in self._graphs:
-            self._capture(key, args)
+            self._capture(key, args, warmup)
 
-    def _capture(self, key: Hashable, args: Sequence[torch.Tensor]) -> _Captured:
+    def _capture(self, key: Hashable, args: Sequence[torch.Tensor], warmup: int | None = None) -> _Captured:
         static = tuple(a.clone() for a in args)
+        if warmup is None:
+            warmup = self.warmup if self.warmup_each or not self._graphs else 0
         # A capture mid-run (a first use) may find another family's graphs still replaying on
         # another stream; the warm-up below runs on a stream from PyTorch's pool, which may be
         # that family's capture stream, and would share its cuBLAS workspace: let them finish.
@@ -187,7 +191,7 @@ class GraphedFn:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(self.warmup if self.warmup_each or not self._graphs else 0):
+            for _ in range(warmup):
                 self.fn(*static)
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:

@@ -82,6 +82,10 @@ MEL_FRAMES_PER_TOKEN = 2  # token_mel_ratio: 25 Hz tokens, 50 Hz mel
 #: final pass, once per utterance, computes at most 3 padding chunks more.
 FINAL_FINE_TOKENS = 500
 FINAL_COARSE_CHUNKS = 4
+#: Start-up runs a dummy stream through its first STREAM_CAPTURE_TOKENS speech tokens (every
+#: vocoder length of the schedule appears by then); the single-chunk flow graphs of longer
+#: utterances are captured directly, without running their chunks or warming them up again.
+STREAM_CAPTURE_TOKENS = 500
 HIFT_CACHE_FRAMES = 8  # vocoder overlap between chunks (160 ms)
 #: The ``GraphedFn`` family of every token2wav graph: they replay alongside the LLM's graphs
 #: (family "llm"), so they are captured on a stream of their own (``voice_out.model.cuda_graphs``).
@@ -434,7 +438,7 @@ class Token2Wav:
         # placeholder speech ids; the extra chunk's worth covers a final chunk rounded up
         dummy = [(7 * i + 1) % 6561 for i in range(n_tokens + stream.schedule.chunk_size)]
         try:
-            for _ in self.stream_all(stream, dummy[:n_tokens]):
+            for _ in self.stream_all(stream, dummy[: min(n_tokens, STREAM_CAPTURE_TOKENS)]):
                 pass
         finally:
             self._capturing = False
@@ -442,6 +446,11 @@ class Token2Wav:
         prompt_token, prompt_feat = prompt_token.to(self.device), prompt_feat.to(self.device)
         embedding = embedding.to(self.device)
         n_prompt = int(prompt_token.shape[1])
+        sched = hops.schedule(n_prompt, fast_first)  # the longer utterance's non-final chunks
+        while (plan := sched.ready(n_tokens, llm_finished=True)) is not None and not plan.finalize:
+            token = self._as_tokens(dummy[: plan.token_len])
+            self._graph_flow.capture((n_prompt, plan.token_len), token, prompt_token, prompt_feat, embedding, warmup=0)
+            sched.commit(plan)
         n_batched = n_tokens if batch_tokens is None else min(n_tokens, batch_tokens)
         keys = self.batch_keys(n_prompt, n_batched, max_batch, hops=hops, fast_first=fast_first)
         for bucket, total in keys:
