@@ -52,9 +52,11 @@ class Driver:
                 token = FILL if a.mode is bs.StepMode.FORCE_FILL else self.choose(len(self.steps) - 1, a.mode)
                 self.tokens.append(token)
                 queue += bs.process(self.state, bs.StepDone(token))
+            assert self.state.chunk_tokens == sum(len(c) for c in self.state.chunks)
 
     def text(self, ids: Sequence[int]) -> None:
         self.handle(bs.process(self.state, bs.TextReceived(tuple(ids))))
+        assert self.state.chunk_tokens == sum(len(c) for c in self.state.chunks)
 
     def end(self) -> None:
         self.handle(bs.process(self.state, bs.TextEnded()))

@@ -57,7 +57,7 @@ class BistreamFeed:
     def text_fed(self) -> int:
         """Request text ids (prompt transcript excluded) already in an issued LLM step."""
         s = self.state
-        unfed = len(s.text_buf) + sum(len(c) for c in s.chunks)
+        unfed = len(s.text_buf) + s.chunk_tokens
         if not s.pending_fed:
             unfed += sum(1 for kind, _ in s.pending if kind == KIND_TEXT)
         # the prompt transcript is fed first, so it is what the buffers lack first

@@ -193,6 +193,8 @@ class BistreamState:
     text_buf: list[int] = field(default_factory=list)
     prompt_speech: list[int] = field(default_factory=list)
     chunks: deque[tuple[int, ...]] = field(default_factory=deque)
+    #: Text ids waiting in ``chunks`` (kept, so a caller asking per token need not sum them).
+    chunk_tokens: int = 0
     text_ended: bool = False
     next_fill: int = 0
     #: Tokens produced by steps, FILL included (upstream ``len(out)``).
@@ -299,6 +301,7 @@ def process(state: BistreamState | WholeTextState, event: Event) -> list[Action]
         if not ids:
             return []
         state.text_tokens += len(ids)
+        state.chunk_tokens += len(ids)
         if state.config.whole_chunk_events:
             state.chunks.append(ids)
         else:
@@ -331,7 +334,9 @@ def _pull(state: BistreamState) -> list[Action]:
     cfg = state.config
     n_text, n_speech = cfg.text_per_group, cfg.speech_per_group
     while state.chunks:
-        state.text_buf.extend(state.chunks.popleft())
+        chunk = state.chunks.popleft()
+        state.chunk_tokens -= len(chunk)
+        state.text_buf.extend(chunk)
         state.chunks_pulled += 1
         while state.prompt_speech and len(state.text_buf) >= n_text:
             state.pending += [(KIND_TEXT, t) for t in state.text_buf[:n_text]]
