@@ -134,8 +134,8 @@ class EngineConfig:
     #: CUDA graphs: the token2wav graphs start-up captures for the default voice's prompt
     #: length cover an utterance of up to this many speech tokens (25 per second of audio:
     #: 1500 = 60 s); a longer utterance's chunks beyond it run eagerly (a key is never
-    #: captured mid-stream: that would stall every stream). Each 100 tokens more is about a
-    #: second more of start-up.
+    #: captured mid-stream: that would stall every stream). 1500 instead of 500 cost about
+    #: 2 s more of start-up on an H100 (docs/benchmarks.md, fifth round).
     capture_tokens: int = 1500
     #: The batched-chunk graphs (several streams' chunks of one length in one replay) within
     #: the first this many speech tokens (at most capture_tokens); a batched chunk beyond it
