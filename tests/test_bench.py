@@ -182,8 +182,10 @@ def test_webrtc_mode_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     out = tmp_path / "webrtc.json"
     argv = ["bench", "--mode", "webrtc", "--model", "random:tiny", "--device", "cpu", "--quick", "--threads", "1"]
     argv += ["--voice", "noise"]  # the built-in voice of random models, named
+    argv += ["--fast-first", "4"]  # a per-utterance fast first chunk: refused, it would fail the run
     assert main([*argv, "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
+    assert doc["settings"]["fast_first"] == 4
     check_records(doc, "webrtc", "voice-out " + " ".join([*argv, "--out", str(out)]))
     v = by_key(doc)
     for name in ("e2e.ttfa", "e2e.server_ttfa", "e2e.barge_in"):
@@ -195,6 +197,20 @@ def test_webrtc_mode_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert v[("e2e.barge_in.p50", 1)] < 1000
     assert any("80 ms" in n for n in doc["notes"])
     assert "| e2e.barge_in.p50 | 1 |" in capsys.readouterr().out
+
+
+def test_webrtc_mode_refused_utterance_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``--fast-first`` the server refuses (at or above its first hop) ends the run with the
+    server's reason on one line, not a traceback."""
+    from voice_out.cli import main
+
+    argv = ["bench", "--mode", "webrtc", "--model", "random:tiny", "--device", "cpu", "--quick", "--threads", "1"]
+    assert main([*argv, "--fast-first", "30"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "voice-out: error: the server refused the utterance: bad_field: text.delta: fast_first = 30 must be in "
+        "0..24 tokens"
+    )
 
 
 def test_update_docs_keeps_other_runs(tmp_path: Path) -> None:

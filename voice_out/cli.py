@@ -172,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--url", help="webrtc mode: measure this running server instead of starting one")
     p.add_argument("--voice", help="webrtc mode: the voice the utterances name (default: the server's)")
+    p.add_argument(
+        "--fast-first",
+        type=int,
+        metavar="N",
+        help='webrtc mode: each utterance asks for a fast first chunk of N speech tokens ("fast_first")',
+    )
     p.add_argument("--update-docs", action="store_true", help="append to docs/benchmarks.md, rewrite benchmarks.json")
     p.add_argument("--from-json", metavar="FILE", help="report a result written by --out elsewhere; measure nothing")
     p.add_argument("--docs-dir", help=argparse.SUPPRESS)

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from voice_out.bench.engine_bench import EngineBenchOptions, bench_config, gpu_name, load_engine, text_of
 from voice_out.bench.report import Report
-from voice_out.client import VoiceOutClient, connect
+from voice_out.client import ClientError, VoiceOutClient, connect
 from voice_out.config import Config
 from voice_out.server import protocol as p
 from voice_out.server.app import create_app
@@ -52,6 +52,8 @@ class WebrtcBenchOptions:
     url: str | None = None
     #: The voice every utterance names (None: the server's default voice).
     voice: str | None = None
+    #: ``"fast_first"`` on every utterance's first delta (None: not sent; the server's default).
+    fast_first: int | None = None
     text_chars: int = 100
     #: Characters per ``text.delta`` (the deltas are sent back to back).
     delta_chars: int = 4
@@ -86,7 +88,7 @@ async def speak_and_barge_in(client: VoiceOutClient, uid: str, opts: WebrtcBench
     """One utterance: its end-to-end TTFA, the server's TTFA, and the barge-in latency."""
     text = text_of(opts.text_chars)
     deltas = [text[k : k + opts.delta_chars] for k in range(0, len(text), opts.delta_chars)]
-    t_send = client.send_text(uid, deltas[0], voice=opts.voice)
+    t_send = client.send_text(uid, deltas[0], voice=opts.voice, fast_first=opts.fast_first)
     for d in deltas[1:]:
         client.send_text(uid, d)
     client.done(uid)
@@ -94,7 +96,7 @@ async def speak_and_barge_in(client: VoiceOutClient, uid: str, opts: WebrtcBench
         lambda m: (isinstance(m, p.AudioStarted) and m.id == uid) or isinstance(m, p.Error), timeout_s=opts.timeout_s
     )
     if isinstance(started, p.Error):
-        raise RuntimeError(f"the server answered {started.code}: {started.message}")
+        raise ClientError(f"the server refused the utterance: {started.code}: {started.message}", code=started.code)
     assert isinstance(started, p.AudioStarted)
     deadline = time.monotonic() + opts.timeout_s
     while (first := client.first_audible(t_send)) is None:
@@ -175,6 +177,7 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
         delta_chars=opts.delta_chars,
         barge_after_s=opts.barge_after_s,
         tokens_per_text_token=opts.tokens_per_text_token,
+        fast_first=opts.fast_first,
     )
     report.notes.append(JITTER_NOTE)
     results = asyncio.run(_run(cfg, opts, log))
