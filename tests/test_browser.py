@@ -466,6 +466,13 @@ async def token_and_errors(profile: Path) -> dict[str, Any]:
         result["voices"] = await page.evaluate("voiceOut.listVoices()")
         bad = await page.evaluate("voiceOut.speak('Hello', {voice: 'nobody'})")
         await page.wait_for(f"voiceOut.utterances[{json.dumps(bad)}].status === 'error'", 10, "the error")
+        # "fast start" on: the first delta carries fast_first, which the fake engine has no
+        # option for (bad_field); the real engine's answer is in tests/test_server_engine.py
+        await page.evaluate("document.getElementById('fast-start').checked = true")
+        fast = await page.evaluate("voiceOut.speak('Hello, quickly.', {voice: 'alice'})")
+        await page.wait_for(f"voiceOut.utterances[{json.dumps(fast)}].status === 'error'", 10, "the fast_first error")
+        await page.evaluate("document.getElementById('fast-start').checked = false")
+        result["fast_first"] = await page.evaluate(f"voiceOut.utterances[{json.dumps(fast)}].fastFirst")
         good = await page.evaluate("voiceOut.speak('Hello there, again.', {voice: 'alice'})")
         await page.wait_for(f"voiceOut.utterances[{json.dumps(good)}].status === 'done'", 10, "audio.done")
         await page.wait_for(f"voiceOut.utterances[{json.dumps(good)}].pageTtfaMs !== null", 5, "the page to hear it")
@@ -473,7 +480,7 @@ async def token_and_errors(profile: Path) -> dict[str, Any]:
         await page.wait_for("voiceOut.log.some((e) => e.type === 'pong')", 5, "the pong")
         result["rtt_shown"] = await page.evaluate("document.getElementById('stat-rtt').textContent")
         result["summary"] = await page.evaluate("voiceOut.summary()")
-        result["ids"] = (bad, good)
+        result["ids"] = (bad, fast, good)
         return result
 
 
@@ -483,11 +490,18 @@ def test_demo_page_bearer_token_and_errors(tmp_path: Path) -> None:
     assert "HTTP 401" in r["without_token"] and "bearer token" in r["without_token"], r["without_token"]
     assert r["status_after_failure"] == "error"
     assert r["session_id"] and r["voices"] == ["alice"], r
-    bad, good = r["ids"]
+    bad, fast, good = r["ids"]
     events = r["summary"]["events"]
     errors = [e for e in events if e["type"] == "error"]
     # The delta is refused, so the text.done that follows names an utterance never started.
-    assert [(e["id"], e["code"]) for e in errors] == [(bad, "unknown_voice"), (bad, "unknown_id")], errors
+    assert [(e["id"], e["code"]) for e in errors] == [
+        (bad, "unknown_voice"),
+        (bad, "unknown_id"),
+        (fast, "bad_field"),
+        (fast, "unknown_id"),
+    ], errors
+    assert "fast_first" in next(e["message"] for e in errors if e["id"] == fast)
+    assert r["fast_first"] == 12
     assert [(e["type"], e.get("id")) for e in events if e["type"].startswith("audio.")] == [
         ("audio.started", good),
         ("audio.done", good),

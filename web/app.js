@@ -25,6 +25,10 @@ const ERRORS_ENDING_UTTERANCE = new Set([
   "overloaded",
   "not_ready",
   "internal",
+  // the page sends well-formed messages: bad_field is an option of the first delta the
+  // server refused (fast_first), and unknown_id names an utterance that never started
+  "bad_field",
+  "unknown_id",
 ]);
 
 const $ = (id) => document.getElementById(id);
@@ -170,7 +174,9 @@ function describe(type, msg) {
     case "session.ready":
       return `session ${msg.session_id} · ${msg.sample_rate} Hz · voices: ${(msg.voices || []).map(voiceName).join(", ") || "none"}`;
     case "text.delta":
-      return `${msg.id} ${JSON.stringify(msg.delta)}${msg.voice ? ` (voice ${msg.voice})` : ""}`;
+      return `${msg.id} ${JSON.stringify(msg.delta)}${msg.voice ? ` (voice ${msg.voice})` : ""}${
+        msg.fast_first != null ? ` (fast first ${msg.fast_first})` : ""
+      }`;
     case "audio.started":
       return `${msg.id} · server TTFA ${fmtMs(msg.ttfa_ms)}`;
     case "audio.done":
@@ -618,11 +624,15 @@ function ping() {
 // ---------------------------------------------------------------------------------------------
 // Utterances
 
-function newUtterance(voice) {
+/** Speech tokens of the first chunk when "fast start" is on (docs/protocol.md, fast_first). */
+const FAST_FIRST_TOKENS = 12;
+
+function newUtterance(voice, fastFirst = null) {
   const id = `u${state.nextId++}`;
   voiceOut.utterances[id] = {
     id,
     voice: voice || null,
+    fastFirst, // speech tokens of a fast first chunk, or null: the server's default
     text: "",
     status: "sending", // sending -> sent -> playing -> done | cancelled | error
     firstDeltaAt: null,
@@ -647,6 +657,7 @@ function sendDelta(id, delta) {
   const u = voiceOut.utterances[id];
   const msg = { type: "text.delta", id, delta };
   if (u.firstDeltaAt === null && u.voice) msg.voice = u.voice;
+  if (u.firstDeltaAt === null && u.fastFirst !== null) msg.fast_first = u.fastFirst;
   send(msg);
   if (u.firstDeltaAt === null) u.firstDeltaAt = mark("firstDeltaSent");
   u.text += delta;
@@ -663,10 +674,14 @@ function selectedVoice() {
   return $("voice").value || null;
 }
 
+function selectedFastFirst() {
+  return $("fast-start").checked ? FAST_FIRST_TOKENS : null;
+}
+
 /** Speak a whole text at once: one delta, then done. Returns the utterance id. */
-function speak(text, { voice = selectedVoice() } = {}) {
+function speak(text, { voice = selectedVoice(), fastFirst = selectedFastFirst() } = {}) {
   if (!text.trim()) return null;
-  const id = newUtterance(voice);
+  const id = newUtterance(voice, fastFirst);
   sendDelta(id, text);
   sendDone(id);
   return id;
@@ -688,10 +703,10 @@ function splitIntoDeltas(text) {
 }
 
 /** Stream text at `tps` deltas per second, then text.done. Returns the id at once. */
-function startStream(text, { tps = 20, voice = selectedVoice() } = {}) {
+function startStream(text, { tps = 20, voice = selectedVoice(), fastFirst = selectedFastFirst() } = {}) {
   const deltas = splitIntoDeltas(text);
   if (deltas.length === 0) return null;
-  const id = newUtterance(voice);
+  const id = newUtterance(voice, fastFirst);
   const streamer = { id, stopped: false };
   state.streamers.add(streamer);
   const interval = 1000 / Math.max(0.1, tps);
