@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy
+from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy, plan_all
 from voice_out.model.cuda_graphs import GraphedFn
 from voice_out.model.hift import HiFT
 from voice_out.model.transfer import to_device
@@ -397,14 +397,13 @@ class Token2Wav:
         if not self.batch_buckets or max_batch < 2:
             return []
         buckets = sorted({self._bucket(n) for n in range(2, min(max_batch, self.batch_buckets[-1]) + 1)})
-        sched = hops.schedule(prompt_tokens, fast_first)
-        lengths: list[int] = []
-        while (plan := sched.ready(n_tokens, llm_finished=True)) is not None and not plan.finalize:
-            total = sched.flow_end(plan)
-            if total % sched.chunk_size == 0 and not (plan.index == 0 and fast_first):
-                lengths.append(total)
-            sched.commit(plan)
-        return [(b, t) for t in lengths for b in buckets]
+        sched = hops.schedule(prompt_tokens, fast_first)  # for flow_end and the chunk size only
+        lengths = [
+            sched.flow_end(plan)
+            for plan in plan_all(n_tokens, prompt_tokens, hops, fast_first)
+            if not plan.finalize and not (plan.index == 0 and fast_first)
+        ]
+        return [(b, t) for t in lengths if t % sched.chunk_size == 0 for b in buckets]
 
     def _bucket(self, n: int) -> int:
         """The smallest batch bucket that holds ``n`` rows (``n`` <= the largest bucket)."""
@@ -446,11 +445,12 @@ class Token2Wav:
         prompt_token, prompt_feat = prompt_token.to(self.device), prompt_feat.to(self.device)
         embedding = embedding.to(self.device)
         n_prompt = int(prompt_token.shape[1])
-        sched = hops.schedule(n_prompt, fast_first)  # the longer utterance's non-final chunks
-        while (plan := sched.ready(n_tokens, llm_finished=True)) is not None and not plan.finalize:
+        for plan in plan_all(n_tokens, n_prompt, hops, fast_first):  # the longer utterances' chunks
+            key = (n_prompt, plan.token_len)
+            if plan.finalize or self._graph_flow.has(key):
+                continue
             token = self._as_tokens(dummy[: plan.token_len])
-            self._graph_flow.capture((n_prompt, plan.token_len), token, prompt_token, prompt_feat, embedding, warmup=0)
-            sched.commit(plan)
+            self._graph_flow.capture(key, token, prompt_token, prompt_feat, embedding, warmup=0)
         n_batched = n_tokens if batch_tokens is None else min(n_tokens, batch_tokens)
         keys = self.batch_keys(n_prompt, n_batched, max_batch, hops=hops, fast_first=fast_first)
         for bucket, total in keys:
