@@ -1,15 +1,16 @@
 """Time the fused flow-estimator kernels against the plain-torch blocks, and sweep their tiles.
 
 Full-size CosyVoice2-0.5B estimator shapes (random weights, bf16) at a first streaming chunk:
-a CFG batch of 2 x ``--frames`` mel frames. Each timing is a CUDA graph of ``--calls`` back-to-
-back calls, replayed; the figure is microseconds per call (median of ``--reps`` replays), so
-host launch cost is left out, as the engine's graphs leave it out.
+a CFG batch of 2 x ``--frames`` mel frames (``--batch N``: N chunks, 2N rows, as a batched
+re-run). Each timing is a CUDA graph of ``--calls`` back-to-back calls, replayed; the figure is
+microseconds per call (median of ``--reps`` replays), so host launch cost is left out, as the
+engine's graphs leave it out.
 
     python scripts/bench_flow_kernels.py                 # blocks: plain vs fused; each kernel
     python scripts/bench_flow_kernels.py --sweep         # + every tile candidate of each kernel
 
-``--sweep`` prints the fastest tiles per kernel (``voice_out.model.flow_kernels.TILES`` holds the
-chosen ones). GPU only.
+``--sweep`` prints the fastest tiles per kernel for the tier of this row count
+(``voice_out.model.flow_kernels.TILE_TIERS`` holds the chosen ones). GPU only.
 """
 
 from __future__ import annotations
@@ -31,17 +32,18 @@ from voice_out.model.checkpoint import random_flow  # noqa: E402
 FULL = Path(__file__).resolve().parent.parent / "configs" / "models" / "cosyvoice2-0.5b"
 
 CANDIDATES: dict[str, list[tuple[int, ...]]] = {
-    "ln_linear": [(m, n, w) for m, n, w in itertools.product((16, 32, 64), (32, 64, 128), (4, 8))],
-    "ln_linear_gelu": [(m, n, w) for m, n, w in itertools.product((16, 32, 64), (32, 64, 128), (4, 8))],
-    "linear": [(m, n, k, w) for m, n, k, w in itertools.product((16, 32, 64), (32, 64, 128), (32, 64), (4, 8))],
+    "ln_linear": [(m, n, w) for m, n, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8))],
+    "ln_linear_gelu": [(m, n, w) for m, n, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8))],
+    "linear": [(m, n, k, w) for m, n, k, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (32, 64), (4, 8))],
     "attention": [(m, n, w) for m, n, w in itertools.product((32, 64, 128), (32, 64), (4, 8))],
-    "conv": [(m, 32, k, w) for m, k, w in itertools.product((16, 32, 64), (32, 64, 128), (4, 8))],
+    "conv": [(m, 32, k, w) for m, k, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8))],
 }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frames", type=int, default=356, help="mel frames per row (prompt 150 + 28 tokens: 356)")
+    ap.add_argument("--batch", type=int, default=1, help="chunks per call (a batched re-run: 2 CFG rows each)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time every tile candidate of each kernel")
@@ -49,7 +51,7 @@ def main() -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     flow = random_flow(FULL, dev, dt, seed=0)
     est = flow.estimator
-    b, t, c = 2, args.frames, est.channels
+    b, t, c = 2 * args.batch, args.frames, est.channels
     chunk = est.chunk_frames
     tb = est.transformer_blocks()[0]
     res = est.mid_res[0]
@@ -98,9 +100,10 @@ def main() -> None:
             lambda: down.forward_kernels(x_in, tproj),
         ),
     }
-    out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(dev), "frames": t, "tiles": dict(flow_kernels.TILES)}
+    gpu = torch.cuda.get_device_name(dev)
+    out: dict[str, Any] = {"gpu": gpu, "frames": t, "rows": b, "tiles": dict(flow_kernels.tier(b * t))}
     with torch.inference_mode():
-        print(f"{torch.cuda.get_device_name(dev)}, bf16, CFG batch 2 x {t} frames; us per call (graph replay)")
+        print(f"{gpu}, bf16, {b} rows (CFG 2 x {args.batch} chunks) x {t} frames; us per call (graph replay)")
         print("| block | plain | fused |\n|---|---|---|")
         for name, (plain, fused) in blocks.items():
             p_us, f_us = graph_us(plain, args.calls, args.reps), graph_us(fused, args.calls, args.reps)
@@ -120,18 +123,19 @@ def main() -> None:
                 "conv": ["conv_norm_add", "conv_plain"],
             }
             best: dict[str, Any] = {}
+            table = flow_kernels.tier(b * t)  # the tier's own table: the kernels read it per call
             for tile, names in groups.items():
-                chosen = flow_kernels.TILES[tile]
+                chosen = table[tile]
                 scores = []
                 for cand in CANDIDATES[tile]:
-                    flow_kernels.TILES[tile] = cand
+                    table[tile] = cand
                     try:
                         us = sum(graph_us(kernels[n], args.calls, 5) for n in names)
                     except Exception as e:  # noqa: BLE001 - a tile too large for shared memory
                         print(f"  {tile} {cand}: {type(e).__name__}")
                         continue
                     scores.append((us, cand))
-                flow_kernels.TILES[tile] = chosen
+                table[tile] = chosen
                 scores.sort()
                 print(f"\n{tile} ({' + '.join(names)}), fastest 5 of {len(scores)}:")
                 for us, cand in scores[:5]:

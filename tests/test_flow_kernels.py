@@ -35,19 +35,37 @@ def test_flow_does_not_use_the_kernels_on_the_cpu() -> None:
     assert not flow.estimator.kernels
 
 
+def test_tile_tiers_pick_by_rows() -> None:
+    tiers = flow_kernels.TILE_TIERS
+    assert tiers[0][0] == 0 and [start for start, _ in tiers] == sorted({start for start, _ in tiers})
+    assert all(set(tiles) == set(tiers[0][1]) for _, tiles in tiers)
+    for i, (start, tiles) in enumerate(tiers):
+        assert flow_kernels.tier(start) is tiles
+        if i + 1 < len(tiers):
+            assert flow_kernels.tier(tiers[i + 1][0] - 1) is tiles
+    assert flow_kernels.tier(10**9) is tiers[-1][1]
+    with pytest.raises(ValueError, match="rows"):
+        flow_kernels.tier(-1)
+
+
+#: Row counts of the kernel tests: one in every tile tier (the last ends inside a tile)
+TIER_ROWS = [max(start, 1) + 357 for start, _ in flow_kernels.TILE_TIERS]
+
+
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
 @pytest.mark.requires_cuda
-def test_ln_linear_and_linear_equal_torch() -> None:
+@pytest.mark.parametrize("m", TIER_ROWS)
+def test_ln_linear_and_linear_equal_torch(m: int) -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen, device=dev) * scale).to(dt)
 
-    m, k, n = 357, 256, 1024
+    k, n = 256, 1024
     x, lw, lb = rnd(m, k), rnd(k), rnd(k)
     w, b = rnd(n, k, scale=k**-0.5), rnd(n)
     h = F.layer_norm(x, (k,), lw, lb, 1e-5)
@@ -68,12 +86,13 @@ def test_ln_linear_and_linear_equal_torch() -> None:
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("chunk", [0, 50])
 @pytest.mark.parametrize("padded", [False, True])
-def test_attention_equals_sdpa(chunk: int, padded: bool) -> None:
+@pytest.mark.parametrize("b", [4, 16])
+def test_attention_equals_sdpa(chunk: int, padded: bool, b: int) -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(chunk + padded)
-    b, t, heads, d = 4, 213, 8, 64  # t spans several key blocks and ends inside one
+    t, heads, d = 213, 8, 64  # t spans several key blocks and ends inside one; b x t: both tiers
     qkv = torch.randn(b * t, 3 * heads * d, generator=gen, device=dev).to(dt)
-    key_frames = torch.tensor([t, 1, 64, 150], device=dev) if padded else None
+    key_frames = torch.tensor([t, 1, 64, 150] * (b // 4), device=dev) if padded else None
     q, k, v = qkv.view(b, t, 3, heads, d).permute(2, 0, 3, 1, 4)
     allowed = chunk_mask(0, t, t, chunk, dev) if chunk else None
     if key_frames is not None:
@@ -86,12 +105,14 @@ def test_attention_equals_sdpa(chunk: int, padded: bool) -> None:
 
 
 @pytest.mark.requires_cuda
-def test_resblock_kernels_equal_the_plain_block() -> None:
+@pytest.mark.parametrize("b", [2, 16])
+def test_resblock_kernels_equal_the_plain_block(b: int) -> None:
     """Two conv kernels (conv + LayerNorm + Mish + time add; conv + LayerNorm + Mish + 1x1
-    residual) against the plain ResBlock, on a strided input (the body of a padded buffer)."""
+    residual) against the plain ResBlock, on a strided input (the body of a padded buffer);
+    2 and 16 rows of 181 frames: one call in each tile tier."""
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
-    c_in, c, b, t = 320, 256, 2, 181
+    c_in, c, t = 320, 256, 181
     block = ResBlock(c_in, c, 1024).to(dev)
     with torch.no_grad():
         for p in block.parameters():

@@ -27,8 +27,8 @@ the whole first chunk against ``flow_estimator.py``, which stays the reference).
 stateless estimator call (the re-run and final-chunk paths the CUDA graphs replay) uses them.
 
 Needs Triton (it ships with PyTorch's CUDA builds); :func:`available` says whether they run for
-a device, dtype and shape. Tile sizes are fixed (no autotuning at start-up): the shapes are a
-few hundred rows by 256 to 1024 columns.
+a device, dtype and shape. Tile sizes are fixed per row count (no autotuning at start-up):
+:data:`TILE_TIERS`.
 """
 
 from __future__ import annotations
@@ -50,17 +50,47 @@ except ImportError:  # pragma: no cover - depends on the install
 
 #: Widest row a LayerNorm prologue/epilogue holds in one tile (channels of the estimator).
 MAX_ROW = 1024
-#: Tile sizes and warps per kernel (measured on an H100 at the first chunk's shapes with
-#: ``python scripts/bench_flow_kernels.py --sweep``): ln_linear and ln_linear_gelu (rows, cols,
-#: warps); linear (rows, cols, depth, warps); attention (queries, keys, warps); conv (rows when
-#: Cout > 128, rows otherwise, depth, warps; the columns are the whole Cout, for the LayerNorm).
-TILES: dict[str, tuple[int, ...]] = {
-    "ln_linear": (32, 64, 4),
-    "ln_linear_gelu": (32, 64, 4),
-    "linear": (32, 64, 64, 4),
-    "attention": (64, 64, 4),
-    "conv": (16, 32, 64, 4),
-}
+#: Tile sizes and warps per kernel, by the rows M of the call (batch x frames; CFG rows
+#: included): each tier holds from its threshold up to the next. ln_linear and ln_linear_gelu
+#: (rows, cols, warps); linear (rows, cols, depth, warps); attention (queries, keys, warps); conv
+#: (rows when Cout > 128, rows otherwise, depth, warps; the columns are the whole Cout, for the
+#: LayerNorm). Measured on an H100 with ``python scripts/bench_flow_kernels.py --sweep --batch
+#: N`` at 356 frames: N = 1 (one first chunk, M = 712) wants small tiles, many programs for a
+#: launch-bound call; N = 8 (a batch of re-run chunks, M = 5696; a long utterance's chunks and
+#: final pass are that tall too) taller ones, since every program re-reads its weight columns.
+#: A whole batched first chunk (``Flow.batch_core``, T = 175 tokens) with the first tier's
+#: tiles, then the second's: 25.7 / 30.1 ms at N = 1, 33.9 / 33.3 at 2, 50.5 / 43.6 at 4, 89.0 /
+#: 62.5 at 8. Two tiers only: each tile set is a Triton compile of every kernel variant at a
+#: fresh start (the best tiles at N = 2 and 4 were within a few percent of these).
+TILE_TIERS: tuple[tuple[int, dict[str, tuple[int, ...]]], ...] = (
+    (
+        0,
+        {
+            "ln_linear": (32, 64, 4),
+            "ln_linear_gelu": (32, 64, 4),
+            "linear": (32, 64, 64, 4),
+            "attention": (64, 64, 4),
+            "conv": (16, 32, 64, 4),
+        },
+    ),
+    (
+        1024,
+        {
+            "ln_linear": (64, 128, 4),
+            "ln_linear_gelu": (64, 128, 4),
+            "linear": (128, 128, 64, 8),
+            "attention": (64, 64, 4),
+            "conv": (64, 32, 64, 8),
+        },
+    ),
+)
+
+
+def tier(rows: int) -> dict[str, tuple[int, ...]]:
+    """The tile table of the tier that a call of ``rows`` rows falls in (see :data:`TILE_TIERS`)."""
+    if rows < 0:
+        raise ValueError(f"rows must be >= 0, got {rows}")
+    return next(tiles for start, tiles in reversed(TILE_TIERS) if rows >= start)
 
 
 def available(device: torch.device | str, dtype: torch.dtype, channels: int, in_channels: int, head_dim: int) -> bool:
@@ -347,7 +377,7 @@ def ln_linear(
     if weight.shape[1] != k or k > MAX_ROW:
         raise ValueError(f"ln_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    block_m, block_n, warps = TILES["ln_linear_gelu" if gelu else "ln_linear"]
+    block_m, block_n, warps = tier(m)["ln_linear_gelu" if gelu else "ln_linear"]
     kernel: Any = _ln_linear_kernel
     launch(
         kernel,
@@ -391,7 +421,7 @@ def linear(
     for t, name in ((out, "out"), (residual, "residual")):
         if t is not None and (tuple(t.shape) != (m, n) or t.stride(1) != 1):
             raise ValueError(f"linear: {name} must be [{m}, {n}] with contiguous rows, got {tuple(t.shape)}")
-    block_m, block_n, block_k, warps = TILES["linear"]
+    block_m, block_n, block_k, warps = tier(m)["linear"]
     kernel: Any = _linear_kernel
     launch(
         kernel,
@@ -431,7 +461,7 @@ def attention(qkv: Tensor, batch: int, heads: int, head_dim: int, chunk: int, ke
     if rows != batch * t or width != 3 * heads * head_dim:
         raise ValueError(f"attention: qkv {tuple(qkv.shape)} is not [{batch} T, 3 x {heads} x {head_dim}]")
     out = torch.empty(rows, heads * head_dim, device=qkv.device, dtype=qkv.dtype)
-    block_m, block_n, warps = TILES["attention"]
+    block_m, block_n, warps = tier(rows)["attention"]
     kernel: Any = _attention_kernel
     launch(
         kernel,
@@ -487,7 +517,7 @@ def conv(
     ):
         raise ValueError(f"conv: residual input {tuple(res[0].shape)} and weight {tuple(res[1].shape)} do not fit")
     block_n = _pow2(c_out)
-    wide_m, narrow_m, block_k, warps = TILES["conv"]
+    wide_m, narrow_m, block_k, warps = tier(b * t)["conv"]
     block_m = wide_m if block_n > 128 else narrow_m
     kernel: Any = _conv_kernel
     launch(
