@@ -42,6 +42,13 @@ class TextTooLongError(EngineError):
     code = "text_too_long"
 
 
+class BadOptionError(EngineError, ValueError):
+    """A stream option out of its range (e.g. ``fast_first``); also a ValueError, as an
+    in-process caller passing a bad argument would expect."""
+
+    code = "bad_field"
+
+
 class StreamClosedError(EngineError):
     """Text pushed after ``end_text()`` or ``cancel()``."""
 

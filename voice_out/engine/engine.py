@@ -45,6 +45,7 @@ from voice_out.config import Config, EngineConfig
 from voice_out.config import replace as replace_config
 from voice_out.engine.api import (
     SAMPLE_RATE,
+    BadOptionError,
     OverloadedError,
     StreamClosedError,
 )
@@ -227,14 +228,15 @@ class Engine:
         fast_first: int | None = None,
     ) -> EngineStream:
         """Open a stream in ``voice`` (None: the default voice). Raises NoVoiceError,
-        UnknownVoiceError, OverloadedError (not running, or too many open streams).
+        UnknownVoiceError, OverloadedError (not running, or too many open streams),
+        BadOptionError (``fast_first`` out of range).
 
         ``fast_first``: tokens of a fast first chunk for this stream (0 = upstream's 25 + pad;
         None = ``engine.fast_first_tokens``); less time to first audio, a first second that
         differs slightly from a single pass (docs/token2wav.md)."""
         first_hop = self.config.engine.first_hop_tokens
         if fast_first is not None and not 0 <= fast_first < first_hop:
-            raise ValueError(f"fast_first = {fast_first} must be in 0..{first_hop - 1} tokens")
+            raise BadOptionError(f"fast_first = {fast_first} must be in 0..{first_hop - 1} tokens")
         if not self.ready:
             raise OverloadedError("the engine is not running (start it first)")
         prompt = self.voices.resolve(voice)

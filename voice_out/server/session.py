@@ -232,13 +232,8 @@ class Session:
             sid = f"{self.id}/{msg.id}"
             open_stream: Any = self.engine.open_stream
             stream = open_stream(msg.voice, stream_id=sid, **options)
-        except VoiceOutError as e:
+        except VoiceOutError as e:  # a fast_first out of the engine's range: bad_field
             raise p.ProtocolError(_error_code(e), str(e), msg.id) from None
-        except ValueError as e:
-            if msg.fast_first is None:
-                raise
-            # the engine's range check of the option (below its first hop)
-            raise p.ProtocolError(p.ErrorCode.BAD_FIELD, f"text.delta: {e}", msg.id) from None
         self._seq += 1
         u = Utterance(msg.id, self._seq, stream, self.clock.now())
         self.live[msg.id] = u
