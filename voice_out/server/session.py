@@ -232,8 +232,11 @@ class Session:
             sid = f"{self.id}/{msg.id}"
             open_stream: Any = self.engine.open_stream
             stream = open_stream(msg.voice, stream_id=sid, **options)
-        except VoiceOutError as e:  # a fast_first out of the engine's range: bad_field
-            raise p.ProtocolError(_error_code(e), str(e), msg.id) from None
+        except VoiceOutError as e:
+            code = _error_code(e)
+            # bad_field: an option of this text.delta out of the engine's range (fast_first)
+            text = f"text.delta: {e}" if code is p.ErrorCode.BAD_FIELD else str(e)
+            raise p.ProtocolError(code, text, msg.id) from None
         self._seq += 1
         u = Utterance(msg.id, self._seq, stream, self.clock.now())
         self.live[msg.id] = u
