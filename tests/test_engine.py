@@ -1018,7 +1018,9 @@ def test_a_failure_in_a_batched_step_fails_only_its_request(engine: Engine, monk
 
 @pytest.mark.requires_cuda
 def test_cuda_engine_overlapping_token2wav_with_the_llm_changes_nothing(tmp_path: Path) -> None:
-    """Pipelined (the default), overlapped within a step, and serial token2wav: same audio."""
+    """Pipelined (the default: first chunks in a lane of their own, beside the later chunks in
+    flight), overlapped within a step, and serial token2wav: same audio. Half the streams start
+    once the first has audio, so first chunks meet later chunks in flight."""
     cfg = Config(
         server=ServerConfig(voices_dir=str(tmp_path / "no-voices")),
         engine=EngineConfig(max_streams=8, max_ahead_s=30.0, max_text_chars=200),
@@ -1033,16 +1035,22 @@ def test_cuda_engine_overlapping_token2wav_with_the_llm_changes_nothing(tmp_path
 
         def run_all() -> list[np.ndarray]:
             streams = [eng.open_stream(seed=i) for i in range(len(texts))]
-            for s, t in zip(streams, texts, strict=True):
+            for s, t in zip(streams[:2], texts[:2], strict=True):
                 s.push_text(t)
                 s.end_text()
-            return [np.concatenate([c.pcm for c in s]) for s in streams]
+            chunks = iter(streams[0])
+            first = next(chunks)  # stream 0 has audio: the other two start now
+            for s, t in zip(streams[2:], texts[2:], strict=True):
+                s.push_text(t)
+                s.end_text()
+            pcm = [np.concatenate([first.pcm, *(c.pcm for c in chunks)])]
+            return pcm + [np.concatenate([c.pcm for c in s]) for s in streams[1:]]
 
-        assert runner._side_stream is not None and runner.pipeline_vocode
+        assert runner._side_stream is not None and runner.pipeline_vocode and runner.t2w.has_first_lane
         assert eng._worker is not None
         eng._worker.scheduler.first_chunk_wait_rows = 0  # no first chunk waited for either
         pipelined = run_all()  # chunks come back in later steps while LLM steps go on
-        assert not runner._inflight
+        assert not runner._inflight and runner._first_stream is not None  # the first-chunk lane ran
         runner.pipeline_vocode = False
         overlapped = run_all()  # each step waits for its own chunks
         runner._side_stream = None  # one stream: LLM step, then token2wav

@@ -15,6 +15,7 @@ from voice_out.engine.api import SAMPLE_RATE, StreamFailedError, TextTooLongErro
 from voice_out.engine.request import EOS_TOKEN, FILL_TOKEN, SAMPLES_PER_TOKEN, LlmInputKind, RequestStatus, VoicePrompt
 from voice_out.engine.scheduler import Emitted, Ended, ForcedTokens, Output, Scheduler, StepPlan, StepResult
 from voice_out.engine.textfeed import BistreamFeed, CharPipeline
+from voice_out.model.chunk_schedule import ChunkPlan
 
 FORCED = ForcedTokens(3)
 
@@ -654,18 +655,25 @@ def drive(
     raise AssertionError("did not finish")
 
 
-def test_pipelined_audio_comes_back_later_in_order_and_nothing_else_is_planned_meanwhile() -> None:
+@pytest.mark.parametrize("lanes", [False, True])
+def test_pipelined_audio_comes_back_later_in_order_and_nothing_else_is_planned_meanwhile(lanes: bool) -> None:
     sync = create_scheduler(max_chunks_per_step=2)
     ids = create_requests(sync, 3, text="a" * 40)
     want = run_until_idle(sync)
-    sched = create_scheduler(max_chunks_per_step=2)
+    sched = create_scheduler(max_chunks_per_step=2, first_chunk_lane=lanes)
     create_requests(sched, 3, text="a" * 40)
     runner = PipelinedRunner(delay=3)
 
     def nothing_new_while_in_flight(plan: StepPlan) -> None:
-        inflight = {r.request_id for r in sched.requests.values() if r.vocode_inflight is not None}
-        # while anything is in flight, no new chunk is planned (the next batch waits for the side stream)
-        assert not (plan.vocode and inflight - {v.request_id for v in plan.vocode})
+        def lane(chunk: ChunkPlan) -> bool:  # one lane without the first-chunk lane
+            return lanes and chunk.starts_audio
+
+        planned = {v.request_id for v in plan.vocode}
+        earlier = [r.vocode_inflight for r in sched.requests.values() if r.request_id not in planned]
+        # while a chunk is in flight, no new chunk of its lane is planned (the next batch waits
+        # for the lane's stream)
+        busy = {lane(c) for c in earlier if c is not None}
+        assert not any(lane(v.chunk) in busy for v in plan.vocode)
 
     outs = drive(sched, runner, check=nothing_new_while_in_flight)
     assert runner.waits > 0  # at the end only in-flight chunks were left: the plan waited for them
@@ -675,6 +683,30 @@ def test_pipelined_audio_comes_back_later_in_order_and_nothing_else_is_planned_m
         assert [len(c.chunk.pcm) for c in got] == [len(c.chunk.pcm) for c in ref]
         assert [int(c.chunk.pcm[0]) for c in got] == list(range(len(got)))  # chunk i's audio as chunk i
         assert ended(outs, rid).status == RequestStatus.FINISHED
+
+
+@pytest.mark.parametrize("lanes", [False, True])
+def test_a_first_chunk_goes_beside_a_later_chunk_in_flight_only_with_the_first_chunk_lane(lanes: bool) -> None:
+    sched = create_scheduler(first_chunk_lane=lanes)
+    (a,) = create_requests(sched, 1, text="a" * 60, prefix="a")
+    runner = PipelinedRunner(delay=200)  # a's chunks stay in flight for 200 steps
+    while not any(r.vocode_inflight is not None and r.vocode_inflight.index > 0 for r in sched.requests.values()):
+        plan = sched.plan()
+        sched.update(plan, runner.execute(plan))
+    (b,) = create_requests(sched, 1, text="a" * 60, prefix="b")
+    planned_at = None
+    for i in range(150):  # b's first chunk needs 28 tokens: ready well before a's chunk is back
+        plan = sched.plan()
+        if any(v.request_id == b for v in plan.vocode):
+            assert next(v for v in plan.vocode if v.request_id == b).chunk.starts_audio
+            planned_at = i
+            break
+        sched.update(plan, runner.execute(plan))
+    assert sched.requests[a].vocode_inflight is not None and sched.requests[a].vocode_inflight.index > 0
+    if lanes:
+        assert planned_at is not None and planned_at < 40  # as soon as its tokens were there
+    else:
+        assert planned_at is None  # behind a's chunk
 
 
 def test_a_request_cancelled_with_a_chunk_in_flight_drops_its_late_audio() -> None:

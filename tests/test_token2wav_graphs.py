@@ -179,11 +179,11 @@ def test_batch_keys_for_start_up_capture(grouped_t2w: Token2Wav) -> None:
     lengths), each captured for buckets 2, 4, 8; a max batch of 3 needs buckets 2 and 4."""
     t2w = grouped_t2w
     keys = t2w.batch_keys(75, 500, 8)
-    assert keys == [(b, t) for t in (100, 150, 250, 350, 450, 550) for b in (2, 4, 8)]
-    assert t2w.batch_keys(75, 500, 3) == [(b, t) for t in (100, 150, 250, 350, 450, 550) for b in (2, 4)]
+    assert keys == [(False, b, t) for t in (100, 150, 250, 350, 450, 550) for b in (2, 4, 8)]
+    assert t2w.batch_keys(75, 500, 3) == [(False, b, t) for t in (100, 150, 250, 350, 450, 550) for b in (2, 4)]
     assert t2w.batch_keys(75, 500, 1) == []
     # a fast first chunk (off a chunk boundary) is never batched: its T is not captured
-    assert t2w.batch_keys(75, 100, 2, fast_first=10) == [(2, 125)]  # the realigned second chunk
+    assert t2w.batch_keys(75, 100, 2, fast_first=10) == [(False, 2, 125)]  # the realigned second chunk
     t2w.use_batch_buckets(())
     assert t2w.batch_keys(75, 500, 8) == []  # grouping off: nothing to capture
     with pytest.raises(ValueError, match="batch buckets"):
@@ -191,21 +191,33 @@ def test_batch_keys_for_start_up_capture(grouped_t2w: Token2Wav) -> None:
 
 
 @pytest.mark.requires_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "lane"),
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+    ids=["fp32", "bf16", "fp32-first-lane"],
+)
+def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, lane: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Streams of captured and uncaptured prompt lengths joining at different rounds: the
     chunks of each round (graphed batched groups, eager groups, single graphs) equal the same
-    rounds run eagerly (graphs disabled); float32 also equals each stream alone."""
+    rounds run eagerly (graphs disabled); float32 also equals each stream alone. With the
+    first-chunk lane, the first chunks' keys (T = 75) are that lane's graphs, the rest not."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     t2w = Token2Wav(random_flow(TINY, "cuda", dtype), random_hift(TINY, "cuda"))
-    t2w.use_cuda_graphs(True)
-    assert t2w.batch_buckets == (2, 4, 8)
+    t2w.use_cuda_graphs(True, first_lane=lane)
+    assert t2w.batch_buckets == (2, 4, 8) and t2w.has_first_lane == lane
     voice = _open(t2w, 50, seed=1, device="cuda")
     n = t2w.capture_stream_shapes(voice.prompt_token, voice.prompt_feat, voice.embedding, 190, max_batch=8)
     graph = t2w._graph_flow_batch
     assert graph is not None
     captured = set(graph.captured_keys)
+    if lane:
+        first = t2w._first_lane
+        assert first is not None and first.batch is not None
+        assert set(first.batch.captured_keys) == {(b, 75) for b in (2, 4, 8)}
+        assert set(first.flow.captured_keys) == {(50, 28)} and first.hift.captured_keys == [50]
+        assert (50, 28) not in set(t2w._graph_flow.captured_keys)  # type: ignore[union-attr]
+        captured |= {(b, 75) for b in (2, 4, 8)}
     assert captured == {(b, t) for t in (75, 125, 225) for b in (2, 4, 8)} and n > len(captured)
     # P 50 and 40 share T = 75, 125, 225 (captured); P 60's T = 100, 150, 250 are not
     prompts = [50, 50, 40, 50, 60, 40, 60, 50, 40, 50]
@@ -246,9 +258,15 @@ def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, monkeypatch: pyt
     monkeypatch.setattr(t2w.flow, "inference_batch", eager_spy)
     got = rounds()
     monkeypatch.undo()
-    batched = [key for name, key in replays if name == "flow.batch_chunks"]
+    batched = [key for name, key in replays if name in ("flow.batch_chunks", "flow.batch_first_chunks")]
     assert batched and set(batched) <= captured  # replayed, and nothing captured mid-stream
-    assert set(graph.captured_keys) == captured
+    assert set(graph.captured_keys) == {k for k in captured if not (lane and k[1] == 75)}
+    if lane:  # every first chunk on the lane's graphs, and nothing else
+        lane_batched = {key for name, key in replays if name == "flow.batch_first_chunks"}
+        assert lane_batched and lane_batched == {key for key in batched if key[1] == 75}
+        firsts = {key for name, key in replays if name == "flow.first_chunk"}
+        assert firsts and all(t == 25 + (-p % 25) + 3 for p, t in firsts)  # type: ignore[misc]
+        assert not firsts & {key for name, key in replays if name == "flow.rerun_chunk"}
     assert eager_rows and set(eager_rows) == {60}  # P 60's second chunks: uncaptured, eager batch
     with graphs_disabled():
         want = rounds()
@@ -315,7 +333,7 @@ def test_graphed_final_chunks_equal_eager(monkeypatch: pytest.MonkeyPatch) -> No
     final, batched = t2w._graph_flow_final, t2w._graph_flow_batch
     assert final is not None and batched is not None
     assert sorted(final.captured_keys) == [*range(75, 501, 25), 600, 700]  # type: ignore[type-var]
-    assert batched.captured_keys == t2w.batch_keys(50, 100, 2) == [(2, 75), (2, 125)]
+    assert batched.captured_keys == [key[1:] for key in t2w.batch_keys(50, 100, 2)] == [(2, 75), (2, 125)]
     # the final vocoder too: every length a final chunk can have (fresh: shorter than the
     # first chunk, 1..27 tokens; after a cached chunk: 0..102 new tokens)
     fresh, cached = t2w._graph_hift, t2w._graph_hift_cached

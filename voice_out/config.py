@@ -131,6 +131,11 @@ class EngineConfig:
     #: later step, so LLM steps go on while the flow runs (docs/engine.md); off: every step
     #: waits for its own chunks (they still overlap that step's LLM work).
     pipeline_vocode: bool = True
+    #: CUDA, with ``pipeline_vocode``: first chunks (non-final) run on a token2wav stream of
+    #: their own, above the other chunks' in priority, with graphs of their own: a first chunk
+    #: is launched as soon as it is ready instead of queueing behind the later chunks in flight
+    #: (docs/engine.md). Off: one token2wav stream; no chunk is planned while one is in flight.
+    first_chunk_lane: bool = True
     #: CUDA graphs: the token2wav graphs start-up captures for the default voice's prompt
     #: length cover an utterance of up to this many speech tokens (25 per second of audio:
     #: 1500 = 60 s); a longer utterance's chunks beyond it run eagerly (a key is never

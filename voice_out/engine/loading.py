@@ -167,8 +167,9 @@ def build_engine(
         elif ec.fused_flow and torch.device(device).type == "cuda":
             log.info("engine: fused flow kernels unavailable here (need Triton and bf16/fp16): plain-torch flow")
         t2w = Token2Wav(flow, hift, device=device)
-        # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere)
-        t2w.use_cuda_graphs(graphs)
+        # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere); the first-chunk
+        # lane's graphs apart when first chunks run beside the others (engine.first_chunk_lane)
+        t2w.use_cuda_graphs(graphs, first_lane=ec.first_chunk_lane and ec.pipeline_vocode)
         runner = Runner(
             llm,
             t2w,

@@ -48,8 +48,10 @@ _KIND = {LlmInputKind.SOS: KIND_LLM, LlmInputKind.TASK: KIND_LLM, LlmInputKind.T
 _KIND[LlmInputKind.SPEECH] = KIND_SPEECH
 #: Voices whose device tensors the runner keeps (a re-registered voice is a new entry).
 VOICE_CACHE_SIZE = 32
-#: ``family_stream`` names of the side stream token2wav runs on and of the runner's own stream.
+#: ``family_stream`` names of the side stream token2wav runs on, of the first-chunk lane's
+#: stream (``Token2Wav.in_first_lane``) and of the runner's own stream.
 SIDE_STREAM_FAMILY = "vocode"
+FIRST_STREAM_FAMILY = "vocode.first"
 MAIN_STREAM_FAMILY = "steps"
 #: Attention window granularity of the warm-up's eager decode (positions).
 KV_WINDOW_STEP = 256
@@ -76,11 +78,12 @@ class FaultHook(Protocol):
 
 @dataclass
 class _Inflight:
-    """Chunks launched on the side stream: (request id, pinned host buffer their audio is being
-    copied into), and the event recorded after the copies."""
+    """Chunks launched on a token2wav stream: (request id, pinned host buffer their audio is
+    being copied into), the event recorded after the copies, and the stream."""
 
     audio: list[tuple[str, Tensor]]
     done: torch.cuda.Event
+    stream: torch.cuda.Stream
 
 
 @dataclass
@@ -152,6 +155,11 @@ class Runner:
     #: the GPU starts the LLM step's small kernels first, so a step's latency does not grow
     #: with the flow batch running beside it. None: the calling thread's current stream.
     llm_stream_priority: int | None = -1
+    #: CUDA: the priority of the first-chunk lane's stream (``Token2Wav.in_first_lane``): above
+    #: the other chunks' side stream (0), so a first chunk launched while a batch of later
+    #: chunks runs gets the SMs first (on an H100 one first chunk beside a batch of 8 later ones
+    #: took 54 ms at -1, 100 ms at 0, against 26 ms alone).
+    first_lane_priority: int = -1
     #: Voice prefixes whose K/V the runner keeps (least recently used dropped; ~2.5 MB each for
     #: a 200-row prompt of the 0.5B model), and the fewest rows worth keeping (below it a
     #: prefill costs about what the copy does).
@@ -210,12 +218,16 @@ class Runner:
         #: (``llm_stream_priority``). A family stream: no graph was captured on it, so its eager
         #: GEMMs have a cuBLAS workspace of their own (``voice_out.model.cuda_graphs``).
         self._side_stream = family_stream(SIDE_STREAM_FAMILY, self.device) if self.device.type == "cuda" else None
+        #: CUDA: the stream of the first-chunk lane's chunks (made on first use: the lane is on
+        #: once ``t2w.use_cuda_graphs(first_lane=True)`` ran).
+        self._first_stream: torch.cuda.Stream | None = None
         self._main_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda" and self.llm_stream_priority is not None:
             self._main_stream = family_stream(MAIN_STREAM_FAMILY, self.device, priority=self.llm_stream_priority)
         self._inflight: list[_Inflight] = []
-        #: An admission queued work on the runner's stream that the next chunks must wait for.
-        self._side_waits = False
+        #: The token2wav streams whose next chunks must wait for work an admission queued on the
+        #: runner's stream (by ``cuda_stream`` handle; both lanes' streams after an admission).
+        self._side_waits: set[int] = set()
         #: Guessed next steps already launched, by request (``_llm_step``), and how many were
         #: confirmed / dropped so far.
         self._ahead: dict[str, _Ahead] = {}
@@ -269,11 +281,15 @@ class Runner:
             # the LLM step's (the chunks' tokens came from earlier steps: nothing here depends
             # on this step's LLM output); pipelined, its audio may come back in a later step
             # first chunks are launched on their own, ahead of the rest: their audio comes
-            # back as soon as they are done, not when the step's last chunk is
-            firsts = [item for item in vocode if item[0].chunk.index == 0]
-            for part in (firsts, [item for item in vocode if item[0].chunk.index > 0]):
+            # back as soon as they are done, not when the step's last chunk is; with the
+            # first-chunk lane, on a stream of their own, beside the chunks still in flight
+            lane = [item for item in vocode if self.t2w.in_first_lane(item[0].chunk)]
+            rest = [item for item in vocode if not self.t2w.in_first_lane(item[0].chunk)]
+            if lane:
+                self._launch_vocode(lane, result, self._lane_stream())
+            for part in ([i for i in rest if i[0].chunk.index == 0], [i for i in rest if i[0].chunk.index > 0]):
                 if part:
-                    self._launch_vocode(part, result)
+                    self._launch_vocode(part, result, self._side_stream)
             if llm or self._ahead:
                 self._llm_step(llm, result)
             self._collect_vocode(result, block=not self.pipeline_vocode or plan.wait_vocode)
@@ -290,17 +306,37 @@ class Runner:
                 result.failed[request_id] = _describe(e)
         return result
 
-    def _launch_vocode(self, vocode: Sequence[tuple[VocodeWork, Token2WavStream]], result: StepResult) -> None:
-        """Queue the chunks and their copies to pinned host memory on the side stream; no wait.
-        Their tokens come from earlier steps, so nothing depends on the LLM work queued next."""
-        side = self._side_stream
+    def _lane_stream(self) -> torch.cuda.Stream:
+        """The first-chunk lane's stream (a family stream of its own: no graph is captured on
+        it, so its eager GEMMs have a cuBLAS workspace of their own)."""
+        if self._first_stream is None:
+            self._first_stream = family_stream(FIRST_STREAM_FAMILY, self.device, priority=self.first_lane_priority)
+        return self._first_stream
+
+    def _vocode_streams(self) -> list[torch.cuda.Stream]:
+        """The token2wav streams (none on the CPU): the side stream, and the first-chunk lane's
+        once the lane is on (or was used)."""
+        if self._side_stream is None:
+            return []
+        if self.t2w.has_first_lane:
+            self._lane_stream()
+        return [s for s in (self._side_stream, self._first_stream) if s is not None]
+
+    def _launch_vocode(
+        self, vocode: Sequence[tuple[VocodeWork, Token2WavStream]], result: StepResult, side: torch.cuda.Stream | None
+    ) -> None:
+        """Queue the chunks and their copies to pinned host memory on ``side`` (a token2wav
+        stream); no wait. Their tokens come from earlier steps, so nothing depends on the LLM
+        work queued next. Chunks of the first-chunk lane and the others may run at once (on
+        their two streams): their graphs are apart (``Token2Wav.in_first_lane``), and each
+        request has one chunk in flight at most."""
         assert side is not None
-        if self._side_waits:
+        if side.cuda_stream in self._side_waits:
             # what admissions queued on the runner's stream (a pooled token2wav stream's reset,
             # a voice's tensors); nothing else there is read by a chunk, so otherwise the side
             # stream does not wait behind the LLM step launched ahead
             side.wait_stream(torch.cuda.current_stream(self.device))
-            self._side_waits = False
+            self._side_waits.discard(side.cuda_stream)
         with torch.cuda.stream(side):
             made = self._vocode_step(vocode, result)
             host: list[tuple[str, Tensor]] = []
@@ -314,29 +350,37 @@ class Runner:
             done = torch.cuda.Event()
             done.record(side)
         if host:
-            self._inflight.append(_Inflight(host, done))
+            self._inflight.append(_Inflight(host, done, side))
 
     def _collect_vocode(self, result: StepResult, *, block: bool) -> None:
-        """Hand back the audio of every finished launch (in launch order, the side stream's);
-        with ``block``, first wait for all of them (the newest: the side stream runs them in
-        order). The rest stay in ``result.inflight``."""
-        if block and self._inflight:
-            self._inflight[-1].done.synchronize()
-        while self._inflight and self._inflight[0].done.query():
-            for request_id, buf in self._inflight.pop(0).audio:
+        """Hand back the audio of every finished launch (each stream's in launch order); with
+        ``block``, first wait for all of them (each stream's newest: a stream runs its launches
+        in order). The rest stay in ``result.inflight``."""
+        if block:
+            newest = {f.stream.cuda_stream: f for f in self._inflight}
+            for f in newest.values():
+                f.done.synchronize()
+        pending: list[_Inflight] = []
+        for f in self._inflight:
+            # a launch behind an unfinished one of its stream is not done either
+            if any(p.stream is f.stream for p in pending) or not f.done.query():
+                pending.append(f)
+                continue
+            for request_id, buf in f.audio:
                 result.audio[request_id] = buf.numpy().copy()
+        self._inflight = pending
         result.inflight = {rid for f in self._inflight for rid, _ in f.audio}
 
     def _settle_vocode_reads(self) -> None:
         """Make the LLM stream wait for the launched chunks (GPU side, the host goes on): state
         they read (a pooled token2wav stream, a voice's tensors) is about to be rewritten or freed."""
-        if self._side_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+        for side in self._vocode_streams():
+            torch.cuda.current_stream(self.device).wait_stream(side)
 
     def _settle_vocode(self) -> None:
         """Wait for every launched chunk and drop its audio (shutdown, a failed step)."""
-        if self._side_stream is not None:
-            self._side_stream.synchronize()
+        for side in self._vocode_streams():
+            side.synchronize()
         self._inflight.clear()
 
     def _hook(self, request_id: str, phase: str) -> None:
@@ -409,7 +453,7 @@ class Runner:
         self.cache.reset(adm.slot)
         self.slot_len[adm.slot] = 0
         self.live[adm.request_id] = _Live(adm.slot, adm.seed, stream)
-        self._side_waits = True
+        self._side_waits = {s.cuda_stream for s in self._vocode_streams()}
 
     @_on_main_stream
     def warmup(self, voice: FlowVoice) -> None:

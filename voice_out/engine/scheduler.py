@@ -19,11 +19,13 @@ Each worker iteration is ``plan = scheduler.plan()``, ``result = runner.execute(
 
 Pipelined token2wav: a runner may return a chunk's audio in a later step than the one that
 planned it (on CUDA the runner launches token2wav on a second stream and goes on with LLM steps
-while it runs). It lists such requests in ``StepResult.inflight``. While any chunk is in flight
-no new chunk is planned (the next batch waits for the side stream to free up, so the chunks
-that became ready meanwhile run as one batch instead of queueing one after another); when a
-plan has nothing else to do but in-flight chunks exist, it asks the runner to wait for them
-(``StepPlan.wait_vocode``).
+while it runs). It lists such requests in ``StepResult.inflight``. While a chunk is in flight
+no new chunk of its lane is planned (the next batch waits for the lane to free up, so the
+chunks that became ready meanwhile run as one batch instead of queueing one after another);
+when a plan has nothing else to do but in-flight chunks exist, it asks the runner to wait for
+them (``StepPlan.wait_vocode``). There is one lane, or two with ``engine.first_chunk_lane``
+(and ``pipeline_vocode``): the non-final first chunks (``ChunkPlan.starts_audio``) and the
+rest, at most ``max_chunks_per_step`` each, so a first chunk never waits for later chunks.
 
 Cancellation is ``finish(ids, ABORTED)``: the request leaves at once and its slot is released
 in the next plan. Every method is called from the worker thread only.
@@ -445,16 +447,26 @@ class Scheduler:
             llm.append(LlmWork(req.request_id, req.slot, step, tuple(req.history[-win:]), guess))
 
         ready: list[tuple[Request, ChunkPlan]] = []
-        inflight = bool(self.inflight_ids())
+        in_flight = [r.vocode_inflight for r in self.requests.values() if r.vocode_inflight is not None]
+        inflight = bool(in_flight)
+        lanes = self.config.first_chunk_lane and self.config.pipeline_vocode
+
+        def lane(chunk: ChunkPlan) -> bool:
+            """The chunk's token2wav lane: True = the first-chunk lane (when there is one)."""
+            return lanes and chunk.starts_audio
+
+        # a lane with a chunk in flight takes no new one: the chunks that become ready meanwhile
+        # go as one batch when it is free (without lanes: one lane, every chunk)
+        busy = {lane(c) for c in in_flight}
         now = self.clock()
         # streams admitted and still without audio: while there are any, only first chunks
         # and streams about to run dry get the GPU (engine.first_audio_priority)
         first_pending = self.config.first_audio_priority and any(
             r.first_audio_time is None and r.status is not RequestStatus.WAITING for r in self.requests.values()
         )
-        for req in () if inflight else self.requests.values():
+        for req in self.requests.values():
             chunk = self._vocode_candidate(req)
-            if chunk is None:
+            if chunk is None or lane(chunk) in busy:
                 continue
             if first_pending and chunk.index > 0 and req.playout_deadline() - now >= self.urgent_s:
                 continue  # its listener has audio for a while yet: after the first audio
@@ -470,7 +482,12 @@ class Scheduler:
             return (0 if deadline - now < self.urgent_s else 2, deadline, order)
 
         ready.sort(key=priority)
-        chosen = ready[: self.max_chunks_per_step]
+        taken = {True: 0, False: 0}  # chunks per lane, at most max_chunks_per_step each
+        chosen: list[tuple[Request, ChunkPlan]] = []
+        for req, chunk in ready:
+            if taken[lane(chunk)] < self.max_chunks_per_step:
+                taken[lane(chunk)] += 1
+                chosen.append((req, chunk))
         for req, chunk in chosen:
             req.vocode_inflight = chunk
             if chunk.index == 0:

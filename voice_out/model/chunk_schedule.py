@@ -63,6 +63,13 @@ class ChunkPlan:
     hop_tokens: int
     finalize: bool
 
+    @property
+    def starts_audio(self) -> bool:
+        """A non-final first chunk: the one a listener waits on for its first audio. With a
+        first-chunk lane (``engine.first_chunk_lane``) these run on their own CUDA stream,
+        beside the other chunks."""
+        return self.index == 0 and not self.finalize
+
     def n_samples(self, samples_per_token: int = 960, holdback_samples: int = 3840) -> int:
         """Samples this chunk emits (non-final chunks hold back the last ``holdback_samples``).
 

@@ -90,11 +90,27 @@ HIFT_CACHE_FRAMES = 8  # vocoder overlap between chunks (160 ms)
 #: The ``GraphedFn`` family of every token2wav graph: they replay alongside the LLM's graphs
 #: (family "llm"), so they are captured on a stream of their own (``voice_out.model.cuda_graphs``).
 GRAPH_FAMILY = "token2wav"
+#: The family of the first-chunk lane's graphs (``use_cuda_graphs(first_lane=True)``): they
+#: replay alongside the other token2wav graphs, so they have a capture stream (cuBLAS
+#: workspace) and a memory pool of their own.
+FIRST_GRAPH_FAMILY = "token2wav.first"
 #: Row counts of the graphed batched re-run chunks: a group of n chunks runs in the smallest
 #: bucket >= n (pad rows are copies of its first row); larger groups split at the largest.
 CHUNK_BATCH_BUCKETS = (2, 4, 8)
 
 FlowPath = Literal["rerun", "cached"]
+
+
+@dataclass
+class _LaneGraphs:
+    """The graphs of the first-chunk lane: what a non-final first chunk replays (its re-run
+    flow alone or batched, and the vocoder without overlap cache), in a family and a memory
+    pool of their own, so they may replay while the other chunks' graphs do."""
+
+    flow: GraphedFn  # one chunk's re-run flow, key (prompt length, tokens so far)
+    hift: GraphedFn  # the vocoder without cache, key mel frames
+    pool: Any
+    batch: GraphedFn | None = None  # several chunks' flow, key (bucket, T)
 
 
 class FlowInference(Protocol):
@@ -306,14 +322,29 @@ class Token2Wav:
         self._graph_flow_batch: GraphedFn | None = None
         self._graph_flow_final: GraphedFn | None = None
         self._flow_pool: Any = None  # CUDA graph memory pool of the flow graphs
+        #: The first-chunk lane's graphs (``use_cuda_graphs(first_lane=True)``), or None: every
+        #: chunk replays the graphs above.
+        self._first_lane: _LaneGraphs | None = None
 
-    def use_cuda_graphs(self, enabled: bool = True, *, batch_buckets: Sequence[int] = CHUNK_BATCH_BUCKETS) -> None:
+    def use_cuda_graphs(
+        self,
+        enabled: bool = True,
+        *,
+        batch_buckets: Sequence[int] = CHUNK_BATCH_BUCKETS,
+        first_lane: bool = False,
+    ) -> None:
         """Replay non-final flow calls (every chunk of a re-run-path stream, the first chunk of a
         cached-path one) and non-final vocoder calls from CUDA graphs (CUDA only; a no-op on the
         CPU), and run a :meth:`run_chunks` call's batchable chunks in groups of one length, each
         padded to one of ``batch_buckets`` (:meth:`use_batch_buckets`). Vocoder graphs and the
         single-chunk flow graphs of first chunks are captured on first use; every other flow
-        key only by :meth:`capture_stream_shapes` (start-up), and runs eagerly until then."""
+        key only by :meth:`capture_stream_shapes` (start-up), and runs eagerly until then.
+
+        ``first_lane``: the non-final first chunks (:meth:`in_first_lane`) replay graphs of
+        their own (family ``FIRST_GRAPH_FAMILY``, their own memory pool), so a caller may run
+        them on a second CUDA stream while other chunks run (the engine's first-chunk lane).
+        Without it, two token2wav calls must never run at once: their graphs share a pool."""
+        self._first_lane = None
         if not enabled or self.device.type != "cuda":
             self._graph_flow = self._graph_hift = self._graph_hift_cached = self._graph_flow_final = None
             self._flow_pool = None
@@ -332,6 +363,13 @@ class Token2Wav:
 
         # one memory pool for the single and the batched flow graphs: only one runs at a time
         self._flow_pool = torch.cuda.graph_pool_handle()
+        if first_lane:
+            pool = torch.cuda.graph_pool_handle()
+            self._first_lane = _LaneGraphs(
+                flow=GraphedFn(rerun_flow, name="flow.first_chunk", pool=pool, family=FIRST_GRAPH_FAMILY),
+                hift=GraphedFn(hift_fresh, name="hift.first_chunk", warmup_each=False, family=FIRST_GRAPH_FAMILY),
+                pool=pool,
+            )
         self._graph_flow = GraphedFn(rerun_flow, name="flow.rerun_chunk", pool=self._flow_pool, family=GRAPH_FAMILY)
         # start-up captures ~130 vocoder lengths: warmed up once per graph, not per length
         # (docs/engine.md, "Start-up")
@@ -369,6 +407,9 @@ class Token2Wav:
             raise ValueError(f"batch buckets must be strictly increasing integers >= 2, got {buckets}")
         self.batch_buckets = buckets
         self._graph_flow_batch = None
+        lane = self._first_lane
+        if lane is not None:
+            lane.batch = None
         if buckets:
             flow = cast(BatchFlow, self.flow)
             # warm-up 1: the single-chunk graphs and the eager passes have run these kernels
@@ -380,6 +421,37 @@ class Token2Wav:
                 pool=self._flow_pool,
                 family=GRAPH_FAMILY,
             )
+            if lane is not None:
+                lane.batch = GraphedFn(
+                    flow.batch_core,
+                    name="flow.batch_first_chunks",
+                    warmup=1,
+                    warmup_each=False,
+                    pool=lane.pool,
+                    family=FIRST_GRAPH_FAMILY,
+                )
+
+    @property
+    def has_first_lane(self) -> bool:
+        """Whether the first-chunk lane is on (``use_cuda_graphs(first_lane=True)`` on CUDA)."""
+        return self._first_lane is not None
+
+    def in_first_lane(self, plan: ChunkPlan) -> bool:
+        """Whether ``plan`` replays the first-chunk lane's graphs: a non-final first chunk
+        (``ChunkPlan.starts_audio``) while the lane is on (``use_cuda_graphs(first_lane=True)``).
+        A caller running two :meth:`run_chunks` calls at once (on two CUDA streams) must keep
+        these chunks and the others apart."""
+        return self._first_lane is not None and plan.starts_audio
+
+    def _flow_graph(self, plan: ChunkPlan) -> GraphedFn | None:
+        """The single-chunk re-run flow graph ``plan`` replays (its lane's)."""
+        lane = self._first_lane
+        return lane.flow if lane is not None and plan.starts_audio else self._graph_flow
+
+    def _batch_graph(self, first_lane: bool) -> GraphedFn | None:
+        """The batched-chunk flow graph of a group of chunks of the first-chunk lane or not."""
+        lane = self._first_lane
+        return lane.batch if first_lane and lane is not None else self._graph_flow_batch
 
     def batch_keys(
         self,
@@ -389,21 +461,22 @@ class Token2Wav:
         *,
         hops: HopPolicy = DEFAULT_HOPS,
         fast_first: int = 0,
-    ) -> list[tuple[int, int]]:
-        """The (bucket, T) keys of the grouped batched chunks that streams of this prompt length
-        meet in their first ``n_tokens`` speech tokens, in groups of at most ``max_batch``
-        chunks: every bucket a group of 2 .. ``max_batch`` uses, for the T (prompt + real tokens)
-        of every batchable non-final chunk of the schedule. No tensor work."""
+    ) -> list[tuple[bool, int, int]]:
+        """The (first lane, bucket, T) keys of the grouped batched chunks that streams of this
+        prompt length meet in their first ``n_tokens`` speech tokens, in groups of at most
+        ``max_batch`` chunks: every bucket a group of 2 .. ``max_batch`` uses, for the T (prompt
+        + real tokens) of every batchable non-final chunk of the schedule, with whether the
+        chunk is the first-chunk lane's (:meth:`in_first_lane`). No tensor work."""
         if not self.batch_buckets or max_batch < 2:
             return []
         buckets = sorted({self._bucket(n) for n in range(2, min(max_batch, self.batch_buckets[-1]) + 1)})
         sched = hops.schedule(prompt_tokens, fast_first)  # for flow_end and the chunk size only
         lengths = [
-            sched.flow_end(plan)
+            (self.in_first_lane(plan), sched.flow_end(plan))
             for plan in plan_all(n_tokens, prompt_tokens, hops, fast_first)
             if not plan.finalize and not (plan.index == 0 and fast_first)
         ]
-        return [(b, t) for t in lengths if t % sched.chunk_size == 0 for b in buckets]
+        return [(first, b, t) for first, t in lengths if t % sched.chunk_size == 0 for b in buckets]
 
     def _bucket(self, n: int) -> int:
         """The smallest batch bucket that holds ``n`` rows (``n`` <= the largest bucket)."""
@@ -441,19 +514,20 @@ class Token2Wav:
                 pass
         finally:
             self._capturing = False
-        graph = self._graph_flow_batch
         prompt_token, prompt_feat = prompt_token.to(self.device), prompt_feat.to(self.device)
         embedding = embedding.to(self.device)
         n_prompt = int(prompt_token.shape[1])
         for plan in plan_all(n_tokens, n_prompt, hops, fast_first):  # the longer utterances' chunks
             key = (n_prompt, plan.token_len)
-            if plan.finalize or self._graph_flow.has(key):
+            single = self._flow_graph(plan)
+            if plan.finalize or single is None or single.has(key):
                 continue
             token = self._as_tokens(dummy[: plan.token_len])
-            self._graph_flow.capture(key, token, prompt_token, prompt_feat, embedding, warmup=0)
+            single.capture(key, token, prompt_token, prompt_feat, embedding, warmup=0)
         n_batched = n_tokens if batch_tokens is None else min(n_tokens, batch_tokens)
         keys = self.batch_keys(n_prompt, n_batched, max_batch, hops=hops, fast_first=fast_first)
-        for bucket, total in keys:
+        for first, bucket, total in keys:
+            graph = self._batch_graph(first)
             assert graph is not None
             token = self._as_tokens(dummy[: total - n_prompt + stream.schedule.lookahead])
             ids, emb, cond, _ = cast(BatchFlow, self.flow).batch_inputs(
@@ -471,13 +545,15 @@ class Token2Wav:
                 )
                 final.capture(total, ids, n_valid, emb, cond)
         self._capture_final_vocoder(stream, hops, fast_first)
-        graphs = (
+        graphs = [
             self._graph_flow,
             self._graph_flow_batch,
             self._graph_flow_final,
             self._graph_hift,
             self._graph_hift_cached,
-        )
+        ]
+        if self._first_lane is not None:
+            graphs += [self._first_lane.flow, self._first_lane.batch, self._first_lane.hift]
         return sum(len(g.captured_keys) for g in graphs if g is not None)
 
     def _capture_final_vocoder(self, stream: Token2WavStream, hops: HopPolicy, fast_first: int) -> None:
@@ -643,7 +719,7 @@ class Token2Wav:
     def _single_graph(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> GraphedFn | None:
         """The single-chunk graph a re-run of ``plan`` replays (a first chunk's is captured on
         first use), or None: it runs eagerly."""
-        graph = self._graph_flow if token.is_cuda else None
+        graph = self._flow_graph(plan) if token.is_cuda else None
         key = (int(stream.prompt_token.shape[1]), plan.token_len)
         if graph is not None and (plan.index == 0 or self._capturing or graph.has(key)):
             return graph
@@ -750,16 +826,16 @@ class Token2Wav:
         every stream, so then its chunks whose own single-chunk graph replays leave it (as
         they would alone) and the others (two or more) go in one eager
         ``flow.inference_batch``."""
-        graph = self._graph_flow_batch
-        assert graph is not None
         flow = cast(BatchFlow, self.flow)
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple[bool, int], list[int]] = {}  # (first-chunk lane, T) -> rows
         for i in rows:
             stream, plan, _ = chunks[i]
-            groups.setdefault(stream.schedule.flow_end(plan), []).append(i)
+            groups.setdefault((self.in_first_lane(plan), stream.schedule.flow_end(plan)), []).append(i)
         top = self.batch_buckets[-1]
         mels: dict[int, Tensor] = {}
-        for total, group in groups.items():
+        for (first, total), group in groups.items():
+            graph = self._batch_graph(first)
+            assert graph is not None
             for part in (group[k : k + top] for k in range(0, len(group), top)):
                 if len(part) < 2:
                     continue  # alone: run_chunk's path (its single-chunk graph)
@@ -785,7 +861,8 @@ class Token2Wav:
         else:
             if cache.valid:
                 mel = torch.cat([cache.mel, mel], dim=2)
-            speech_b, source = self._vocoder(mel, cache.source if cache.valid else None, stream.noise, plan.finalize)
+            source_in = cache.source if cache.valid else None
+            speech_b, source = self._vocoder(mel, source_in, stream.noise, plan.finalize, self.in_first_lane(plan))
             speech = speech_b[0]  # [S F]
             n = self.cache_samples
             if cache.valid:
@@ -805,12 +882,15 @@ class Token2Wav:
         return speech
 
     def _vocoder(
-        self, mel: Tensor, source: Tensor | None, noise: torch.Generator | None, final: bool
+        self, mel: Tensor, source: Tensor | None, noise: torch.Generator | None, final: bool, first_lane: bool = False
     ) -> tuple[Tensor, Tensor]:
         """HiFT, from a graph per mel length for deterministic calls (a final call only at a
-        length start-up captured, ``_capture_final_vocoder``). The speech is a tensor of its own;
-        from a graph the source is its output buffer, valid until the next call: read at once."""
+        length start-up captured, ``_capture_final_vocoder``; a first-chunk lane call from that
+        lane's graphs). The speech is a tensor of its own; from a graph the source is its output
+        buffer, valid until the next call: read at once."""
         graph = self._graph_hift if source is None else self._graph_hift_cached
+        if first_lane and source is None and self._first_lane is not None:
+            graph = self._first_lane.hift
         if graph is None or noise is not None or not mel.is_cuda:
             return self.hift(mel, source, noise)
         key = int(mel.shape[2])
