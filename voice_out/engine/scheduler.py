@@ -472,6 +472,11 @@ class Scheduler:
                 continue  # its listener has audio for a while yet: after the first audio
             ready.append((req, chunk))
 
+        if lanes and self._running_dry(now):
+            # a stream about to run dry holds the first-chunk lane back: its chunk gets the GPU
+            # to itself, as in one lane, where it goes before the first chunks
+            ready = [rc for rc in ready if not lane(rc[1])]
+
         def priority(rc: tuple[Request, ChunkPlan]) -> tuple[int, float, int]:
             req, chunk = rc
             order = self._order[req.request_id]
@@ -502,6 +507,16 @@ class Scheduler:
                 self.requests[w.request_id].first_audio_time is None and w.request_id not in firsts for w in llm
             )
         return StepPlan(releases, tuple(admits), tuple(llm), vocode, wait_vocode=wait)
+
+    def _running_dry(self, now: float) -> bool:
+        """Whether a stream whose listener already plays runs dry within ``urgent_s`` while its
+        next chunk is ready or in flight."""
+        for req in self.requests.values():
+            if req.chunks_produced == 0 or req.playout_deadline() - now >= self.urgent_s:
+                continue
+            if req.vocode_inflight is not None or self._vocode_candidate(req) is not None:
+                return True
+        return False
 
     def _guess(self, req: Request, step: LlmStep) -> NextGuess | None:
         """The request's likely next step after ``step`` (``LlmWork.guess``), or None when it is
