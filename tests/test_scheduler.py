@@ -315,7 +315,12 @@ def test_a_stream_about_to_run_dry_holds_the_first_chunk_lane_back() -> None:
     plan = sched.plan()
     assert sorted(v.request_id for v in plan.vocode) == sorted(fresh)
     unplan_vocode(sched, plan)
-    clock.t = deadline - 0.2  # about to run dry: its chunk alone
+    clock.t = deadline - 0.4  # urgent, not yet within first_lane_hold_s: the first chunks go beside it
+    plan = sched.plan()
+    assert [(v.request_id, v.chunk.index) for v in plan.vocode][0] == (old, 1) and len(plan.vocode) == 3
+    unplan_vocode(sched, plan)
+    assert sched.urgent_s > 0.4 > sched.first_lane_hold_s
+    clock.t = deadline - 0.1  # about to run dry: its chunk alone
     plan = sched.plan()
     assert [(v.request_id, v.chunk.index) for v in plan.vocode] == [(old, 1)]
     res = fake_result(dataclasses.replace(plan, vocode=()))

@@ -155,11 +155,12 @@ class Runner:
     #: the GPU starts the LLM step's small kernels first, so a step's latency does not grow
     #: with the flow batch running beside it. None: the calling thread's current stream.
     llm_stream_priority: int | None = -1
-    #: CUDA: the priority of the first-chunk lane's stream (``Token2Wav.in_first_lane``): above
-    #: the other chunks' side stream (0), so a first chunk launched while a batch of later
-    #: chunks runs gets the SMs first (on an H100 one first chunk beside a batch of 8 later ones
-    #: took 54 ms at -1, 100 ms at 0, against 26 ms alone).
-    first_lane_priority: int = -1
+    #: CUDA: the priority of the first-chunk lane's stream (``Token2Wav.in_first_lane``); the
+    #: other chunks' side stream has 0. At -1 one first chunk beside a batch of 8 later ones
+    #: took 54 ms on an H100 (100 ms at 0, 26 ms alone), but with 48 streams the later chunks
+    #: it starved made listeners run dry; at 0 the 16-stream first audio was as fast
+    #: (docs/benchmarks.md, seventh round).
+    first_lane_priority: int = 0
     #: Voice prefixes whose K/V the runner keeps (least recently used dropped; ~2.5 MB each for
     #: a 200-row prompt of the 0.5B model), and the fewest rows worth keeping (below it a
     #: prefill costs about what the copy does).
