@@ -296,43 +296,6 @@ def test_a_stream_about_to_run_dry_goes_before_new_first_chunks() -> None:
     assert plan.vocode[0].request_id == old and plan.vocode[0].chunk.index == 1
 
 
-def test_a_stream_about_to_run_dry_holds_the_first_chunk_lane_back() -> None:
-    """With the first-chunk lane, first chunks would run beside a later chunk; while a stream
-    about to run dry has its chunk ready or in flight, they wait (its chunk gets the GPU)."""
-    clock = FakeClock()
-    sched = create_scheduler(max_chunks_per_step=2, clock=clock, first_chunk_lane=True)
-    (old,) = create_requests(sched, 1, text="a" * 60, prefix="old")
-    while sched.requests[old].chunks_produced < 1:
-        step(sched)
-    fresh = create_requests(sched, 2, text="b" * 20, prefix="new")
-    while True:  # the old stream's next chunk and the new streams' first chunks all ready
-        plan = unplan_vocode(sched, sched.plan())
-        sched.update(plan, fake_result(plan))
-        if all(sched._vocode_candidate(sched.requests[r]) is not None for r in (old, *fresh)):
-            break
-    deadline = sched.requests[old].playout_deadline()
-    clock.t = deadline - 2.0  # plenty of audio left: both first chunks go (the old one waits)
-    plan = sched.plan()
-    assert sorted(v.request_id for v in plan.vocode) == sorted(fresh)
-    unplan_vocode(sched, plan)
-    clock.t = deadline - 0.4  # urgent, not yet within first_lane_hold_s: the first chunks go beside it
-    plan = sched.plan()
-    assert [(v.request_id, v.chunk.index) for v in plan.vocode][0] == (old, 1) and len(plan.vocode) == 3
-    unplan_vocode(sched, plan)
-    assert sched.urgent_s > 0.4 > sched.first_lane_hold_s
-    clock.t = deadline - 0.1  # about to run dry: its chunk alone
-    plan = sched.plan()
-    assert [(v.request_id, v.chunk.index) for v in plan.vocode] == [(old, 1)]
-    res = fake_result(dataclasses.replace(plan, vocode=()))
-    res.inflight = {old}  # the runner has not handed its audio back yet
-    sched.update(plan, res)
-    assert sched.requests[old].vocode_inflight is not None  # in flight: the lane stays held
-    assert not sched.plan().vocode
-    sched.requests[old].vocode_inflight = None
-    clock.t = deadline - 2.0  # no longer urgent (as if its audio had come back): the lane goes on
-    assert sorted(v.request_id for v in sched.plan().vocode) == sorted(fresh)
-
-
 def test_back_pressure_stops_a_stream_that_is_far_ahead_of_its_consumer() -> None:
     sched = create_scheduler(max_ahead_s=2.0)
     (rid,) = create_requests(sched, 1, text="a" * 200)  # 600 tokens = 24 s of audio

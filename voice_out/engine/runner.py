@@ -157,9 +157,9 @@ class Runner:
     llm_stream_priority: int | None = -1
     #: CUDA: the priority of the first-chunk lane's stream (``Token2Wav.in_first_lane``); the
     #: other chunks' side stream has 0. At -1 one first chunk beside a batch of 8 later ones
-    #: took 54 ms on an H100 (100 ms at 0, 26 ms alone), but with 48 streams the later chunks
-    #: it starved made listeners run dry; at 0 the 16-stream first audio was as fast
-    #: (docs/benchmarks.md, seventh round).
+    #: took 54 ms on an H100 (100 ms at 0, 26 ms alone), but in the engine the 16-stream first
+    #: audio was as fast at 0, and at -1 the later chunks it held back made a few 48-stream
+    #: listeners wait (docs/benchmarks.md, seventh round).
     first_lane_priority: int = 0
     #: Voice prefixes whose K/V the runner keeps (least recently used dropped; ~2.5 MB each for
     #: a 200-row prompt of the 0.5B model), and the fewest rows worth keeping (below it a

@@ -253,7 +253,6 @@ class Scheduler:
         max_chunks_per_step: int = 4,
         urgent_s: float = 0.5,
         first_chunk_wait_rows: int = 4,
-        first_lane_hold_s: float = 0.2,
     ) -> None:
         if max_chunks_per_step < 1:
             raise ValueError("max_chunks_per_step must be >= 1")
@@ -269,12 +268,6 @@ class Scheduler:
         #: sooner at 1 stream). Under load, or while other first audio needs LLM steps, the
         #: steps go on.
         self.first_chunk_wait_rows = first_chunk_wait_rows
-        #: With the first-chunk lane: while a stream whose listener plays runs dry within this
-        #: many seconds and its next chunk is ready or in flight, no first chunk is launched
-        #: beside it (48 streams on an H100: a few underruns per run without it; with the
-        #: hold at urgent_s, 0.5 s, first chunks waited so often that 16 streams' p95 first
-        #: audio went back from ~130 to ~200 ms).
-        self.first_lane_hold_s = first_lane_hold_s
         self._pipeline_factory = pipeline_factory
         self._feed_factory = feed_factory
         self.requests: dict[str, Request] = {}
@@ -479,11 +472,6 @@ class Scheduler:
                 continue  # its listener has audio for a while yet: after the first audio
             ready.append((req, chunk))
 
-        if lanes and self._running_dry(now):
-            # a stream about to run dry holds the first-chunk lane back: its chunk gets the GPU
-            # to itself (first_lane_hold_s)
-            ready = [rc for rc in ready if not lane(rc[1])]
-
         def priority(rc: tuple[Request, ChunkPlan]) -> tuple[int, float, int]:
             req, chunk = rc
             order = self._order[req.request_id]
@@ -514,16 +502,6 @@ class Scheduler:
                 self.requests[w.request_id].first_audio_time is None and w.request_id not in firsts for w in llm
             )
         return StepPlan(releases, tuple(admits), tuple(llm), vocode, wait_vocode=wait)
-
-    def _running_dry(self, now: float) -> bool:
-        """Whether a stream whose listener already plays runs dry within ``first_lane_hold_s``
-        while its next chunk is ready or in flight."""
-        for req in self.requests.values():
-            if req.chunks_produced == 0 or req.playout_deadline() - now >= self.first_lane_hold_s:
-                continue
-            if req.vocode_inflight is not None or self._vocode_candidate(req) is not None:
-                return True
-        return False
 
     def _guess(self, req: Request, step: LlmStep) -> NextGuess | None:
         """The request's likely next step after ``step`` (``LlmWork.guess``), or None when it is
