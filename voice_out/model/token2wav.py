@@ -411,25 +411,15 @@ class Token2Wav:
         if lane is not None:
             lane.batch = None
         if buckets:
-            flow = cast(BatchFlow, self.flow)
-            # warm-up 1: the single-chunk graphs and the eager passes have run these kernels
-            self._graph_flow_batch = GraphedFn(
-                flow.batch_core,
-                name="flow.batch_chunks",
-                warmup=1,
-                warmup_each=False,
-                pool=self._flow_pool,
-                family=GRAPH_FAMILY,
-            )
+            core = cast(BatchFlow, self.flow).batch_core
+
+            def batched(name: str, pool: Any, family: str) -> GraphedFn:
+                # warm-up 1: the single-chunk graphs and the eager passes have run these kernels
+                return GraphedFn(core, name=name, warmup=1, warmup_each=False, pool=pool, family=family)
+
+            self._graph_flow_batch = batched("flow.batch_chunks", self._flow_pool, GRAPH_FAMILY)
             if lane is not None:
-                lane.batch = GraphedFn(
-                    flow.batch_core,
-                    name="flow.batch_first_chunks",
-                    warmup=1,
-                    warmup_each=False,
-                    pool=lane.pool,
-                    family=FIRST_GRAPH_FAMILY,
-                )
+                lane.batch = batched("flow.batch_first_chunks", lane.pool, FIRST_GRAPH_FAMILY)
 
     @property
     def has_first_lane(self) -> bool:
