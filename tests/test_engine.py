@@ -1047,7 +1047,7 @@ def test_cuda_engine_overlapping_token2wav_with_the_llm_changes_nothing(tmp_path
             return pcm + [np.concatenate([c.pcm for c in s]) for s in streams[1:]]
 
         assert runner._side_stream is not None and runner.pipeline_vocode and runner.t2w.has_first_lane
-        assert eng._worker is not None
+        assert eng._worker is not None and eng._worker.scheduler.first_chunk_lane
         eng._worker.scheduler.first_chunk_wait_rows = 0  # no first chunk waited for either
         pipelined = run_all()  # chunks come back in later steps while LLM steps go on
         assert not runner._inflight and runner._first_stream is not None  # the first-chunk lane ran

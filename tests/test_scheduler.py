@@ -35,6 +35,7 @@ def create_scheduler(
     forced: ForcedTokens | None = FORCED,
     max_chunks_per_step: int = 8,
     clock: FakeClock | None = None,
+    first_chunk_lane: bool = False,
     **engine: object,
 ) -> Scheduler:
     cfg = EngineConfig(max_streams=max_streams, max_ahead_s=max_ahead_s, **engine)  # type: ignore[arg-type]
@@ -44,6 +45,7 @@ def create_scheduler(
         clock=clock or FakeClock(),
         forced=forced,
         max_chunks_per_step=max_chunks_per_step,
+        first_chunk_lane=first_chunk_lane,
     )
 
 

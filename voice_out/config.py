@@ -131,10 +131,10 @@ class EngineConfig:
     #: later step, so LLM steps go on while the flow runs (docs/engine.md); off: every step
     #: waits for its own chunks (they still overlap that step's LLM work).
     pipeline_vocode: bool = True
-    #: CUDA, with ``pipeline_vocode``: first chunks (non-final) run on a token2wav stream of
-    #: their own, above the other chunks' in priority, with graphs of their own: a first chunk
-    #: is launched as soon as it is ready instead of queueing behind the later chunks in flight
-    #: (docs/engine.md). Off: one token2wav stream; no chunk is planned while one is in flight.
+    #: CUDA graphs, with ``pipeline_vocode``: first chunks (non-final) run on a token2wav stream
+    #: and graphs of their own: a first chunk is launched as soon as it is ready instead of
+    #: queueing behind the later chunks in flight (docs/engine.md). Off (or no CUDA graphs):
+    #: one token2wav stream; no chunk is planned while one is in flight.
     first_chunk_lane: bool = True
     #: CUDA graphs: the token2wav graphs start-up captures for the default voice's prompt
     #: length cover an utterance of up to this many speech tokens (25 per second of audio:

@@ -124,6 +124,7 @@ class Engine:
         warmup: Callable[[StepRunner], None] | None = None,
         clock: Callable[[], float] | None = None,
         max_chunks_per_step: int = 4,
+        first_chunk_lane: bool = False,
         max_open_streams: int | None = None,
     ) -> None:
         import time
@@ -136,6 +137,7 @@ class Engine:
         self._warmup = warmup
         self._clock = clock or time.monotonic
         self._max_chunks_per_step = max_chunks_per_step
+        self._first_chunk_lane = first_chunk_lane
         self.max_open_streams = max_open_streams or 4 * config.engine.max_streams
         self._streams: weakref.WeakValueDictionary[str, EngineStream] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
@@ -287,6 +289,7 @@ class Engine:
             clock=self._clock,
             forced=self.forced,
             max_chunks_per_step=self._max_chunks_per_step,
+            first_chunk_lane=self._first_chunk_lane,
         )
         return Worker(
             scheduler,

@@ -139,6 +139,9 @@ def build_engine(
         chunks_per_step = ec.max_chunks_per_step
     if max_chunks_per_step is not None:
         chunks_per_step = max_chunks_per_step
+    # first chunks beside the others need their own token2wav graphs and a pipelined runner:
+    # decided here once, for token2wav, the runner (through it) and the scheduler
+    first_lane = graphs and device.type == "cuda" and ec.first_chunk_lane and ec.pipeline_vocode
 
     def runner_factory() -> StepRunner:
         from voice_out.model.checkpoint import load_flow, load_hift, load_llm, random_flow, random_hift, random_llm
@@ -169,7 +172,7 @@ def build_engine(
         t2w = Token2Wav(flow, hift, device=device)
         # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere); the first-chunk
         # lane's graphs apart when first chunks run beside the others (engine.first_chunk_lane)
-        t2w.use_cuda_graphs(graphs, first_lane=ec.first_chunk_lane and ec.pipeline_vocode)
+        t2w.use_cuda_graphs(graphs, first_lane=first_lane)
         runner = Runner(
             llm,
             t2w,
@@ -227,6 +230,7 @@ def build_engine(
         forced=forced,
         warmup=warm if warmup else None,
         max_chunks_per_step=chunks_per_step,
+        first_chunk_lane=first_lane,
     )
 
 

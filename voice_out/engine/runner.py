@@ -219,9 +219,11 @@ class Runner:
         #: (``llm_stream_priority``). A family stream: no graph was captured on it, so its eager
         #: GEMMs have a cuBLAS workspace of their own (``voice_out.model.cuda_graphs``).
         self._side_stream = family_stream(SIDE_STREAM_FAMILY, self.device) if self.device.type == "cuda" else None
-        #: CUDA: the stream of the first-chunk lane's chunks (made on first use: the lane is on
-        #: once ``t2w.use_cuda_graphs(first_lane=True)`` ran).
+        #: CUDA: the stream of the first-chunk lane's chunks (``Token2Wav.in_first_lane``), a
+        #: family stream of its own like the side stream; idle while the lane is off.
         self._first_stream: torch.cuda.Stream | None = None
+        if self._side_stream is not None:
+            self._first_stream = family_stream(FIRST_STREAM_FAMILY, self.device, priority=self.first_lane_priority)
         self._main_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda" and self.llm_stream_priority is not None:
             self._main_stream = family_stream(MAIN_STREAM_FAMILY, self.device, priority=self.llm_stream_priority)
@@ -284,13 +286,16 @@ class Runner:
             # first chunks are launched on their own, ahead of the rest: their audio comes
             # back as soon as they are done, not when the step's last chunk is; with the
             # first-chunk lane, on a stream of their own, beside the chunks still in flight
-            lane = [item for item in vocode if self.t2w.in_first_lane(item[0].chunk)]
-            rest = [item for item in vocode if not self.t2w.in_first_lane(item[0].chunk)]
-            if lane:
-                self._launch_vocode(lane, result, self._lane_stream())
-            for part in ([i for i in rest if i[0].chunk.index == 0], [i for i in rest if i[0].chunk.index > 0]):
+            lane: list[tuple[VocodeWork, Token2WavStream]] = []
+            firsts: list[tuple[VocodeWork, Token2WavStream]] = []
+            rest: list[tuple[VocodeWork, Token2WavStream]] = []
+            for item in vocode:
+                chunk = item[0].chunk
+                (lane if self.t2w.in_first_lane(chunk) else firsts if chunk.index == 0 else rest).append(item)
+            for part, side in ((lane, self._first_stream), (firsts, self._side_stream), (rest, self._side_stream)):
                 if part:
-                    self._launch_vocode(part, result, self._side_stream)
+                    assert side is not None
+                    self._launch_vocode(part, result, side)
             if llm or self._ahead:
                 self._llm_step(llm, result)
             self._collect_vocode(result, block=not self.pipeline_vocode or plan.wait_vocode)
@@ -307,31 +312,18 @@ class Runner:
                 result.failed[request_id] = _describe(e)
         return result
 
-    def _lane_stream(self) -> torch.cuda.Stream:
-        """The first-chunk lane's stream (a family stream of its own: no graph is captured on
-        it, so its eager GEMMs have a cuBLAS workspace of their own)."""
-        if self._first_stream is None:
-            self._first_stream = family_stream(FIRST_STREAM_FAMILY, self.device, priority=self.first_lane_priority)
-        return self._first_stream
-
     def _vocode_streams(self) -> list[torch.cuda.Stream]:
-        """The token2wav streams (none on the CPU): the side stream, and the first-chunk lane's
-        once the lane is on (or was used)."""
-        if self._side_stream is None:
-            return []
-        if self.t2w.has_first_lane:
-            self._lane_stream()
+        """The token2wav streams (none on the CPU): the side stream and the first-chunk lane's."""
         return [s for s in (self._side_stream, self._first_stream) if s is not None]
 
     def _launch_vocode(
-        self, vocode: Sequence[tuple[VocodeWork, Token2WavStream]], result: StepResult, side: torch.cuda.Stream | None
+        self, vocode: Sequence[tuple[VocodeWork, Token2WavStream]], result: StepResult, side: torch.cuda.Stream
     ) -> None:
         """Queue the chunks and their copies to pinned host memory on ``side`` (a token2wav
         stream); no wait. Their tokens come from earlier steps, so nothing depends on the LLM
         work queued next. Chunks of the first-chunk lane and the others may run at once (on
         their two streams): their graphs are apart (``Token2Wav.in_first_lane``), and each
         request has one chunk in flight at most."""
-        assert side is not None
         if side.cuda_stream in self._side_waits:
             # what admissions queued on the runner's stream (a pooled token2wav stream's reset,
             # a voice's tensors); nothing else there is read by a chunk, so otherwise the side

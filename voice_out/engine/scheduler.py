@@ -23,9 +23,10 @@ while it runs). It lists such requests in ``StepResult.inflight``. While a chunk
 no new chunk of its lane is planned (the next batch waits for the lane to free up, so the
 chunks that became ready meanwhile run as one batch instead of queueing one after another);
 when a plan has nothing else to do but in-flight chunks exist, it asks the runner to wait for
-them (``StepPlan.wait_vocode``). There is one lane, or two with ``engine.first_chunk_lane``
-(and ``pipeline_vocode``): the non-final first chunks (``ChunkPlan.starts_audio``) and the
-rest, at most ``max_chunks_per_step`` each, so a first chunk never waits for later chunks.
+them (``StepPlan.wait_vocode``). There is one lane, or two with ``first_chunk_lane`` (the
+engine's ``engine.first_chunk_lane`` where its runner can: CUDA graphs, pipelined): the
+non-final first chunks (``ChunkPlan.starts_audio``) and the rest, at most
+``max_chunks_per_step`` each, so a first chunk never waits for later chunks.
 
 Cancellation is ``finish(ids, ABORTED)``: the request leaves at once and its slot is released
 in the next plan. Every method is called from the worker thread only.
@@ -253,6 +254,7 @@ class Scheduler:
         max_chunks_per_step: int = 4,
         urgent_s: float = 0.5,
         first_chunk_wait_rows: int = 4,
+        first_chunk_lane: bool = False,
     ) -> None:
         if max_chunks_per_step < 1:
             raise ValueError("max_chunks_per_step must be >= 1")
@@ -268,6 +270,9 @@ class Scheduler:
         #: sooner at 1 stream). Under load, or while other first audio needs LLM steps, the
         #: steps go on.
         self.first_chunk_wait_rows = first_chunk_wait_rows
+        #: Two token2wav lanes (see the module docstring): the runner runs first chunks beside
+        #: the others (the engine sets it when its token2wav has the first-chunk lane's graphs).
+        self.first_chunk_lane = first_chunk_lane
         self._pipeline_factory = pipeline_factory
         self._feed_factory = feed_factory
         self.requests: dict[str, Request] = {}
@@ -449,7 +454,7 @@ class Scheduler:
         ready: list[tuple[Request, ChunkPlan]] = []
         in_flight = [r.vocode_inflight for r in self.requests.values() if r.vocode_inflight is not None]
         inflight = bool(in_flight)
-        lanes = self.config.first_chunk_lane and self.config.pipeline_vocode
+        lanes = self.first_chunk_lane
 
         def lane(chunk: ChunkPlan) -> bool:
             """The chunk's token2wav lane: True = the first-chunk lane (when there is one)."""

@@ -433,15 +433,13 @@ class Token2Wav:
         these chunks and the others apart."""
         return self._first_lane is not None and plan.starts_audio
 
-    def _flow_graph(self, plan: ChunkPlan) -> GraphedFn | None:
-        """The single-chunk re-run flow graph ``plan`` replays (its lane's)."""
-        lane = self._first_lane
-        return lane.flow if lane is not None and plan.starts_audio else self._graph_flow
+    def _flow_graph(self, first_lane: bool) -> GraphedFn | None:
+        """The single-chunk re-run flow graph of a chunk of the first-chunk lane or not."""
+        return self._first_lane.flow if first_lane and self._first_lane is not None else self._graph_flow
 
     def _batch_graph(self, first_lane: bool) -> GraphedFn | None:
         """The batched-chunk flow graph of a group of chunks of the first-chunk lane or not."""
-        lane = self._first_lane
-        return lane.batch if first_lane and lane is not None else self._graph_flow_batch
+        return self._first_lane.batch if first_lane and self._first_lane is not None else self._graph_flow_batch
 
     def batch_keys(
         self,
@@ -509,7 +507,7 @@ class Token2Wav:
         n_prompt = int(prompt_token.shape[1])
         for plan in plan_all(n_tokens, n_prompt, hops, fast_first):  # the longer utterances' chunks
             key = (n_prompt, plan.token_len)
-            single = self._flow_graph(plan)
+            single = self._flow_graph(self.in_first_lane(plan))
             if plan.finalize or single is None or single.has(key):
                 continue
             token = self._as_tokens(dummy[: plan.token_len])
@@ -709,7 +707,7 @@ class Token2Wav:
     def _single_graph(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> GraphedFn | None:
         """The single-chunk graph a re-run of ``plan`` replays (a first chunk's is captured on
         first use), or None: it runs eagerly."""
-        graph = self._flow_graph(plan) if token.is_cuda else None
+        graph = self._flow_graph(self.in_first_lane(plan)) if token.is_cuda else None
         key = (int(stream.prompt_token.shape[1]), plan.token_len)
         if graph is not None and (plan.index == 0 or self._capturing or graph.has(key)):
             return graph
@@ -879,7 +877,7 @@ class Token2Wav:
         lane's graphs). The speech is a tensor of its own; from a graph the source is its output
         buffer, valid until the next call: read at once."""
         graph = self._graph_hift if source is None else self._graph_hift_cached
-        if first_lane and source is None and self._first_lane is not None:
+        if first_lane and self._first_lane is not None:  # a first chunk: no overlap cache
             graph = self._first_lane.hift
         if graph is None or noise is not None or not mel.is_cuda:
             return self.hift(mel, source, noise)
