@@ -63,6 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile the graphed decode step")
     p.add_argument("--kernels", action="store_true", help="also count the CUDA kernels of one eager step (profiler)")
     p.add_argument("--group-rows", type=int, default=5, help="rows of the text group step (0: skip it)")
+    p.add_argument(
+        "--linear-sweep",
+        action="store_true",
+        help="time the fused linears (decode_kernels.norm_linear, linear_residual) over tile choices instead",
+    )
+    p.add_argument("--sweep-kinds", default="norm,gated,residual,split", help="LINEAR_TILES kinds to sweep")
     return p.parse_args(argv)
 
 
@@ -112,16 +118,33 @@ def decode_rows(lm: SpeechLM, batch: int, params: SamplingParams, gen: torch.Gen
 
 
 def bench_graphed(
-    lm: SpeechLM, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, fused: bool
+    lm: SpeechLM,
+    batch: int,
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    fused: bool,
+    linear: bool = False,
 ) -> dict[str, float]:
     """CUDA-graphed decode + head + RAS (the engine's fast path) at ``batch`` rows; ``fused``:
-    with the Triton decode kernels (``voice_out.model.decode_kernels``)."""
+    with the Triton decode kernels (``voice_out.model.decode_kernels``), ``linear``: and the
+    fused linears."""
     cache = KVCache.allocate(lm.dims, batch + 1, args.max_len, device=device, dtype=dtype)
     params = SamplingParams()
-    fast = GraphedLLM(lm, cache, params, decode_buckets=(batch,), prefill_buckets=(), compile=args.compile, fused=fused)
+    fast = GraphedLLM(
+        lm,
+        cache,
+        params,
+        decode_buckets=(batch,),
+        prefill_buckets=(),
+        compile=args.compile,
+        fused=fused,
+        fused_linear=linear,
+    )
     t0 = time.perf_counter()
     fast.capture_all()
-    print(f"  capture (compile={args.compile}, fused={fast.fused}) batch {batch}: {time.perf_counter() - t0:.1f} s")
+    took = time.perf_counter() - t0
+    print(f"  capture (compile={args.compile}, fused={fast.fused}, linear={linear}) batch {batch}: {took:.1f} s")
     gen = torch.Generator(device=device).manual_seed(args.seed)
     prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
     for s in range(batch):
@@ -139,7 +162,13 @@ def bench_graphed(
 
 
 def count_kernels(
-    lm: SpeechLM, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, fused: bool
+    lm: SpeechLM,
+    batch: int,
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    fused: bool,
+    linear: bool = False,
 ) -> dict[str, Any]:
     """CUDA kernels launched by one eager decode step + head + RAS, exactly as the graph
     captures it (``GraphedLLM`` with graphs off: packed rows, the scratch slot, and with
@@ -148,7 +177,9 @@ def count_kernels(
 
     cache = KVCache.allocate(lm.dims, batch + 1, args.max_len, device=device, dtype=dtype)
     params = SamplingParams()
-    eager = GraphedLLM(lm, cache, params, decode_buckets=(batch,), prefill_buckets=(), enabled=False, fused=fused)
+    eager = GraphedLLM(
+        lm, cache, params, decode_buckets=(batch,), prefill_buckets=(), enabled=False, fused=fused, fused_linear=linear
+    )
     gen = torch.Generator(device=device).manual_seed(args.seed)
     prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
     for s in range(batch):
@@ -172,7 +203,10 @@ def count_kernels(
         by_name.setdefault(e.name[:90], []).append(e.device_time_total / 1e3)
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
     total = sum(sum(v) for v in by_name.values())
-    print(f"  kernels batch {batch} window {window} fused={fused}: {len(kernels)} kernels, {total:.3f} ms of GPU time")
+    print(
+        f"  kernels batch {batch} window {window} fused={fused} linear={linear}: "
+        f"{len(kernels)} kernels, {total:.3f} ms of GPU time"
+    )
     for name, times in top:
         print(f"    {len(times):5d} x  {sum(times):7.3f} ms  {name}")
     return {
@@ -257,6 +291,99 @@ def bench_prefill(lm: SpeechLM, args: argparse.Namespace, device: torch.device, 
     return summary(time_ms(lambda: lm.prefill(cache, 0, embeds, start_pos=0), device, args.warmup, args.iters))
 
 
+def sweep_linears(lm: SpeechLM, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Each fused linear of the decode step as the step runs it: one launch per layer, each
+    with that layer's weights (so nothing stays in L2), all layers' launches captured in one
+    CUDA graph; the median replay / layers, per tile choice (``decode_kernels.LINEAR_TILES``)
+    and row count, against the library's GEMMs (with a norm and ``silu_mul`` where the fused
+    kernel has them inside)."""
+    out: dict[str, Any] = {}
+    for rows in (int(b) for b in args.batches.split(",")):
+        if rows <= decode_kernels.LINEAR_MAX_ROWS:
+            out.update(_sweep_rows(lm, rows, device, args.sweep_kinds.split(",")))
+    return out
+
+
+def _sweep_rows(lm: SpeechLM, rows: int, device: torch.device, kinds: list[str]) -> dict[str, Any]:
+    dims = lm.dims
+    eps = dims.rms_norm_eps
+    x = torch.randn(rows, dims.hidden_size, device=device).to(lm.llm_decoder.weight.dtype)
+    act = torch.randn(rows, dims.intermediate_size, device=device).to(x.dtype)
+    workspaces = {sp: decode_kernels.SplitWorkspace.allocate(device, dims.hidden_size, sp) for sp in (2, 4, 8)}
+    lt = decode_kernels.LinearTiles
+    compute = ((4, 3), (4, 5), (8, 4))  # (num_warps, num_stages)
+    choices = {
+        "norm": [lt(n, k, w, st) for n in (16, 32) for k in (128, 256, 512) for w, st in compute],
+        "gated": [lt(n, k, w, st) for n in (32, 64, 128) for k in (64, 128, 256) for w, st in compute],
+        "residual": [lt(n, k, w, st) for n in (16, 32) for k in (128, 256, 512) for w, st in compute],
+        "split": [lt(n, k, w, st, sp) for n in (16, 32) for k in (128, 256) for w, st in compute for sp in (2, 4, 8)],
+    }
+    fused: dict[str, Any] = {
+        "norm": lambda L: decode_kernels.norm_linear(
+            x, L.attn.wqkv.weight, L.input_layernorm.weight, eps, L.attn.wqkv.bias
+        ),
+        "gated": lambda L: decode_kernels.norm_linear(
+            x, L.mlp.w13.weight, L.post_attention_layernorm.weight, eps, gated=True
+        ),
+        "residual_wo": lambda L: decode_kernels.linear_residual(x, L.attn.wo.weight, x),
+        "split_w2": lambda L: decode_kernels.linear_residual(
+            act, L.mlp.w2.weight, x, workspace=workspaces[decode_kernels.LINEAR_TILES["split"].splits]
+        ),
+    }
+    library: dict[str, Any] = {
+        "norm": lambda L: L.attn.wqkv(L.input_layernorm(x)),
+        "gated": lambda L: decode_kernels.silu_mul(L.mlp.w13(L.post_attention_layernorm(x))),
+        "residual_wo": lambda L: torch.addmm(x, x, L.attn.wo.weight.t()),
+        "split_w2": lambda L: torch.addmm(x, act, L.mlp.w2.weight.t()),
+    }
+    out: dict[str, Any] = {}
+    for name, fn in fused.items():
+        kind = name.split("_")[0]
+        if kind not in kinds:
+            continue
+        saved = decode_kernels.LINEAR_TILES[kind]
+        timings: list[tuple[float, decode_kernels.LinearTiles | None]] = []
+        kind_choices = choices[kind]
+        for tiles in [None, *kind_choices, *([saved] if saved not in kind_choices else [])]:
+            if tiles is not None:
+                decode_kernels.LINEAR_TILES[kind] = tiles
+            us = _graphed_us(lm, library[name] if tiles is None else fn, device)
+            if us is None:
+                print(f"  {name} {tiles}: does not run")
+                continue
+            timings.append((us, tiles))
+        decode_kernels.LINEAR_TILES[kind] = saved
+        base = timings[0][0]
+        ranked = sorted(timings[1:], key=lambda t: t[0])
+        print(f"linear {name:12s} rows {rows:3d}: library {base:6.2f} us; best fused:")
+        for us, tiles in ranked[:4]:
+            print(f"    {us:6.2f} us  {tiles}")
+        default = next(us for us, t in timings[1:] if t == saved)
+        print(f"    default {saved}: {default:6.2f} us")
+        out[f"rows{rows}_{name}"] = {
+            "library_us": round(base, 2),
+            "default_us": round(default, 2),
+            "best": [{"us": round(us, 2), "tiles": str(t)} for us, t in ranked[:4]],
+        }
+    return out
+
+
+def _graphed_us(lm: SpeechLM, fn: Any, device: torch.device) -> float | None:
+    """Median us per call of ``fn(layer)`` over every layer, replayed from one CUDA graph."""
+    layers = list(lm.layers)
+    try:
+        for layer in layers:  # compile and warm up outside the capture
+            fn(layer)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for layer in layers:
+                fn(layer)
+    except Exception:  # a tile set that does not compile or fit
+        return None
+    return statistics.median(time_ms(graph.replay, device, 5, 30)) * 1e3 / len(layers)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -282,6 +409,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(f"{dims_dir.name}: {n_params / 1e6:.1f} M parameters, {args.dtype}, {result['device']}, {result['mode']}")
     with torch.inference_mode():
+        if args.linear_sweep:
+            result["linear_sweep"] = sweep_linears(lm, args, device)
+            save_out("llm_step.json", result)
+            return result
         for batch in (int(b) for b in args.batches.split(",")):
             for name, packed, sampling in (
                 ("gather", False, False),
@@ -294,12 +425,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"decode step  batch {batch:3d} {name:16s}"
                     f"  median {r['median_ms']:7.3f} ms  p95 {r['p95_ms']:7.3f} ms"
                 )
-            variants = [False, True] if GraphedLLM.can_fuse(lm, SamplingParams()) else [False]
-            for fused in variants if device.type == "cuda" else []:
-                tag = "+fused" if fused else ""
+            variants = [(False, False)]
+            if GraphedLLM.can_fuse(lm, SamplingParams()):
+                variants.append((True, False))
+                if batch <= decode_kernels.LINEAR_MAX_ROWS:
+                    variants.append((True, True))
+            for fused, linear in variants if device.type == "cuda" else []:
+                tag = ("+fused" if fused else "") + ("+linear" if linear else "")
                 if args.kernels:
-                    result["decode"][f"b{batch}_kernels{tag}"] = count_kernels(lm, batch, args, device, dtype, fused)
-                r = bench_graphed(lm, batch, args, device, dtype, fused)
+                    result["decode"][f"b{batch}_kernels{tag}"] = count_kernels(
+                        lm, batch, args, device, dtype, fused, linear
+                    )
+                r = bench_graphed(lm, batch, args, device, dtype, fused, linear)
                 result["decode"][f"b{batch}_graphed+head+ras{tag}"] = r
                 print(
                     f"decode step  batch {batch:3d} {'GRAPHED+head+ras' + tag:22s}"

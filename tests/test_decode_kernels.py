@@ -153,8 +153,55 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.requires_cuda
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_fused_linears_equal_torch(rows: int) -> None:
+    """norm_linear (plain, with bias, gated) and linear_residual (in place and not) against
+    F.rms_norm, F.linear, silu * up and addmm, at the 0.5B model's shapes."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(rows)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=dev) * scale).to(dtype)
+
+    hidden, qkv, inter, eps = 896, 1152, 4864, 1e-6
+    x, g = rand(rows, hidden, scale=3.0), (1 + 0.2 * torch.randn(hidden, generator=gen, device=dev)).to(dtype)
+    w, bias = rand(qkv, hidden, scale=hidden**-0.5), rand(qkv)
+    want = F.linear(F.rms_norm(x, (hidden,), g, eps), w, bias)
+    assert _relative_error(decode_kernels.norm_linear(x, w, g, eps, bias), want) < 1e-2
+    assert _relative_error(decode_kernels.norm_linear(x, w, None, eps), F.linear(x, w)) < 1e-2
+    w13 = rand(2 * inter, hidden, scale=hidden**-0.5)
+    gate, up = F.linear(F.rms_norm(x, (hidden,), g, eps), w13).split(inter, dim=-1)
+    want = _silu_mul_reference(gate, up)
+    got = decode_kernels.norm_linear(x, w13, g, eps, gated=True)
+    assert got.shape == (rows, inter) and _relative_error(got, want) < 1e-2
+    a, w2, res = rand(rows, inter), rand(hidden, inter, scale=inter**-0.5), rand(rows, hidden)
+    want = torch.addmm(res, a, w2.t())
+    assert _relative_error(decode_kernels.linear_residual(a, w2, res), want) < 1e-2
+    inplace = res.clone()
+    assert decode_kernels.linear_residual(a, w2, inplace, out=inplace) is inplace
+    assert _relative_error(inplace, want) < 1e-2
+    # the split reduction: the same sum whichever program ends last, launch after launch
+    ws = decode_kernels.SplitWorkspace.allocate(dev, hidden)
+    split = decode_kernels.linear_residual(a, w2, res, workspace=ws)
+    assert _relative_error(split, want) < 1e-2
+    assert int(ws.counters.abs().sum()) == 0  # left ready for the next launch
+    for _ in range(20):
+        again = res.clone()
+        decode_kernels.linear_residual(a, w2, again, out=again, workspace=ws)
+        torch.testing.assert_close(again, split, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_kernels.norm_linear(rand(decode_kernels.LINEAR_MAX_ROWS + 1, hidden), w, g, eps)
+
+
+def _silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in float32, rounded once, as ``decode_kernels.silu_mul``."""
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+@pytest.mark.requires_cuda
 @pytest.mark.parametrize("dims_dir", [TINY, FULL], ids=["tiny", "0.5b"])
-def test_fused_decode_step_equals_eager(dims_dir: Path) -> None:
+@pytest.mark.parametrize("linear", [False, True], ids=["library-gemms", "fused-linears"])
+def test_fused_decode_step_equals_eager(dims_dir: Path, linear: bool) -> None:
     dev, dtype = torch.device("cuda"), torch.bfloat16
     lm = random_llm(dims_dir, dev, dtype, seed=4)
     n_slots, max_len = 5, 160
@@ -169,7 +216,9 @@ def test_fused_decode_step_equals_eager(dims_dir: Path) -> None:
         e = lm.embed_speech(torch.randint(0, 6561, (4,), generator=gen, device=dev))
         active = torch.tensor([True, step % 2 == 0, True, step != 3], device=dev)
         want = lm.decode_step(eager, None, e, kv_len=max_len, active=active, scratch_slot=4)
-        got = lm.decode_step(fused, None, e, kv_len=max_len, active=active, scratch_slot=4, fused=True)
+        got = lm.decode_step(
+            fused, None, e, kv_len=max_len, active=active, scratch_slot=4, fused=True, fused_linear=linear
+        )
         rows = active.nonzero()[:, 0]
         err = _relative_error(got[rows], want[rows])
         assert err < 2e-2, f"step {step}: relative error {err:.4f}"
@@ -186,7 +235,7 @@ def test_fused_decode_step_equals_eager(dims_dir: Path) -> None:
     e = torch.randn(12, lm.dims.hidden_size, generator=gen, device=dev).to(dtype)
     kw = {"kv_len": max_len, "active": active, "scratch_slot": 4, "offsets": offsets}
     want = lm.decode_step(eager, slots, e, **kw)  # type: ignore[arg-type]
-    got = lm.decode_step(fused, slots, e, fused=True, **kw)  # type: ignore[arg-type]
+    got = lm.decode_step(fused, slots, e, fused=True, fused_linear=linear, **kw)  # type: ignore[arg-type]
     assert _relative_error(got[:10], want[:10]) < 2e-2
     assert fused.lengths.tolist() == eager.lengths.tolist()
     for slot in range(4):
@@ -203,7 +252,7 @@ def test_graphed_fused_decode_equals_the_same_step_eager() -> None:
     caches = [KVCache.allocate(lm.dims, 6, 96, dev, dtype) for _ in range(2)]
     graphed = GraphedLLM(lm, caches[0], params, decode_buckets=(1, 2, 4), prefill_buckets=())
     eager = GraphedLLM(lm, caches[1], params, decode_buckets=(1, 2, 4), prefill_buckets=(), enabled=False)
-    assert graphed.fused and eager.fused
+    assert graphed.fused and eager.fused and graphed.fused_linear
     assert sorted(graphed._decode) == [96]  # one window: the kernel's attention runs to each row's length
     graphed.capture_all()
     gen = torch.Generator(device=dev).manual_seed(1)

@@ -187,6 +187,7 @@ def build_engine(
             graph_buckets=ec.graph_batch_buckets,
             pipeline_vocode=ec.pipeline_vocode,
             fused_decode=ec.fused_decode,
+            fused_linear=ec.fused_linear,
             batched_input_rows=ec.batched_input_rows,
         )
         if ec.fused_decode and device.type == "cuda" and not runner.graphed.fused:

@@ -183,6 +183,7 @@ class Runner:
         graph_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 48, 64),
         pipeline_vocode: bool = True,
         fused_decode: bool = True,
+        fused_linear: bool = True,
         batched_input_rows: int = 128,
     ) -> None:
         self.llm = llm
@@ -213,6 +214,7 @@ class Runner:
             decode_buckets=buckets,
             scratch_slot=n_slots,
             fused=fused_decode,
+            fused_linear=fused_linear,
             enabled=graphs,
         )
         #: CUDA: the stream token2wav runs on while the LLM steps run on the runner's own one

@@ -34,6 +34,7 @@ vocabulary and top-k. The plain-torch paths (``qwen2.py``, ``sampling.py``) stay
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -184,6 +185,137 @@ if triton is not None:
         # silu in float32, rounded once (the eager path rounds silu(gate), then the product)
         act = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + r * stride_out + c, act.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _norm_linear_kernel(  # type: ignore[no-untyped-def]
+        x_ptr,
+        g_ptr,
+        w_ptr,
+        bias_ptr,
+        out_ptr,
+        M,
+        stride_x,
+        stride_w,
+        stride_out,
+        eps,
+        K: tl.constexpr,
+        N: tl.constexpr,
+        NORM: tl.constexpr,
+        BIAS: tl.constexpr,
+        GATED: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Rows ``pid(1)``, output columns ``pid(0)`` of ``rmsnorm(x) @ W^T (+ bias)``; GATED:
+        ``silu(gate) * up`` of the columns' gate rows of W and their up rows ``N`` further."""
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        x_rows = x_ptr + rows[:, None] * stride_x
+        if NORM:
+            # every program recomputes its rows' statistic: K values a row, from L2
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xs = tl.load(x_rows + k0 + ks[None, :], mask=row_ok[:, None] & (k0 + ks < K)[None, :], other=0.0)
+                xs = xs.to(tl.float32)
+                ss += tl.sum(xs * xs, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        w_rows = w_ptr + cols[:, None] * stride_w
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + ks < K)[None, :]
+            xs = tl.load(x_rows + k0 + ks[None, :], mask=row_ok[:, None] & k_ok, other=0.0)
+            if NORM:
+                g = tl.load(g_ptr + k0 + ks, mask=k0 + ks < K, other=0.0).to(tl.float32)
+                # the statistic and the weight in float32, rounded once (as F.rms_norm)
+                xs = (xs.to(tl.float32) * rstd[:, None] * g[None, :]).to(w_ptr.dtype.element_ty)
+            w = tl.load(w_rows + k0 + ks[None, :], mask=col_ok[:, None] & k_ok, other=0.0)
+            acc = tl.dot(xs, tl.trans(w), acc)
+            if GATED:
+                w_up = tl.load(w_rows + N * stride_w + k0 + ks[None, :], mask=col_ok[:, None] & k_ok, other=0.0)
+                acc_up = tl.dot(xs, tl.trans(w_up), acc_up)
+        if BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            # the GEMM's outputs rounded as the unfused path stores them, then silu * up in
+            # float32, rounded once (as silu_mul)
+            gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc = gate / (1.0 + tl.exp(-gate)) * up
+        out = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _add_residual(acc, r_ptr, out_ptr, rows, cols, ok, stride_r, stride_out):  # type: ignore[no-untyped-def]
+        """``out = residual + acc``: added in float32, rounded once (as ``addmm``)."""
+        res = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=ok, other=0.0)
+        acc += res.to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _linear_residual_kernel(  # type: ignore[no-untyped-def]
+        a_ptr,
+        w_ptr,
+        r_ptr,
+        out_ptr,
+        p_ptr,
+        c_ptr,
+        M,
+        stride_a,
+        stride_w,
+        stride_r,
+        stride_out,
+        K: tl.constexpr,
+        N: tl.constexpr,
+        K_SPLIT: tl.constexpr,
+        SPLITS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """Rows ``pid(1)``, columns ``pid(0)`` of ``residual + a @ W^T``, added in float32 and
+        rounded once (as ``addmm``); ``out`` may be ``residual``: only the program that writes
+        a tile reads it.
+
+        SPLITS > 1: program ``pid(2)`` takes reduction columns ``pid(2) * K_SPLIT ..`` only,
+        stores its float32 product at ``p[pid(2)]`` (``[SPLITS, M, N]``) and counts itself in
+        at its tile's counter ``c``; the last to arrive sums the SPLITS products in split
+        order (the same sum whichever program is last), adds the residual and sets the counter
+        back to 0 for the next launch."""
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        start = tl.program_id(2) * K_SPLIT
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kk in range(0, K_SPLIT, BLOCK_K):
+            k0 = start + kk
+            k_ok = (k0 + ks < K)[None, :]
+            a = tl.load(a_ptr + rows[:, None] * stride_a + k0 + ks[None, :], mask=row_ok[:, None] & k_ok, other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * stride_w + k0 + ks[None, :], mask=col_ok[:, None] & k_ok, other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc)
+        ok = row_ok[:, None] & col_ok[None, :]
+        if SPLITS > 1:
+            tile_p = p_ptr + rows[:, None] * N + cols[None, :]
+            tl.store(tile_p + tl.program_id(2) * M * N, acc, mask=ok)
+            # every thread's store issued before the count (then released at GPU scope)
+            tl.debug_barrier()
+            counter = c_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == SPLITS - 1:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for sp in tl.static_range(SPLITS):
+                    # past L1: the products were written by other SMs
+                    acc += tl.load(tile_p + sp * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+                _add_residual(acc, r_ptr, out_ptr, rows, cols, ok, stride_r, stride_out)
+                tl.atomic_xchg(counter, 0)
+        else:
+            _add_residual(acc, r_ptr, out_ptr, rows, cols, ok, stride_r, stride_out)
 
     @triton.jit
     def _ras_sample_kernel(  # type: ignore[no-untyped-def]
@@ -337,6 +469,185 @@ def silu_mul(x: Tensor) -> Tensor:
     block = 1024
     kernel: Any = _silu_mul_kernel
     launch(kernel, (rows, triton.cdiv(n, block)), x, out, x.stride(0), out.stride(0), N=n, BLOCK=block)
+    return out
+
+
+#: Rows (decode rows of one step) up to which :func:`norm_linear` and :func:`linear_residual`
+#: serve the step: one 16-row tile (``tl.dot``'s least). Past it the GEMMs are the library's.
+LINEAR_MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class LinearTiles:
+    """Tiles of one fused-linear launch: ``block_n`` output columns and ``block_k`` of the
+    reduction per loop turn for one program; ``block_m`` (rows) is 16. ``splits``:
+    :func:`linear_residual` with a :class:`SplitWorkspace` cuts the reduction into that many
+    programs per tile."""
+
+    block_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+    splits: int = 1
+
+
+#: Tiles by kind of call: "norm" (norm + GEMM + bias: q/k/v), "gated" (norm + [gate; up] +
+#: silu * up), "residual" (GEMM + residual: wo) and "split" (GEMM + residual with the
+#: reduction split: w2). Chosen on an H100 at 1 and 16 rows (``scripts/bench_llm_step.py
+#: --linear-sweep``): at these shapes a program's weight tile is the whole cost, so the tiles
+#: that keep the most SMs streaming win.
+LINEAR_TILES: dict[str, LinearTiles] = {
+    "norm": LinearTiles(16, 256, 4, 3),
+    "gated": LinearTiles(64, 128, 8, 4),
+    "residual": LinearTiles(16, 128, 4, 5),
+    "split": LinearTiles(32, 128, 4, 5, splits=8),
+}
+
+_BLOCK_M = 16
+
+
+@dataclass(frozen=True)
+class SplitWorkspace:
+    """What :func:`linear_residual` with a split reduction needs between its programs: their
+    float32 products ``[splits, LINEAR_MAX_ROWS, max_n]`` and one int32 arrival counter per
+    output tile, zero between launches (each launch leaves them so). One launch at a time may
+    use a workspace: launches on one stream, or their own workspaces."""
+
+    partials: Tensor
+    counters: Tensor
+
+    @classmethod
+    def allocate(cls, device: torch.device | str, max_n: int, splits: int | None = None) -> SplitWorkspace:
+        """For outputs of up to ``max_n`` columns, ``splits`` (None: ``LINEAR_TILES["split"]``)."""
+        splits = LINEAR_TILES["split"].splits if splits is None else splits
+        partials = torch.empty(splits, LINEAR_MAX_ROWS, max_n, device=device, dtype=torch.float32)
+        return cls(partials, torch.zeros(max_n, device=device, dtype=torch.int32))
+
+
+def _rows_fit(name: str, a: Tensor, weight: Tensor) -> None:
+    if a.dim() != 2 or a.shape[0] > LINEAR_MAX_ROWS or weight.shape[1] != a.shape[1]:
+        raise ValueError(f"{name}: rows {tuple(a.shape)} and weight {tuple(weight.shape)} do not fit")
+    if a.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"{name}: rows must be contiguous")
+
+
+def norm_linear(
+    x: Tensor,
+    weight: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    bias: Tensor | None = None,
+    gated: bool = False,
+) -> Tensor:
+    """``rmsnorm(x) @ weight^T + bias`` in one kernel, for the decode step's few rows.
+
+    * ``x`` ``[M, K]`` (rows contiguous), M <= :data:`LINEAR_MAX_ROWS`; ``norm_weight``
+      ``[K]`` or None (no norm); the norm as ``F.rms_norm``: statistic and weight in float32,
+      rounded once to x's dtype before the GEMM.
+    * ``weight`` ``[N, K]`` (``nn.Linear`` layout, rows contiguous), ``bias`` ``[N]`` or None;
+      accumulated in float32, bias added, rounded once.
+    * ``gated``: ``weight`` is ``[gate; up]`` (``[2N, K]``) and the result ``silu(gate) * up``
+      ``[M, N]``, gate and up rounded as a GEMM stores them, then as :func:`silu_mul`.
+
+    Returns ``[M, N]`` in x's dtype. Graph-capturable; CUDA with Triton only.
+    """
+    _rows_fit("norm_linear", x, weight)
+    m, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    t = LINEAR_TILES["gated" if gated else "norm"]
+    kernel: Any = _norm_linear_kernel
+    launch(
+        kernel,
+        (triton.cdiv(n, t.block_n), triton.cdiv(m, _BLOCK_M)),
+        x,
+        x if norm_weight is None else norm_weight,
+        weight,
+        weight if bias is None else bias,
+        out,
+        m,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        eps,
+        K=k,
+        N=n,
+        NORM=norm_weight is not None,
+        BIAS=bias is not None,
+        GATED=gated,
+        BLOCK_M=_BLOCK_M,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+    return out
+
+
+def linear_residual(
+    a: Tensor,
+    weight: Tensor,
+    residual: Tensor,
+    out: Tensor | None = None,
+    workspace: SplitWorkspace | None = None,
+) -> Tensor:
+    """``residual + a @ weight^T`` in one kernel (``addmm``'s rounding), into ``out`` (may be
+    ``residual`` itself: in place) or a new tensor.
+
+    ``a`` ``[M, K]``, ``weight`` ``[N, K]``, ``residual``/``out`` ``[M, N]``, rows contiguous,
+    M <= :data:`LINEAR_MAX_ROWS`. With ``workspace``, the reduction is split
+    (``LINEAR_TILES["split"]``): a GEMM with few outputs and a long reduction (the MLP's down
+    projection) then streams its weight from that many times the SMs; the last program of each
+    tile sums the float32 products in a fixed order, so the result does not depend on which
+    program finishes last. Graph-capturable; CUDA with Triton only.
+    """
+    _rows_fit("linear_residual", a, weight)
+    m, k = a.shape
+    n = weight.shape[0]
+    if tuple(residual.shape) != (m, n) or residual.stride(1) != 1:
+        raise ValueError(f"linear_residual: residual {tuple(residual.shape)} does not fit {(m, n)}")
+    if out is None:
+        out = torch.empty_like(residual)
+    t = LINEAR_TILES["split" if workspace is not None else "residual"]
+    splits = 1
+    partials = counters = out
+    if workspace is not None:
+        splits = t.splits
+        tiles = triton.cdiv(n, t.block_n)
+        if (
+            workspace.partials.shape[0] != splits
+            or workspace.partials.shape[2] < n
+            or workspace.counters.numel() < tiles
+        ):
+            raise ValueError(f"linear_residual: the workspace does not fit {splits} splits of {n} outputs")
+        partials, counters = workspace.partials, workspace.counters
+    # a reduction slice per program, a whole number of block_k steps
+    k_split = triton.cdiv(triton.cdiv(k, splits), t.block_k) * t.block_k
+    kernel: Any = _linear_residual_kernel
+    launch(
+        kernel,
+        (triton.cdiv(n, t.block_n), triton.cdiv(m, _BLOCK_M), splits),
+        a,
+        weight,
+        residual,
+        out,
+        partials,
+        counters,
+        m,
+        a.stride(0),
+        weight.stride(0),
+        residual.stride(0),
+        out.stride(0),
+        K=k,
+        N=n,
+        K_SPLIT=k_split,
+        SPLITS=splits,
+        BLOCK_M=_BLOCK_M,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
     return out
 
 

@@ -256,6 +256,7 @@ class GraphedLLM:
         enabled: bool = True,
         compile: bool = False,
         fused: bool = True,
+        fused_linear: bool = True,
     ) -> None:
         self.lm = lm
         self.cache = cache
@@ -270,6 +271,14 @@ class GraphedLLM:
         #: The decode step runs the Triton kernels (``voice_out.model.decode_kernels``): asked
         #: for and available. Their attention runs to each row's length, so one window serves.
         self.fused = fused and self.can_fuse(lm, sampling)
+        #: With ``fused``: buckets of at most ``decode_kernels.LINEAR_MAX_ROWS`` rows run the
+        #: step's GEMMs as Triton kernels too (norms, gate and residual adds inside them).
+        self.fused_linear = self.fused and fused_linear
+        #: The split w2 reduction's products and counters: every decode graph runs on one
+        #: stream, one at a time, so they share it.
+        self._split_ws = (
+            decode_kernels.SplitWorkspace.allocate(self.device, dims.hidden_size) if self.fused_linear else None
+        )
         if self.fused:
             # The head as a GEMM of a whole number of 64-row tiles (6564 outputs ran a slow
             # 2-aligned kernel: 12 us of a 1.5 ms step); the sampler reads the first V columns.
@@ -346,6 +355,8 @@ class GraphedLLM:
             scratch_slot=self.scratch_slot,
             fused=self.fused,
             offsets=rows.offsets,
+            fused_linear=self.fused_linear,
+            split_workspace=self._split_ws,
         )
         return self.sample(hidden, rows)
 

@@ -413,6 +413,8 @@ class SpeechLM(nn.Module):
         scratch_slot: int | None = None,
         fused: bool = False,
         offsets: Tensor | None = None,
+        fused_linear: bool = False,
+        split_workspace: decode_kernels.SplitWorkspace | None = None,
     ) -> Tensor:
         """Append one row per row of ``embeds`` to its slot; return final-norm hidden states ``[B, H]``.
 
@@ -435,6 +437,11 @@ class SpeechLM(nn.Module):
           first). Attention then runs to each row's own length and ``kv_len`` only bounds the
           positions. An inactive row attends over its slot's keys and its new key (the eager
           path reads whatever is at its position instead); its output is unused either way.
+        * ``fused_linear`` (with ``fused``, at most ``decode_kernels.LINEAR_MAX_ROWS`` rows):
+          the GEMMs as Triton kernels too, each norm inside the GEMM after it, the MLP gate
+          inside the [gate; up] GEMM and the residual adds inside wo and w2: 5 kernels a layer;
+          with ``split_workspace`` (``decode_kernels.SplitWorkspace`` of at least H outputs,
+          used by this step alone) w2's reduction is split over more SMs.
 
         Static shapes, tensor positions, index writes, no host sync: CUDA-graph capturable.
         """
@@ -460,7 +467,9 @@ class SpeechLM(nn.Module):
             write_pos = torch.where(active, pos, 0)
         h = embeds.to(dtype)  # [B, H]
         if fused:
-            h = self._layers_fused(cache, h, pos, slot_idx, offs, write_slot, write_pos)
+            linear = fused_linear and b <= decode_kernels.LINEAR_MAX_ROWS
+            ws = split_workspace if linear else None
+            h = self._layers_fused(cache, h, pos, slot_idx, offs, write_slot, write_pos, linear, ws)
         else:
             h = self._layers_eager(cache, slots, h, pos, write_slot, write_pos, window)
         step = (
@@ -523,6 +532,8 @@ class SpeechLM(nn.Module):
         offset: Tensor,
         write_slot: Tensor,
         write_pos: Tensor,
+        linear: bool = False,
+        split_workspace: decode_kernels.SplitWorkspace | None = None,
     ) -> Tensor:
         """The decode step's layers with the Triton kernels (row b of ``slot[b]``); h ``[B, H]``.
 
@@ -531,13 +542,21 @@ class SpeechLM(nn.Module):
         in place (``addmm_``: C is the output): an out-of-place ``addmm`` first copies its C
         operand into a new tensor, a kernel of its own (48 a step, ~0.1 ms at batch 1). The
         first one is out of place, so ``h`` (the caller's embeddings) is never written.
+
+        With ``linear``, 5 kernels a layer (``decode_kernels``): norm + qkv GEMM + bias; RoPE +
+        K/V append + attention; wo GEMM + residual; norm + [gate; up] GEMM + silu * up; w2 GEMM
+        + residual (its reduction split with ``split_workspace``).
         """
         dims = self.dims
         cos, sin = rope_cos_sin(pos, dims.head_dim, dims.rope_theta)  # [B, D] float32, per step
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, Block)
             attn, mlp = layer.attn, layer.mlp
-            qkv = attn.wqkv(layer.input_layernorm(h))  # [B, (Hq + 2 Hkv) D]
+            norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+            if linear:
+                qkv = decode_kernels.norm_linear(h, attn.wqkv.weight, norm1.weight, norm1.eps, attn.wqkv.bias)
+            else:
+                qkv = attn.wqkv(norm1(h))  # [B, (Hq + 2 Hkv) D]
             o = decode_kernels.rope_append_attend(
                 qkv,
                 cache.k[i],
@@ -552,8 +571,14 @@ class SpeechLM(nn.Module):
                 dims.n_heads,
                 dims.n_kv_heads,
             )
+            if linear:
+                # in place but at layer 0, whose h is the caller's embeddings
+                h = decode_kernels.linear_residual(o, attn.wo.weight, h, out=None if i == 0 else h)
+                act = decode_kernels.norm_linear(h, mlp.w13.weight, norm2.weight, norm2.eps, gated=True)
+                decode_kernels.linear_residual(act, mlp.w2.weight, h, out=h, workspace=split_workspace)
+                continue
             h = torch.addmm(h, o, attn.wo.weight.t()) if i == 0 else h.addmm_(o, attn.wo.weight.t())
-            act = decode_kernels.silu_mul(mlp.w13(layer.post_attention_layernorm(h)))
+            act = decode_kernels.silu_mul(mlp.w13(norm2(h)))
             h.addmm_(act, mlp.w2.weight.t())
         return h
 
