@@ -100,6 +100,8 @@ def test_the_engine_dry_runs_record_every_fused_kernel_and_compile_them() -> Non
         names = {ln.kernel.fn.__name__ for ln in launches}
         flow_names = {"_ln_linear_kernel", "_linear_kernel", "_attention_kernel", "_conv_kernel"}
         decode_names = {"_rope_append_attend_kernel", "_silu_mul_kernel", "_ras_sample_kernel"}
+        if runner.graphed.fused_linear:  # steps of up to 16 rows; the gate above is the larger buckets'
+            decode_names |= {"_norm_linear_kernel", "_linear_residual_kernel"}
         assert flow_names | decode_names <= names
         assert any(ln.kwargs.get("HAS_KF") for ln in launches)  # the final chunk's key-padded attention
         n = compile_ahead(launches)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from voice_out.engine.runner import FlowVoice, Runner
+from voice_out.model import decode_kernels
 from voice_out.model.flow import Flow
 from voice_out.model.launch import Launch, recording
 
@@ -101,7 +102,12 @@ def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
         ids, n_valid, embedding, cond, _ = flow.final_inputs([final], end)
         flow.final_core(ids, n_valid, embedding, cond)
         if runner.graphed.fused:
-            runner.graphed.decode_eagerly()  # idle rows: nothing is appended to the cache
+            # idle rows: nothing is appended to the cache. One row (the fused linears), and
+            # the buckets past them (the library's GEMMs with the MLP gate kernel)
+            runner.graphed.decode_eagerly()
+            big = [b for b in runner.graphed.decode_buckets if b > decode_kernels.LINEAR_MAX_ROWS]
+            if runner.graphed.fused_linear and big:
+                runner.graphed.decode_eagerly(big[0])
     return launches
 
 

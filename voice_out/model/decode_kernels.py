@@ -186,7 +186,8 @@ if triton is not None:
         act = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + r * stride_out + c, act.to(out_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit
+    # M (rows) unspecialised: one compile serves every batch bucket
+    @triton.jit(do_not_specialize=["M"])
     def _norm_linear_kernel(  # type: ignore[no-untyped-def]
         x_ptr,
         g_ptr,
@@ -256,7 +257,8 @@ if triton is not None:
         acc += res.to(tl.float32)
         tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit
+    # M (rows) unspecialised: one compile serves every batch bucket
+    @triton.jit(do_not_specialize=["M"])
     def _linear_residual_kernel(  # type: ignore[no-untyped-def]
         a_ptr,
         w_ptr,
