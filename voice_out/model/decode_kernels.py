@@ -492,6 +492,16 @@ class LinearTiles:
     num_stages: int = 4
     splits: int = 1
 
+    def launch_options(self) -> dict[str, int]:
+        """The tile constexprs and Triton launch options of a fused-linear kernel."""
+        return {
+            "BLOCK_M": _BLOCK_M,
+            "BLOCK_N": self.block_n,
+            "BLOCK_K": self.block_k,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
+
 
 #: Tiles by kind of call: "norm" (norm + GEMM + bias: q/k/v), "gated" (norm + [gate; up] +
 #: silu * up), "residual" (GEMM + residual: wo) and "split" (GEMM + residual with the
@@ -577,11 +587,7 @@ def norm_linear(
         NORM=norm_weight is not None,
         BIAS=bias is not None,
         GATED=gated,
-        BLOCK_M=_BLOCK_M,
-        BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k,
-        num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        **t.launch_options(),
     )
     return out
 
@@ -644,11 +650,7 @@ def linear_residual(
         N=n,
         K_SPLIT=k_split,
         SPLITS=splits,
-        BLOCK_M=_BLOCK_M,
-        BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k,
-        num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        **t.launch_options(),
     )
     return out
 
