@@ -68,7 +68,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="time the fused linears (decode_kernels.norm_linear, linear_residual) over tile choices instead",
     )
-    p.add_argument("--no-pdl", action="store_true", help="launch the decode kernels without PDL (decode_kernels.PDL)")
     p.add_argument("--sweep-kinds", default="norm,gated,residual,split", help="LINEAR_TILES kinds to sweep")
     return p.parse_args(argv)
 
@@ -387,7 +386,6 @@ def _graphed_us(lm: SpeechLM, fn: Any, device: torch.device) -> float | None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    decode_kernels.PDL = not args.no_pdl
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     if device.type == "cuda":

@@ -83,15 +83,6 @@ def sampler_available(device: torch.device | str, vocab: int, top_k: int) -> boo
 if triton is not None:
 
     @triton.jit
-    def _gdc_enter():  # type: ignore[no-untyped-def]
-        """Programmatic dependent launch (Hopper on): let the next kernel of the stream be
-        scheduled now, then wait until the previous one has finished and its writes are
-        visible. Nothing is read or written before the wait, so a kernel launched early never
-        sees, nor overwrites, what its predecessor is still working on."""
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-
-    @triton.jit
     def _attend_block(q, keys, vals, n_ok, m, l_sum, acc, qk_scale):  # type: ignore[no-untyped-def]
         """One block of keys into the online softmax (base 2): the new (max, sum, accumulator)."""
         s = tl.dot(q, tl.trans(keys)) * qk_scale
@@ -126,10 +117,7 @@ if triton is not None:
         GP: tl.constexpr,
         D: tl.constexpr,
         BLOCK: tl.constexpr,
-        PDL: tl.constexpr = False,
     ):
-        if PDL:
-            _gdc_enter()
         b = tl.program_id(0)
         h = tl.program_id(1)
         half: tl.constexpr = D // 2
@@ -219,12 +207,9 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr = False,
     ):
         """Rows ``pid(1)``, output columns ``pid(0)`` of ``rmsnorm(x) @ W^T (+ bias)``; GATED:
         ``silu(gate) * up`` of the columns' gate rows of W and their up rows ``N`` further."""
-        if PDL:
-            _gdc_enter()
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < M
@@ -293,7 +278,6 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr = False,
     ):
         """Rows ``pid(1)``, columns ``pid(0)`` of ``residual + a @ W^T``, added in float32 and
         rounded once (as ``addmm``); ``out`` may be ``residual``: only the program that writes
@@ -304,8 +288,6 @@ if triton is not None:
         at its tile's counter ``c``; the last to arrive sums the SPLITS products in split
         order (the same sum whichever program is last), adds the residual and sets the counter
         back to 0 for the next launch."""
-        if PDL:
-            _gdc_enter()
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < M
@@ -475,7 +457,6 @@ def rope_append_attend(
         GP=max(16, triton.next_power_of_2(group)),
         D=d,
         BLOCK=BLOCK_KEYS,
-        **pdl_options(qkv.device),
     )
     return out
 
@@ -511,15 +492,14 @@ class LinearTiles:
     num_stages: int = 4
     splits: int = 1
 
-    def launch_options(self, device: torch.device) -> dict[str, Any]:
-        """The tile constexprs and Triton launch options of a fused-linear kernel on ``device``."""
+    def launch_options(self) -> dict[str, int]:
+        """The tile constexprs and Triton launch options of a fused-linear kernel."""
         return {
             "BLOCK_M": _BLOCK_M,
             "BLOCK_N": self.block_n,
             "BLOCK_K": self.block_k,
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
-            **pdl_options(device),
         }
 
 
@@ -536,17 +516,6 @@ LINEAR_TILES: dict[str, LinearTiles] = {
 }
 
 _BLOCK_M = 16
-
-#: Programmatic dependent launch for the decode step's attention and fused-linear kernels
-#: where the GPU has it (compute capability 9.0 on): each lets the next one be scheduled while
-#: it runs, so the next one's launch overlaps its tail instead of following it.
-PDL = True
-
-
-def pdl_options(device: torch.device) -> dict[str, Any]:
-    """The ``PDL`` constexpr and Triton's ``launch_pdl`` for a launch on ``device``."""
-    on = PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return {"PDL": on, "launch_pdl": on} if on else {}
 
 
 @dataclass(frozen=True)
@@ -618,7 +587,7 @@ def norm_linear(
         NORM=norm_weight is not None,
         BIAS=bias is not None,
         GATED=gated,
-        **t.launch_options(x.device),
+        **t.launch_options(),
     )
     return out
 
@@ -681,7 +650,7 @@ def linear_residual(
         N=n,
         K_SPLIT=k_split,
         SPLITS=splits,
-        **t.launch_options(a.device),
+        **t.launch_options(),
     )
     return out
 
