@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -208,6 +209,13 @@ def test_fused_decode_step_equals_eager(dims_dir: Path, linear: bool) -> None:
     eager = KVCache.allocate(lm.dims, n_slots, max_len, dev, dtype)
     fused = KVCache.allocate(lm.dims, n_slots, max_len, dev, dtype)
     gen = torch.Generator(device=dev).manual_seed(0)
+    # the fused linears with w2's split reduction, as GraphedLLM runs them
+    linears: dict[str, Any] = {}
+    if linear:
+        linears = {
+            "fused_linear": True,
+            "split_workspace": decode_kernels.SplitWorkspace.allocate(dev, lm.dims.hidden_size),
+        }
     for slot, n in enumerate([3, 70, 17, 1]):  # slot 4 is the scratch slot
         e = torch.randn(n, lm.dims.hidden_size, generator=gen, device=dev).to(dtype)
         lm.prefill(eager, slot, e, start_pos=0)
@@ -216,9 +224,7 @@ def test_fused_decode_step_equals_eager(dims_dir: Path, linear: bool) -> None:
         e = lm.embed_speech(torch.randint(0, 6561, (4,), generator=gen, device=dev))
         active = torch.tensor([True, step % 2 == 0, True, step != 3], device=dev)
         want = lm.decode_step(eager, None, e, kv_len=max_len, active=active, scratch_slot=4)
-        got = lm.decode_step(
-            fused, None, e, kv_len=max_len, active=active, scratch_slot=4, fused=True, fused_linear=linear
-        )
+        got = lm.decode_step(fused, None, e, kv_len=max_len, active=active, scratch_slot=4, fused=True, **linears)
         rows = active.nonzero()[:, 0]
         err = _relative_error(got[rows], want[rows])
         assert err < 2e-2, f"step {step}: relative error {err:.4f}"
@@ -233,9 +239,9 @@ def test_fused_decode_step_equals_eager(dims_dir: Path, linear: bool) -> None:
     offsets = torch.tensor([j for _, n in runs for j in range(n)] + [0, 0], device=dev)
     active = torch.tensor([True] * 10 + [False, False], device=dev)
     e = torch.randn(12, lm.dims.hidden_size, generator=gen, device=dev).to(dtype)
-    kw = {"kv_len": max_len, "active": active, "scratch_slot": 4, "offsets": offsets}
-    want = lm.decode_step(eager, slots, e, **kw)  # type: ignore[arg-type]
-    got = lm.decode_step(fused, slots, e, fused=True, fused_linear=linear, **kw)  # type: ignore[arg-type]
+    kw: dict[str, Any] = {"kv_len": max_len, "active": active, "scratch_slot": 4, "offsets": offsets}
+    want = lm.decode_step(eager, slots, e, **kw)
+    got = lm.decode_step(fused, slots, e, fused=True, **linears, **kw)
     assert _relative_error(got[:10], want[:10]) < 2e-2
     assert fused.lengths.tolist() == eager.lengths.tolist()
     for slot in range(4):

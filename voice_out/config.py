@@ -111,10 +111,10 @@ class EngineConfig:
     #: (voice_out.model.decode_kernels), where Triton can run them (it ships with PyTorch's
     #: CUDA builds; bf16/fp16); else the plain-torch step.
     fused_decode: bool = True
-    #: With fused_decode: a decode step of at most 64 rows runs its GEMMs as Triton kernels
+    #: With fused_decode: a decode step of at most 16 rows runs its GEMMs as Triton kernels
     #: too, each RMSNorm inside the GEMM after it, the MLP gate inside the [gate; up] GEMM and
-    #: the residual adds inside wo and w2 (5 kernels a layer instead of 10); False: the
-    #: library's GEMMs.
+    #: the residual adds inside wo and w2 (5 kernels a layer instead of 10); False (and steps
+    #: of more rows): the library's GEMMs.
     fused_linear: bool = True
     #: The flow estimator's stateless calls (first chunks, re-run chunks, final chunks) with
     #: fused Triton kernels (voice_out.model.flow_kernels: LayerNorm, GELU, Mish, residuals and

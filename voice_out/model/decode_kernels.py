@@ -18,6 +18,12 @@ MLP's gate in one kernel instead of two.
   instead of reading the cache. The loops run to ``pos[b]``, not over a static window: one
   graph serves every length.
 * ``silu_mul``: ``silu(gate) * up`` of the ``[gate; up]`` GEMM output.
+* ``norm_linear`` and ``linear_residual`` (steps of at most :data:`LINEAR_MAX_ROWS` rows): the
+  layer's four projections as skinny GEMMs with narrow column tiles, so every SM streams
+  weights: RMSNorm + q/k/v GEMM + bias; RMSNorm + [gate; up] GEMM + ``silu(gate) * up``; wo
+  GEMM + residual; w2 GEMM + residual with its long reduction split over several programs
+  per tile, whose float32 products the last one to arrive sums in a fixed order
+  (:class:`SplitWorkspace`). 5 kernels a layer with the attention kernel, instead of 10.
 * ``ras_sample``: EOS masking, softmax and the whole repetition-aware sampling draw of
   ``voice_out.model.sampling.ras_sample_batch`` (stable top-k, top-p, inverse-CDF draw, the
   repetition check and its fallback draw) in one kernel per step: one program per row, the
@@ -25,7 +31,7 @@ MLP's gate in one kernel instead of two.
   searches), ~0.2 ms of a step. Ties keep id order, as the stable sort does: each probability
   is packed with its id into one int64 key, so the k largest keys are the sort's first k.
 
-All three need Triton (it ships with PyTorch's CUDA builds); :func:`available` and
+All of them need Triton (it ships with PyTorch's CUDA builds); :func:`available` and
 :func:`sampler_available` say whether they can run for a given device, dtype, head layout,
 vocabulary and top-k. The plain-torch paths (``qwen2.py``, ``sampling.py``) stay the reference:
 ``tests/test_decode_kernels.py`` checks each kernel against them on a GPU.
