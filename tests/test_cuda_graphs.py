@@ -68,7 +68,11 @@ def test_inputs_written_into_the_static_buffers_replay_without_a_copy(monkeypatc
     bufs[0].copy_(x)
     copies: list[torch.Tensor] = []
     real_copy = torch.Tensor.copy_
-    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(self) or real_copy(self, *a, **k))
+    monkeypatch.setattr(
+        torch.Tensor,
+        "copy_",
+        lambda self, *a, **k: copies.append(self) or real_copy(self, *a, **k),  # type: ignore[func-returns-value]
+    )
     out = g(4, *bufs).clone()
     monkeypatch.undo()
     assert copies == []

@@ -374,7 +374,7 @@ def test_a_failing_step_fails_its_streams_and_the_worker_goes_on(engine: Engine)
     worker = engine._worker
     assert worker is not None and worker.runner is not None
     runner = worker.runner
-    original = runner.execute  # type: ignore[attr-defined]
+    original = runner.execute
     calls = {"n": 0}
 
     def flaky(plan):  # type: ignore[no-untyped-def]
@@ -383,7 +383,7 @@ def test_a_failing_step_fails_its_streams_and_the_worker_goes_on(engine: Engine)
             raise RuntimeError("device lost (injected)")
         return original(plan)
 
-    runner.execute = flaky  # type: ignore[attr-defined]
+    runner.execute = flaky  # type: ignore[method-assign]
     try:
         victim = engine.open_stream(seed=9)
         victim.push_text("doomed words here")
@@ -391,7 +391,7 @@ def test_a_failing_step_fails_its_streams_and_the_worker_goes_on(engine: Engine)
         with pytest.raises(StreamFailedError, match="device lost"):
             list(victim)
     finally:
-        runner.execute = original  # type: ignore[attr-defined]
+        runner.execute = original  # type: ignore[method-assign]
     assert engine.stats().failed_steps >= 1
     assert sum(len(c.pcm) for c in solo(engine, 10, ["still alive"])) == 33 * SAMPLES_PER_TOKEN
     assert_clean(engine)
@@ -792,7 +792,9 @@ def test_a_voice_prefix_is_prefilled_once_and_equals_a_whole_prefill(
     prefilled: list[int] = []
     real = runner._prefill_rows
     monkeypatch.setattr(
-        runner, "_prefill_rows", lambda slot, rows, start: prefilled.append(len(rows)) or real(slot, rows, start)
+        runner,
+        "_prefill_rows",
+        lambda slot, rows, start: prefilled.append(len(rows)) or real(slot, rows, start),  # type: ignore[func-returns-value]
     )
 
     def first(r: Runner, rid: str, slot: int, inputs: tuple[tuple[LlmInputKind, int], ...]) -> int:

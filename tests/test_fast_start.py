@@ -47,7 +47,7 @@ def test_fast_start_cached_equals_rerun_and_keeps_every_sample() -> None:
     out = {}
     for path in ("rerun", "cached"):
         prepared = t2w.prepare_voice(token, feat, emb) if path == "cached" else None
-        stream = t2w.open_stream(token, feat, emb, fast_first=8, flow_path=path, flow_prompt=prepared)  # type: ignore[arg-type]
+        stream = t2w.open_stream(token, feat, emb, fast_first=8, flow_path=path, flow_prompt=prepared)
         chunks = list(t2w.stream_all(stream, speech))
         assert sum(len(c) for c in chunks) == 960 * len(speech)
         assert len(chunks[0]) == 8 * 960 - 3840

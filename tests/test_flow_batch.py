@@ -171,7 +171,7 @@ class BatchSpy:
         def spy(items: list[Item]) -> list[Tensor]:
             self.rows.append([int(it[0].shape[1]) for it in items])
             self.prompts.append([it[1] for it in items])
-            return real(items)  # type: ignore[no-any-return]
+            return real(items)
 
         monkeypatch.setattr(flow, "inference_batch", spy)
 

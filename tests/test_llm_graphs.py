@@ -124,12 +124,12 @@ def _run_equivalence(device: str, dtype: torch.dtype) -> None:
         hist = [[tokens[i]] * (i * 3 % (params.win_size + 1)) for i in range(len(slots))]
         u = counter_uniforms(slots, [step] * len(slots))
         masked = [i % 2 == 0 for i in range(len(slots))]
-        want = _decode_reference(lm, ref, slots, tokens, hist, u, masked)
+        want_ids = _decode_reference(lm, ref, slots, tokens, hist, u, masked)
         # the smallest window that holds the longest row (32, 64 or the whole cache, 96)
         longest = max(int(fast.lengths[s]) for s in slots) + 1
         rows = pack_decode_rows(slots, tokens, masked, u, hist, params.win_size)
-        got = fast_llm.decode_sample(rows, kv_len=longest + 2 * step)
-        assert got == want
+        got_ids = fast_llm.decode_sample(rows, kv_len=longest + 2 * step)
+        assert got_ids == want_ids
         assert ref.lengths[:5].tolist() == fast.lengths[:5].tolist()
     for layer in range(lm.dims.n_layers):
         for s in range(5):
@@ -262,6 +262,8 @@ def test_decode_step_with_runs_equals_prefill_and_decode_cpu() -> None:
     logp = mask_eos_(lm.logprobs(stacked), torch.tensor(masked), lm.dims.eos_token)
     want = ras_sample_batch(logp, window, torch.from_numpy(u).float(), params).tolist()
     # the same as one step: each run's sampling inputs on its last row, idle draws before it
+    offsets: list[int]
+    hs: list[list[int]]
     slots, offsets, kinds, ids, m, hs, us, last = [], [], [], [], [], [], [], []
     for (s, rows), ui, hi, mi in zip(runs, u, hist, masked, strict=True):
         n = len(rows)

@@ -12,8 +12,26 @@ import pytest
 
 from voice_out.config import EngineConfig
 from voice_out.engine.api import SAMPLE_RATE, StreamFailedError, TextTooLongError
-from voice_out.engine.request import EOS_TOKEN, FILL_TOKEN, SAMPLES_PER_TOKEN, LlmInputKind, RequestStatus, VoicePrompt
-from voice_out.engine.scheduler import Emitted, Ended, ForcedTokens, Output, Scheduler, StepPlan, StepResult
+from voice_out.engine.request import (
+    EOS_TOKEN,
+    FILL_TOKEN,
+    SAMPLES_PER_TOKEN,
+    LlmInputKind,
+    LlmStep,
+    RequestStatus,
+    TextPiece,
+    VoicePrompt,
+)
+from voice_out.engine.scheduler import (
+    Emitted,
+    Ended,
+    ForcedTokens,
+    Output,
+    Release,
+    Scheduler,
+    StepPlan,
+    StepResult,
+)
 from voice_out.engine.textfeed import BistreamFeed, CharPipeline
 from voice_out.model.chunk_schedule import ChunkPlan
 
@@ -176,7 +194,7 @@ def test_admission_is_bounded_by_slots_and_first_come_first_served() -> None:
 def test_slot_is_released_when_the_llm_is_done_and_reset_before_reuse() -> None:
     sched = create_scheduler(max_streams=1)
     a, b = create_requests(sched, 2, text="hey you")
-    releases = []
+    releases: list[Release] = []
     for _ in range(200):
         plan, _ = step(sched)
         releases += plan.release
@@ -439,7 +457,7 @@ def test_text_too_long_fails_the_stream() -> None:
 
 def test_a_text_pipeline_error_fails_only_its_stream() -> None:
     class Broken(CharPipeline):
-        def push(self, delta: str) -> list:  # type: ignore[type-arg]
+        def push(self, delta: str) -> list[TextPiece]:
             if "!" in delta:
                 raise UnicodeError("bad input")
             return super().push(delta)
@@ -704,7 +722,7 @@ def test_a_first_chunk_goes_beside_a_later_chunk_in_flight_only_with_the_first_c
             planned_at = i
             break
         sched.update(plan, runner.execute(plan))
-    assert sched.requests[a].vocode_inflight is not None and sched.requests[a].vocode_inflight.index > 0
+    assert (inflight := sched.requests[a].vocode_inflight) is not None and inflight.index > 0
     if lanes:
         assert planned_at is not None and planned_at < 40  # as soon as its tokens were there
     else:
@@ -836,6 +854,7 @@ def test_step_after_guesses_the_next_step_and_changes_nothing() -> None:
     guess = feed.step_after(3)
     assert guess is not None and guess.inputs == ((LlmInputKind.SPEECH, 3),) and guess.voice_prefix == 0
     fed, state = feed.text_fed, repr(feed.state)
+    step: LlmStep | None
     step = first
     while step.force != FILL_TOKEN:
         guessed = feed.step_after(4)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from typing import Any, cast
 
 import pytest
 import torch
@@ -136,7 +137,7 @@ def test_grouped_batched_chunks_equal_run_chunk_on_cpu(grouped_t2w: Token2Wav, m
 
     def spy(ids: torch.Tensor, embedding: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         passes.append((int(ids.shape[0]), int(ids.shape[1]) - 3))
-        return core(ids, embedding, cond)  # type: ignore[no-any-return]
+        return core(ids, embedding, cond)
 
     monkeypatch.setattr(graph, "fn", spy)
     got = t2w.run_chunks(pairs)
@@ -156,7 +157,7 @@ def test_uncaptured_groups_run_eagerly(grouped_t2w: Token2Wav, monkeypatch: pyte
     pairs, want = _mixed_chunks(t2w)
     graph = t2w._graph_flow_batch
     assert graph is not None
-    single = GraphedFn(lambda *a: t2w.flow.inference(*a, streaming=True, finalize=False), name="single")
+    single = GraphedFn(lambda *a: t2w.flow.inference(*a, streaming=True, finalize=False), name="single")  # type: ignore[misc]
     monkeypatch.setattr(graph, "would_capture", lambda key, *args: True)
     monkeypatch.setattr(graph, "fn", lambda *a: pytest.fail("an uncaptured batched key ran"))
     monkeypatch.setattr(t2w, "_single_graph", lambda stream, plan, token: single if plan.index == 0 else None)
@@ -165,7 +166,7 @@ def test_uncaptured_groups_run_eagerly(grouped_t2w: Token2Wav, monkeypatch: pyte
 
     def spy(items: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
         rows.append([int(it[1].shape[1]) for it in items])  # each row's prompt length
-        return real(items)  # type: ignore[no-any-return]
+        return real(items)
 
     monkeypatch.setattr(t2w.flow, "inference_batch", spy)
     got = t2w.run_chunks(pairs)
@@ -210,7 +211,7 @@ def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, lane: bool, monk
     n = t2w.capture_stream_shapes(voice.prompt_token, voice.prompt_feat, voice.embedding, 190, max_batch=8)
     graph = t2w._graph_flow_batch
     assert graph is not None
-    captured = set(graph.captured_keys)
+    captured = set(cast("list[tuple[int, int]]", graph.captured_keys))
     if lane:
         first = t2w._first_lane
         assert first is not None and first.batch is not None
@@ -252,20 +253,24 @@ def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, lane: bool, monk
 
     def eager_spy(items: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
         eager_rows.extend(int(it[1].shape[1]) for it in items)
-        return real(items)  # type: ignore[no-any-return]
+        return real(items)
 
     monkeypatch.setattr(GraphedFn, "__call__", spy)
     monkeypatch.setattr(t2w.flow, "inference_batch", eager_spy)
     got = rounds()
     monkeypatch.undo()
-    batched = [key for name, key in replays if name in ("flow.batch_chunks", "flow.batch_first_chunks")]
+    batched = [
+        cast("tuple[int, int]", key)
+        for name, key in replays
+        if name in ("flow.batch_chunks", "flow.batch_first_chunks")
+    ]
     assert batched and set(batched) <= captured  # replayed, and nothing captured mid-stream
     assert set(graph.captured_keys) == {k for k in captured if not (lane and k[1] == 75)}
     if lane:  # every first chunk on the lane's graphs, and nothing else
         lane_batched = {key for name, key in replays if name == "flow.batch_first_chunks"}
         assert lane_batched and lane_batched == {key for key in batched if key[1] == 75}
-        firsts = {key for name, key in replays if name == "flow.first_chunk"}
-        assert firsts and all(t == 25 + (-p % 25) + 3 for p, t in firsts)  # type: ignore[misc]
+        firsts = {cast("tuple[int, int]", key) for name, key in replays if name == "flow.first_chunk"}
+        assert firsts and all(t == 25 + (-p % 25) + 3 for p, t in firsts)
         assert not firsts & {key for name, key in replays if name == "flow.rerun_chunk"}
     assert eager_rows and set(eager_rows) == {60}  # P 60's second chunks: uncaptured, eager batch
     with graphs_disabled():
@@ -343,11 +348,11 @@ def test_graphed_final_chunks_equal_eager(monkeypatch: pytest.MonkeyPatch) -> No
     eager_hift: list[int] = []
     forward = t2w.hift.forward
 
-    def counting_forward(mel: torch.Tensor, *a: object) -> object:
+    def counting_forward(mel: torch.Tensor, *a: Any) -> tuple[torch.Tensor, torch.Tensor]:
         eager_hift.append(int(mel.shape[2]))
         return forward(mel, *a)
 
-    t2w.hift.forward = counting_forward  # type: ignore[method-assign]
+    t2w.hift.forward = counting_forward  # type: ignore[method-assign, assignment]
     replays: list[tuple[str, object]] = []
     call = GraphedFn.__call__
 

@@ -69,6 +69,7 @@ def encode(
     buf = io.BytesIO()
     with av.open(buf, "w", format=container) as out:
         stream = out.add_stream(codec, rate=stream_rate or sample_rate)
+        assert isinstance(stream, av.AudioStream)
         stream.layout = layout
         frame = av.AudioFrame.from_ndarray(frame_data, format=sample_format, layout=layout)
         frame.sample_rate = sample_rate
@@ -573,9 +574,9 @@ def test_cli_add_list_rm(
     out = capsys.readouterr().out
     assert out.startswith("added voice 'alice'") and "87 prompt tokens" in out
     assert main([*base, "list"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["NAME", "SECONDS", "TOKENS", "CREATED", "TRANSCRIPT"]
-    assert out[1].split()[0] == "alice" and out[1].split()[2] == "75"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["NAME", "SECONDS", "TOKENS", "CREATED", "TRANSCRIPT"]
+    assert lines[1].split()[0] == "alice" and lines[1].split()[2] == "75"
     assert main([*base, "add", "alice", str(prompt_wav), "again"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("voice-out: error: a voice named 'alice' already exists") and err.count("\n") == 1
