@@ -237,8 +237,14 @@ def test_update_docs_keeps_other_runs(tmp_path: Path) -> None:
         ("cpu", "engine", "x.p50", 4.0),
         ("cpu", "webrtc", "x.p50", 2.0),
     ]
+    # same metric, defaults and a variant: the defaults' record first, whichever ran last
+    h100_x = [r["value"] for r in records if r["gpu"] == "NVIDIA H100" and r["name"] == "x.p50"]
+    assert h100_x == [3.0, 7.0]
+    update_docs(report("engine", "NVIDIA H100", 8.0), tmp_path)  # the defaults again, after the variant
+    records = json.loads((tmp_path / "benchmarks.json").read_text())
+    assert [r["value"] for r in records if r["gpu"] == "NVIDIA H100" and r["name"] == "x.p50"] == [8.0, 7.0]
     md = (tmp_path / "benchmarks.md").read_text()
-    assert md.count("\n### ") == 7 and md.count(CPU_LABEL) == 6  # heading + gpu line of each CPU run
+    assert md.count("\n### ") == 8 and md.count(CPU_LABEL) == 6  # heading + gpu line of each CPU run
     assert "### 2026-01-01 00:00 UTC, engine mode, NVIDIA H100\n" in md
 
 

@@ -172,6 +172,15 @@ def update_docs(report: Report, docs_dir: str | Path) -> tuple[Path, Path]:
     new = {key(m.as_dict()) for m in report.metrics}
     kept = [r for r in old if key(r) not in new]
     records = kept + [m.as_dict() for m in report.metrics]
-    records.sort(key=lambda r: (str(r.get("gpu")), str(r.get("mode")), str(r.get("name")), int(r.get("streams", 0))))
+    # the defaults' record first, then each variant's: the order never depends on which ran last
+    records.sort(
+        key=lambda r: (
+            str(r.get("gpu")),
+            str(r.get("mode")),
+            str(r.get("name")),
+            int(r.get("streams", 0)),
+            variant(str(r.get("command", ""))),
+        )
+    )
     js.write_text(json.dumps(records, indent=2) + "\n")
     return md, js
