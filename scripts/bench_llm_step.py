@@ -117,6 +117,28 @@ def decode_rows(lm: SpeechLM, batch: int, params: SamplingParams, gen: torch.Gen
     return pack_decode_rows(list(range(batch)), tokens, [False] * batch, uniforms, [[]] * batch, params.win_size)
 
 
+def step_llm(
+    lm: SpeechLM, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, **options: Any
+) -> GraphedLLM:
+    """A ``GraphedLLM`` of one decode bucket of ``batch`` rows over a cache of ``batch`` slots
+    and the scratch slot, default sampling; ``options`` go to ``GraphedLLM``."""
+    cache = KVCache.allocate(lm.dims, batch + 1, args.max_len, device=device, dtype=dtype)
+    return GraphedLLM(lm, cache, SamplingParams(), decode_buckets=(batch,), prefill_buckets=(), **options)
+
+
+def prefilled_rows(
+    lm: SpeechLM, llm: GraphedLLM, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> tuple[np.ndarray, torch.Tensor]:
+    """Every slot of ``llm``'s cache prefilled with one seeded ``--prompt-len`` prompt (after
+    any capture: a capture resets the scratch slot only); returns the step's packed decode rows
+    and the slot lengths to rewind to before each timed step."""
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
+    for s in range(batch):
+        lm.prefill(llm.cache, s, prompt, start_pos=0)
+    return decode_rows(lm, batch, llm.sampling, gen), llm.cache.lengths.clone()
+
+
 def bench_graphed(
     lm: SpeechLM,
     batch: int,
@@ -129,28 +151,13 @@ def bench_graphed(
     """CUDA-graphed decode + head + RAS (the engine's fast path) at ``batch`` rows; ``fused``:
     with the Triton decode kernels (``voice_out.model.decode_kernels``), ``linear``: and the
     fused linears."""
-    cache = KVCache.allocate(lm.dims, batch + 1, args.max_len, device=device, dtype=dtype)
-    params = SamplingParams()
-    fast = GraphedLLM(
-        lm,
-        cache,
-        params,
-        decode_buckets=(batch,),
-        prefill_buckets=(),
-        compile=args.compile,
-        fused=fused,
-        fused_linear=linear,
-    )
+    fast = step_llm(lm, batch, args, device, dtype, compile=args.compile, fused=fused, fused_linear=linear)
     t0 = time.perf_counter()
     fast.capture_all()
     took = time.perf_counter() - t0
     print(f"  capture (compile={args.compile}, fused={fast.fused}, linear={linear}) batch {batch}: {took:.1f} s")
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
-    for s in range(batch):
-        lm.prefill(cache, s, prompt, start_pos=0)
-    base = cache.lengths.clone()
-    rows = decode_rows(lm, batch, params, gen)
+    cache = fast.cache
+    rows, base = prefilled_rows(lm, fast, batch, args, device, dtype)
 
     def step() -> None:
         cache.lengths.copy_(base)
@@ -175,18 +182,10 @@ def count_kernels(
     ``fused`` the Triton kernels and sampler), their summed GPU time and the 12 costliest names."""
     from torch.profiler import ProfilerActivity, profile
 
-    cache = KVCache.allocate(lm.dims, batch + 1, args.max_len, device=device, dtype=dtype)
-    params = SamplingParams()
-    eager = GraphedLLM(
-        lm, cache, params, decode_buckets=(batch,), prefill_buckets=(), enabled=False, fused=fused, fused_linear=linear
-    )
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
-    for s in range(batch):
-        lm.prefill(cache, s, prompt, start_pos=0)
-    rows = decode_rows(lm, batch, params, gen)
+    eager = step_llm(lm, batch, args, device, dtype, enabled=False, fused=fused, fused_linear=linear)
+    cache = eager.cache
+    rows, base = prefilled_rows(lm, eager, batch, args, device, dtype)
     window = -(-(args.prompt_len + 1) // 256) * 256
-    base = cache.lengths.clone()
 
     def step() -> None:
         cache.lengths.copy_(base)

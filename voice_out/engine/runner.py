@@ -221,10 +221,12 @@ class Runner:
         #: (``llm_stream_priority``). A family stream: no graph was captured on it, so its eager
         #: GEMMs have a cuBLAS workspace of their own (``voice_out.model.cuda_graphs``).
         self._side_stream = family_stream(SIDE_STREAM_FAMILY, self.device) if self.device.type == "cuda" else None
-        #: CUDA: the stream of the first-chunk lane's chunks (``Token2Wav.in_first_lane``), a
-        #: family stream of its own like the side stream; idle while the lane is off.
+        #: CUDA, when token2wav has the first-chunk lane's graphs (``use_cuda_graphs(first_lane=
+        #: True)``, before the runner is built): the stream of that lane's chunks
+        #: (``Token2Wav.in_first_lane``), a family stream of its own like the side stream. None
+        #: otherwise, so settling and admissions wait on no idle stream.
         self._first_stream: torch.cuda.Stream | None = None
-        if self._side_stream is not None:
+        if self._side_stream is not None and t2w.has_first_lane:
             self._first_stream = family_stream(FIRST_STREAM_FAMILY, self.device, priority=self.first_lane_priority)
         self._main_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda" and self.llm_stream_priority is not None:

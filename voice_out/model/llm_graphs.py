@@ -271,13 +271,12 @@ class GraphedLLM:
         #: The decode step runs the Triton kernels (``voice_out.model.decode_kernels``): asked
         #: for and available. Their attention runs to each row's length, so one window serves.
         self.fused = fused and self.can_fuse(lm, sampling)
-        #: With ``fused``: buckets of at most ``decode_kernels.LINEAR_MAX_ROWS`` rows run the
-        #: step's GEMMs as Triton kernels too (norms, gate and residual adds inside them).
-        self.fused_linear = self.fused and fused_linear
-        #: The split w2 reduction's products and counters: every decode graph runs on one
-        #: stream, one at a time, so they share it.
+        #: With the fused linears (:attr:`fused_linear`): the split w2 reduction's products and
+        #: counters. Every decode graph runs on one stream, one at a time, so they share it.
         self._split_ws = (
-            decode_kernels.SplitWorkspace.allocate(self.device, dims.hidden_size) if self.fused_linear else None
+            decode_kernels.SplitWorkspace.allocate(self.device, dims.hidden_size)
+            if self.fused and fused_linear
+            else None
         )
         if self.fused:
             # The head as a GEMM of a whole number of 64-row tiles (6564 outputs ran a slow
@@ -330,6 +329,12 @@ class GraphedLLM:
             )
             for w in self.decode_windows
         }
+
+    @property
+    def fused_linear(self) -> bool:
+        """With ``fused``: buckets of at most ``decode_kernels.LINEAR_MAX_ROWS`` rows run the
+        step's GEMMs as Triton kernels too (norms, gate and residual adds inside them)."""
+        return self._split_ws is not None
 
     @staticmethod
     def can_fuse(lm: SpeechLM, sampling: SamplingParams) -> bool:

@@ -468,8 +468,7 @@ class SpeechLM(nn.Module):
         h = embeds.to(dtype)  # [B, H]
         if fused:
             linear = fused_linear and b <= decode_kernels.LINEAR_MAX_ROWS
-            ws = split_workspace if linear else None
-            h = self._layers_fused(cache, h, pos, slot_idx, offs, write_slot, write_pos, linear, ws)
+            h = self._layers_fused(cache, h, pos, slot_idx, offs, write_slot, write_pos, linear, split_workspace)
         else:
             h = self._layers_eager(cache, slots, h, pos, write_slot, write_pos, window)
         step = (
