@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
+from voice_out.engine import kernels  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
 from voice_out.model import checkpoint  # noqa: E402
 from voice_out.model.cuda_graphs import GraphedFn  # noqa: E402
@@ -49,6 +50,11 @@ def cached_kernels(root: Path) -> collections.Counter[str]:
             if not meta.name.startswith("__grp__"):
                 names[meta.stem] += 1
     return names
+
+
+def cache_entries(root: Path) -> set[Path]:
+    """The metadata files of Triton's cache (one per compiled kernel)."""
+    return {m for m in root.glob("*/*.json") if not m.name.startswith("__grp__")} if root.is_dir() else set()
 
 
 def main() -> None:
@@ -77,13 +83,27 @@ def main() -> None:
 
         setattr(checkpoint, fn, timed)
     timer(Runner, "__init__", "runner: KV cache and graph buckets")
+    timer(kernels, "dry_run_launches", "Triton kernels ahead: dry runs")
+    timer(kernels, "compile_ahead", "Triton kernels ahead: compiles")
+    ahead_fn = kernels.compile_ahead
+    ahead_snapshot: dict[str, set[Path]] = {}
+
+    def compile_ahead_snapshot(*a: object, **k: object) -> int:
+        n: int = ahead_fn(*a, **k)  # type: ignore[arg-type]
+        ahead_snapshot["entries"] = cache_entries(triton_cache_dir())
+        return n
+
+    setattr(kernels, "compile_ahead", compile_ahead_snapshot)  # noqa: B010 - the module's function, wrapped
     timer(Runner, "warmup", "warm-up: one of every kind of work + LLM graph capture")
     timer(GraphedLLM, "capture_all", "  of which: LLM graph capture")
     timer(Runner, "precapture", "token2wav graph capture (default voice)")
     timer(Token2Wav, "capture_stream_shapes", "  of which: capture_stream_shapes")
-    timer(GraphedFn, "_capture", lambda self, key, args: f"    graph captures: {self.name}")
+    timer(GraphedFn, "_capture", lambda self, *_: f"    graph captures: {self.name}")
+    # inside each capture: cudaGraphInstantiate (the rest is running the function on the host)
+    timer(torch.cuda.CUDAGraph, "capture_end", "      of which, all captures: capture_end (instantiate)", sync=False)
     root = triton_cache_dir()
     before = cached_kernels(root)
+    entries_before = cache_entries(root)
     engine = eb.load_engine(cfg, opts)
     t_loaded = time.perf_counter()
     engine.start(timeout=600)
@@ -99,6 +119,12 @@ def main() -> None:
     print(f"  Triton kernels compiled: {sum(compiled.values())}")
     for name, n in sorted(compiled.items(), key=lambda kv: -kv[1]):
         print(f"    {n:4d}  {name}")
+    if "entries" in ahead_snapshot:
+        late = sorted(cache_entries(root) - ahead_snapshot["entries"] - entries_before)
+        # compiled on first use, after the kernels-ahead step: what its dry runs missed
+        print(f"  compiled after the kernels-ahead step: {len(late)}")
+        for meta in late:
+            print(f"    {meta.stem}: {meta.read_text()[:2000]}")
     save_out(
         "startup_profile.json",
         {

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from voice_out.engine.kernels import compile_ahead, distinct_launches, dry_run_launches
+from voice_out.engine.kernels import (
+    compile_ahead,
+    distinct_launches,
+    dry_run_ends,
+    dry_run_launches,
+    specialisation,
+)
 from voice_out.model import launch as launch_mod
 from voice_out.model.launch import Launch, launch, recording
 
@@ -66,6 +73,10 @@ def test_one_compile_per_specialisation() -> None:
         Launch(other, (1,), (a, 32), {"BLOCK": 16}),  # another kernel
     ]
     assert len(distinct_launches(launches)) == 7
+    # an argument the kernel does not specialise on (Triton's params): one class for every value
+    k.params = [SimpleNamespace(num=1, do_not_specialize=True)]  # type: ignore[attr-defined]
+    assert len(distinct_launches(launches)) == 5  # 32, 33 and 1 are one compile now
+    del k.params  # type: ignore[attr-defined]
     assert compile_ahead(launches, workers=4) == 7
     assert len(k.compiled) == 6 and len(other.compiled) == 1
 
@@ -79,6 +90,21 @@ def test_compiles_run_on_several_threads_and_a_failure_is_only_logged(caplog: py
     assert len({name for k in kernels for name in k.threads}) > 1
     assert "compiles on first use" in caplog.text
     assert compile_ahead([], workers=8) == 0
+
+
+def test_the_dry_runs_reach_every_tile_tier_the_noise_buffer_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from voice_out.model import flow_kernels
+
+    monkeypatch.setattr(flow_kernels, "TILE_TIERS", ((0, {}), (1024, {})))
+    dims = SimpleNamespace(enc_chunk=25, token_mel_ratio=2, pre_lookahead=3, max_tokens=1500)
+    flow: Any = SimpleNamespace(dims=dims)
+    # P = 25: the first chunk ends at 50 (2 x 2 x 50 = 200 rows); 275 is the first end with
+    # 2 x 2 x 275 = 1100 >= 1024 rows (256 tokens would do; ends are whole chunks)
+    assert dry_run_ends(flow, 25) == [50, 275]
+    assert dry_run_ends(flow, 150) == [175, 275]
+    assert dry_run_ends(flow, 300) == [325]  # the first chunk is tall already
+    dims.max_tokens = 200  # the noise buffer holds no tall chunk
+    assert dry_run_ends(flow, 25) == [50]
 
 
 @pytest.mark.requires_cuda
@@ -111,3 +137,47 @@ def test_the_engine_dry_runs_record_every_fused_kernel_and_compile_them() -> Non
             assert ln.kernel.warmup(*ln.args, grid=ln.grid, **ln.kwargs) is not None
     finally:
         eng.close()
+
+
+@pytest.mark.requires_cuda
+def test_a_start_launches_no_kernel_its_dry_runs_missed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kernel specialisation that a start launches (warm-up, the LLM's and the default
+    voice's token2wav graph captures) was among its dry runs' launches: nothing is left to
+    compile one after another during the captures. A 150-token prompt (the benchmark's) with
+    the 25-token warm-up voice: the long chunks captured reach the tall tile tier."""
+    import dataclasses
+
+    from voice_out.config import EngineConfig
+    from voice_out.engine import kernels as kernels_mod
+    from voice_out.engine.engine import Engine
+    from voice_out.model import decode_kernels, flow_kernels
+
+    launched: dict[tuple[Any, ...], str] = {}
+
+    def spy(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        if launch_mod._recorded is None:
+            key = specialisation(Launch(kernel, grid, args, kwargs))
+            launched[key] = f"{kernel.fn.__name__} {key[1:]}"
+        launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(flow_kernels, "launch", spy)
+    monkeypatch.setattr(decode_kernels, "launch", spy)
+    dry: list[Launch] = []
+    real_dry_run = kernels_mod.dry_run_launches
+
+    def keep(runner: Any, voice: Any) -> list[Launch]:
+        out = real_dry_run(runner, voice)
+        dry.extend(out)
+        return out
+
+    monkeypatch.setattr(kernels_mod, "dry_run_launches", keep)
+    ec = dataclasses.replace(EngineConfig(), capture_tokens=400, capture_batch_tokens=300)
+    eng = Engine.load(model="random:tiny", device="cuda", text_normalizer="none", noise_prompt_tokens=150, engine=ec)
+    eng.start(timeout=600)
+    eng.close()
+    if not dry:
+        pytest.skip("no fused kernels (no dry run) for this model here")
+    assert launched, "the start launched no fused kernel"
+    planned = {specialisation(ln) for ln in dry}
+    missed = sorted(name for key, name in launched.items() if key not in planned)
+    assert not missed, f"compiled on first use during the start: {missed}"

@@ -3,9 +3,10 @@
 Triton compiles a kernel the first time it is launched with a new specialisation, on the
 launching thread, one after another: on a machine whose kernel cache (``TRITON_CACHE_DIR``,
 else ``~/.triton/cache``) is empty that was 13 compiles of ~1.3 s each in the engine's start.
-:func:`precompile` first makes dry runs of the model calls that use them, a first chunk, a
-batched chunk and a final chunk of the flow and one decode step of the LLM, with their launches
-recorded instead of run (``voice_out.model.launch.recording``), then compiles each distinct
+:func:`precompile` first makes dry runs of the model calls that use them, a re-run chunk, a
+batched chunk and a final chunk of the flow (short and tall: each tile tier) and one decode
+step of the LLM, with their launches recorded instead of run
+(``voice_out.model.launch.recording``), then compiles each distinct
 launch with Triton's ``JITFunction.warmup`` on a thread pool: Triton releases the GIL while
 LLVM optimises and emits PTX, and ``ptxas`` is a process of its own, so the compiles overlap.
 The warm-up that follows then finds every kernel compiled. A launch that fails to compile ahead
@@ -17,6 +18,7 @@ GPU worker thread only (the dry runs use the model); the pool's threads only com
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,14 +27,15 @@ import torch
 from torch import Tensor
 
 from voice_out.engine.runner import FlowVoice, Runner
-from voice_out.model import decode_kernels
+from voice_out.model import decode_kernels, flow_kernels
 from voice_out.model.flow import Flow
 from voice_out.model.launch import Launch, recording
 
 log = logging.getLogger(__name__)
 
-#: Threads compiling at once (each compile is mostly LLVM and ptxas, off the GIL).
-COMPILE_WORKERS = 8
+#: Threads compiling at once: one per CPU core, at most 16 (each compile is mostly LLVM and
+#: ptxas, off the GIL; a start compiles ~25 kernels of ~1.3 s each).
+COMPILE_WORKERS = max(1, min(16, os.cpu_count() or 1))
 
 
 def _arg_class(a: Any) -> tuple[Any, ...]:
@@ -49,12 +52,27 @@ def _arg_class(a: Any) -> tuple[Any, ...]:
     return ("other", repr(a))
 
 
+def _unspecialised(kernel: Any) -> frozenset[int]:
+    """Positions of the kernel's ``do_not_specialize`` arguments (Triton's ``params``)."""
+    return frozenset(p.num for p in getattr(kernel, "params", ()) if getattr(p, "do_not_specialize", False))
+
+
+def specialisation(ln: Launch) -> tuple[Any, ...]:
+    """What Triton compiles ``ln`` for: (kernel, constexprs, argument classes); an integer the
+    kernel does not specialise on is of one class whatever its value."""
+    dns = _unspecialised(ln.kernel)
+    classes = tuple(
+        ("int",) if i in dns and isinstance(a, int) and not isinstance(a, bool) else _arg_class(a)
+        for i, a in enumerate(ln.args)
+    )
+    return (id(ln.kernel), tuple(sorted(ln.kwargs.items())), classes)
+
+
 def distinct_launches(launches: list[Launch]) -> list[Launch]:
-    """One launch per specialisation Triton would compile (kernel, constexprs, argument classes)."""
+    """One launch per specialisation Triton would compile."""
     seen: dict[tuple[Any, ...], Launch] = {}
     for ln in launches:
-        key = (id(ln.kernel), tuple(sorted(ln.kwargs.items())), tuple(_arg_class(a) for a in ln.args))
-        seen.setdefault(key, ln)
+        seen.setdefault(specialisation(ln), ln)
     return list(seen.values())
 
 
@@ -77,10 +95,29 @@ def compile_ahead(launches: list[Launch], workers: int = COMPILE_WORKERS) -> int
         return sum(pool.map(compile_one, todo))
 
 
+def dry_run_ends(flow: Flow, n_prompt: int) -> list[int]:
+    """The chunk ends (prompt + tokens) the flow's dry runs take: the first chunk boundary
+    after the prompt, and, where the noise buffer allows, a later one whose every call has rows
+    enough for the tallest tile tier (:data:`voice_out.model.flow_kernels.TILE_TIERS`). The
+    kernels are compiled once per tier: start-up captures chunks of both (a long utterance's
+    re-run and final chunks are the tall ones), so a dry run of the first chunk alone left
+    their compiles for the captures, one after another."""
+    d = flow.dims
+    end = -(-(n_prompt + 1) // d.enc_chunk) * d.enc_chunk
+    tallest = max(start for start, _ in flow_kernels.TILE_TIERS)
+    # the shortest call of a chunk ending there: one row pair (CFG) of ratio x end frames
+    need = -(-tallest // (2 * d.token_mel_ratio))
+    tall = max(end, -(-need // d.enc_chunk) * d.enc_chunk)
+    fits = tall + d.pre_lookahead <= d.max_tokens
+    return [end, tall] if tall > end and fits else [end]
+
+
 def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
-    """The Triton launches of a first chunk, a batched chunk and a final chunk of the flow for
-    ``voice``'s prompt length, and of a decode step, recorded (not run: nothing they compute is
-    kept, and nothing is written to any stream's state)."""
+    """The Triton launches of a re-run chunk, a batched chunk and a final chunk (graphed and
+    eager) of the flow for ``voice``'s prompt length, each at the chunk ends of
+    :func:`dry_run_ends`, and of a decode
+    step, recorded (not run: nothing they compute is kept, and nothing is written to any
+    stream's state)."""
     flow = runner.t2w.flow
     if not isinstance(flow, Flow):
         return []
@@ -90,17 +127,20 @@ def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
     feat = voice.prompt_feat.reshape(1, -1, voice.prompt_feat.shape[-1]).to(dev, torch.float32)
     emb = voice.embedding.reshape(1, -1).to(dev, torch.float32)
     p = int(prompt.shape[1])
-    end = -(-(p + 1) // d.enc_chunk) * d.enc_chunk  # the first chunk boundary after the prompt
-    tokens = torch.ones(1, end - p + d.pre_lookahead, dtype=torch.int32, device=dev)
-    item = (tokens, prompt, feat, emb)
     with torch.inference_mode(), recording() as launches:
-        flow.inference(tokens, prompt, feat, emb, streaming=True, finalize=False)
-        if runner.t2w.batch_buckets:
-            ids, embedding, cond, _ = flow.batch_inputs([item, item])
-            flow.batch_core(ids, embedding, cond)
-        final = (tokens[:, : end - p], prompt, feat, emb)
-        ids, n_valid, embedding, cond, _ = flow.final_inputs([final], end)
-        flow.final_core(ids, n_valid, embedding, cond)
+        for end in dry_run_ends(flow, p):
+            tokens = torch.ones(1, end - p + d.pre_lookahead, dtype=torch.int32, device=dev)
+            item = (tokens, prompt, feat, emb)
+            flow.inference(tokens, prompt, feat, emb, streaming=True, finalize=False)
+            if runner.t2w.batch_buckets:
+                ids, embedding, cond, _ = flow.batch_inputs([item, item])
+                flow.batch_core(ids, embedding, cond)
+            final = tokens[:, : end - p]
+            ids, n_valid, embedding, cond, _ = flow.final_inputs([(final, prompt, feat, emb)], end)
+            flow.final_core(ids, n_valid, embedding, cond)
+            # a final chunk of a length start-up did not capture runs eagerly: full attention,
+            # no key padding (another specialisation of the attention kernel)
+            flow.inference(final, prompt, feat, emb, streaming=False, finalize=True)
         if runner.graphed.fused:
             # idle rows: nothing is appended to the cache. One row (the fused linears), and
             # the buckets past them (the library's GEMMs with the MLP gate kernel)
