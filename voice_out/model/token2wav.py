@@ -370,9 +370,11 @@ class Token2Wav:
                 hift=GraphedFn(hift_fresh, name="hift.first_chunk", warmup_each=False, family=FIRST_GRAPH_FAMILY),
                 pool=pool,
             )
-        self._graph_flow = GraphedFn(rerun_flow, name="flow.rerun_chunk", pool=self._flow_pool, family=GRAPH_FAMILY)
-        # start-up captures ~130 vocoder lengths: warmed up once per graph, not per length
-        # (docs/engine.md, "Start-up")
+        # start-up captures ~15 re-run and ~130 vocoder lengths: each graph is warmed up once,
+        # not per length (its keys differ in lengths alone; docs/engine.md, "Start-up")
+        self._graph_flow = GraphedFn(
+            rerun_flow, name="flow.rerun_chunk", warmup_each=False, pool=self._flow_pool, family=GRAPH_FAMILY
+        )
         self._graph_hift = GraphedFn(hift_fresh, name="hift.fresh", warmup_each=False, family=GRAPH_FAMILY)
         self._graph_hift_cached = GraphedFn(hift_cached, name="hift.cached", warmup_each=False, family=GRAPH_FAMILY)
         self._graph_flow_final = None
