@@ -729,6 +729,40 @@ def test_a_first_chunk_goes_beside_a_later_chunk_in_flight_only_with_the_first_c
         assert planned_at is None  # behind a's chunk
 
 
+@pytest.mark.parametrize(("max_playing", "beside"), [(0, True), (2, True), (1, False)])
+def test_past_max_playing_streams_first_chunks_take_turns_with_the_others(max_playing: int, beside: bool) -> None:
+    """engine.first_chunk_lane_max_playing: two streams playing, a later chunk in flight; a
+    new stream's first chunk goes beside it at most that many playing (0: any number), else
+    waits for it (one launch at a time, as with one lane)."""
+    sched = create_scheduler(first_chunk_lane=True, first_chunk_lane_max_playing=max_playing)
+    create_requests(sched, 2, text="a" * 60, prefix="a")
+    runner = PipelinedRunner(delay=200)  # chunks stay in flight for 200 steps unless waited for
+    for _ in range(2000):
+        reqs = list(sched.requests.values())
+        if all(r.first_audio_time is not None for r in reqs) and any(
+            r.vocode_inflight is not None and r.vocode_inflight.index > 0 for r in reqs
+        ):
+            break
+        plan = sched.plan()
+        sched.update(plan, runner.execute(plan))
+    else:
+        raise AssertionError("the two streams never played with a later chunk in flight")
+    (b,) = create_requests(sched, 1, text="a" * 60, prefix="b")
+    planned_at = None
+    for i in range(150):  # b's first chunk needs 28 tokens: ready well before the chunk is back
+        plan = sched.plan()
+        if any(v.request_id == b for v in plan.vocode):
+            planned_at = i
+            break
+        assert not plan.vocode or beside or len({v.chunk.starts_audio for v in plan.vocode}) == 1
+        sched.update(plan, runner.execute(plan))
+    assert any(r.vocode_inflight is not None and r.vocode_inflight.index > 0 for r in sched.requests.values())
+    if beside:
+        assert planned_at is not None and planned_at < 40  # as soon as its tokens were there
+    else:
+        assert planned_at is None  # behind the later chunk in flight
+
+
 def test_a_request_cancelled_with_a_chunk_in_flight_drops_its_late_audio() -> None:
     sched = create_scheduler()
     a, b = create_requests(sched, 2, text="a" * 40)

@@ -141,6 +141,12 @@ class EngineConfig:
     #: queueing behind the later chunks in flight (docs/engine.md). Off (or no CUDA graphs):
     #: one token2wav stream; no chunk is planned while one is in flight.
     first_chunk_lane: bool = True
+    #: With ``first_chunk_lane``: while more than this many streams are playing (audio started,
+    #: not finished), first chunks and the others take turns, one launch in flight at a time,
+    #: as with one lane: under that load, first chunks beside the later ones took the GPU from
+    #: listeners about to run dry (48 streams on an H100: an underrun or a few in some runs
+    #: with the lane, none without it; docs/benchmarks.md). 0: the lane at any load.
+    first_chunk_lane_max_playing: int = 32
     #: CUDA graphs: the token2wav graphs start-up captures for the default voice's prompt
     #: length cover an utterance of up to this many speech tokens (25 per second of audio:
     #: 1500 = 60 s); a longer utterance's chunks beyond it run eagerly (a key is never
@@ -230,6 +236,13 @@ class EngineConfig:
             "capture_batch_tokens",
             self.capture_batch_tokens,
             f"a number of speech tokens in 0..capture_tokens ({self.capture_tokens})",
+        )
+        _check(
+            self.first_chunk_lane_max_playing >= 0,
+            s,
+            "first_chunk_lane_max_playing",
+            self.first_chunk_lane_max_playing,
+            "0 (no limit) or a number of streams",
         )
         _check(self.step_ahead_rows >= 0, s, "step_ahead_rows", self.step_ahead_rows, "0 (off) or a number of streams")
         _check(

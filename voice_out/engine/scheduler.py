@@ -26,7 +26,9 @@ when a plan has nothing else to do but in-flight chunks exist, it asks the runne
 them (``StepPlan.wait_vocode``). There is one lane, or two with ``first_chunk_lane`` (the
 engine's ``engine.first_chunk_lane`` where its runner can: CUDA graphs, pipelined): the
 non-final first chunks (``ChunkPlan.starts_audio``) and the rest, at most
-``max_chunks_per_step`` each, so a first chunk never waits for later chunks.
+``max_chunks_per_step`` each, so a first chunk never waits for later chunks. While more than
+``engine.first_chunk_lane_max_playing`` streams are playing, the two lanes take turns: one
+launch in flight at a time, of the most pressing chunk's lane.
 
 Cancellation is ``finish(ids, ABORTED)``: the request leaves at once and its slot is released
 in the next plan. Every method is called from the worker thread only.
@@ -463,6 +465,8 @@ class Scheduler:
         # a lane with a chunk in flight takes no new one: the chunks that become ready meanwhile
         # go as one batch when it is free (without lanes: one lane, every chunk)
         busy = {lane(c) for c in in_flight}
+        if busy and self._lanes_take_turns():
+            busy = {True, False}  # heavy load: one launch in flight at a time, as with one lane
         now = self.clock()
         # streams admitted and still without audio: while there are any, only first chunks
         # and streams about to run dry get the GPU (engine.first_audio_priority)
@@ -487,6 +491,8 @@ class Scheduler:
             return (0 if deadline - now < self.urgent_s else 2, deadline, order)
 
         ready.sort(key=priority)
+        if ready and self._lanes_take_turns():  # one lane's chunks per launch: the most pressing's
+            ready = [rc for rc in ready if lane(rc[1]) == lane(ready[0][1])]
         taken = {True: 0, False: 0}  # chunks per lane, at most max_chunks_per_step each
         chosen: list[tuple[Request, ChunkPlan]] = []
         for req, chunk in ready:
@@ -507,6 +513,15 @@ class Scheduler:
                 self.requests[w.request_id].first_audio_time is None and w.request_id not in firsts for w in llm
             )
         return StepPlan(releases, tuple(admits), tuple(llm), vocode, wait_vocode=wait)
+
+    def _lanes_take_turns(self) -> bool:
+        """With the first-chunk lane: whether more streams are playing than
+        ``engine.first_chunk_lane_max_playing`` (then the two lanes take turns)."""
+        limit = self.config.first_chunk_lane_max_playing
+        if not self.first_chunk_lane or limit == 0:
+            return False
+        playing = sum(1 for r in self.requests.values() if r.first_audio_time is not None and not r.status.terminal)
+        return playing > limit
 
     def _guess(self, req: Request, step: LlmStep) -> NextGuess | None:
         """The request's likely next step after ``step`` (``LlmWork.guess``), or None when it is
