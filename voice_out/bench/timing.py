@@ -73,9 +73,10 @@ def graph_us(fn: Callable[[], Any], calls: int = 20, reps: int = 20) -> float:
 def time_method(
     cls: object, name: str, label: str | Callable[..., str], times: dict[str, list[float]], *, sync: bool = True
 ) -> None:
-    """Replace ``cls.name`` (a class's or a module's) by a wrapper that appends each call's milliseconds to
-    ``times[label]`` (``label(*args, **kwargs)`` when callable). With ``sync`` (and CUDA) the
-    GPU is synchronised before and after the call. A missing method is left alone."""
+    """Replace ``cls.name`` (a class's or a module's function) by a wrapper that appends each
+    call's milliseconds to ``times[label]`` (``label(*args, **kwargs)`` when callable). With
+    ``sync`` (and CUDA) the GPU is synchronised before and after the call. A missing method is
+    left alone."""
     fn = getattr(cls, name, None)
     if fn is None:
         return

@@ -2,13 +2,13 @@
 
 Triton compiles a kernel the first time it is launched with a new specialisation, on the
 launching thread, one after another: on a machine whose kernel cache (``TRITON_CACHE_DIR``,
-else ``~/.triton/cache``) is empty that was 13 compiles of ~1.3 s each in the engine's start.
+else ``~/.triton/cache``) is empty that is ~25 compiles of ~1.3 s each in the engine's start.
 :func:`precompile` first makes dry runs of the model calls that use them, a re-run chunk, a
 batched chunk and a final chunk of the flow (short and tall: each tile tier) and one decode
 step of the LLM, with their launches recorded instead of run
-(``voice_out.model.launch.recording``), then compiles each distinct
-launch with Triton's ``JITFunction.warmup`` on a thread pool: Triton releases the GIL while
-LLVM optimises and emits PTX, and ``ptxas`` is a process of its own, so the compiles overlap.
+(``voice_out.model.launch.recording``), then compiles each distinct launch with Triton's
+``JITFunction.warmup`` on a thread pool: Triton releases the GIL while LLVM optimises and emits
+PTX, and ``ptxas`` is a process of its own, so the compiles overlap.
 The warm-up that follows then finds every kernel compiled. A launch that fails to compile ahead
 is only logged: it compiles on first use, as before.
 
@@ -115,9 +115,8 @@ def dry_run_ends(flow: Flow, n_prompt: int) -> list[int]:
 def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
     """The Triton launches of a re-run chunk, a batched chunk and a final chunk (graphed and
     eager) of the flow for ``voice``'s prompt length, each at the chunk ends of
-    :func:`dry_run_ends`, and of a decode
-    step, recorded (not run: nothing they compute is kept, and nothing is written to any
-    stream's state)."""
+    :func:`dry_run_ends`, and of a decode step, recorded (not run: nothing they compute is
+    kept, and nothing is written to any stream's state)."""
     flow = runner.t2w.flow
     if not isinstance(flow, Flow):
         return []
