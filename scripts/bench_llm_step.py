@@ -127,16 +127,24 @@ def step_llm(
 
 
 def prefilled_rows(
-    lm: SpeechLM, llm: GraphedLLM, batch: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+    lm: SpeechLM,
+    llm: GraphedLLM,
+    batch: int,
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    decode: int | None = None,
 ) -> tuple[np.ndarray, torch.Tensor]:
-    """Every slot of ``llm``'s cache prefilled with one seeded ``--prompt-len`` prompt (after
-    any capture: a capture resets the scratch slot only); returns the step's packed decode rows
-    and the slot lengths to rewind to before each timed step."""
+    """Slots 0 .. ``batch`` - 1 of ``llm``'s cache prefilled with one seeded ``--prompt-len``
+    prompt (after any capture: a capture resets the scratch slot only); returns the packed
+    decode rows of the first ``decode`` slots (None: all ``batch``) and the slot lengths to
+    rewind to before each timed step."""
     gen = torch.Generator(device=device).manual_seed(args.seed)
     prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
     for s in range(batch):
         lm.prefill(llm.cache, s, prompt, start_pos=0)
-    return decode_rows(lm, batch, llm.sampling, gen), llm.cache.lengths.clone()
+    rows = decode_rows(lm, batch if decode is None else decode, llm.sampling, gen)
+    return rows, llm.cache.lengths.clone()
 
 
 def bench_graphed(
@@ -229,14 +237,9 @@ def bench_text_group(
     buckets = sorted({max(1, batch - 1), batch - 1 + n_rows})
     fast = GraphedLLM(lm, cache, params, decode_buckets=buckets, prefill_buckets=(16,))
     fast.capture_all()
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    prompt = torch.randn(args.prompt_len, lm.dims.hidden_size, generator=gen, device=device, dtype=dtype)
-    for s in range(batch):
-        lm.prefill(cache, s, prompt, start_pos=0)
-    base = cache.lengths.clone()
+    g = batch - 1  # the slot taking the group; the others decode
+    decode, base = prefilled_rows(lm, fast, batch, args, device, dtype, decode=g)
     text = [i % lm.dims.text_vocab_size for i in range(n_rows)]
-    g = batch - 1  # the slot taking the group
-    decode = decode_rows(lm, batch - 1, params, gen)
     u = counter_uniforms([g] * n_rows, [0] * n_rows)
     group = pack_decode_rows(
         [g] * n_rows,

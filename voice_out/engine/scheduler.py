@@ -465,7 +465,8 @@ class Scheduler:
         # a lane with a chunk in flight takes no new one: the chunks that become ready meanwhile
         # go as one batch when it is free (without lanes: one lane, every chunk)
         busy = {lane(c) for c in in_flight}
-        if busy and self._lanes_take_turns():
+        turns = self._lanes_take_turns()
+        if busy and turns:
             busy = {True, False}  # heavy load: one launch in flight at a time, as with one lane
         now = self.clock()
         # streams admitted and still without audio: while there are any, only first chunks
@@ -491,7 +492,7 @@ class Scheduler:
             return (0 if deadline - now < self.urgent_s else 2, deadline, order)
 
         ready.sort(key=priority)
-        if ready and self._lanes_take_turns():  # one lane's chunks per launch: the most pressing's
+        if ready and turns:  # one lane's chunks per launch: the most pressing's
             ready = [rc for rc in ready if lane(rc[1]) == lane(ready[0][1])]
         taken = {True: 0, False: 0}  # chunks per lane, at most max_chunks_per_step each
         chosen: list[tuple[Request, ChunkPlan]] = []

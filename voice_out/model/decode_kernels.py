@@ -488,9 +488,9 @@ LINEAR_MAX_ROWS = 16
 @dataclass(frozen=True)
 class LinearTiles:
     """Tiles of one fused-linear launch: ``block_n`` output columns and ``block_k`` of the
-    reduction per loop turn for one program; ``block_m`` (rows) is 16. ``splits``:
-    :func:`linear_residual` with a :class:`SplitWorkspace` cuts the reduction into that many
-    programs per tile."""
+    reduction per loop turn for one program; its rows are one tile of :data:`LINEAR_MAX_ROWS`.
+    ``splits``: :func:`linear_residual` with a :class:`SplitWorkspace` cuts the reduction into
+    that many programs per tile."""
 
     block_n: int = 16
     block_k: int = 256
@@ -501,7 +501,7 @@ class LinearTiles:
     def launch_options(self) -> dict[str, int]:
         """The tile constexprs and Triton launch options of a fused-linear kernel."""
         return {
-            "BLOCK_M": _BLOCK_M,
+            "BLOCK_M": LINEAR_MAX_ROWS,
             "BLOCK_N": self.block_n,
             "BLOCK_K": self.block_k,
             "num_warps": self.num_warps,
@@ -520,8 +520,6 @@ LINEAR_TILES: dict[str, LinearTiles] = {
     "residual": LinearTiles(16, 128, 4, 5),
     "split": LinearTiles(32, 128, 4, 5, splits=8),
 }
-
-_BLOCK_M = 16
 
 
 @dataclass(frozen=True)
@@ -577,7 +575,7 @@ def norm_linear(
     kernel: Any = _norm_linear_kernel
     launch(
         kernel,
-        (triton.cdiv(n, t.block_n), triton.cdiv(m, _BLOCK_M)),
+        (triton.cdiv(n, t.block_n), triton.cdiv(m, LINEAR_MAX_ROWS)),
         x,
         x if norm_weight is None else norm_weight,
         weight,
@@ -640,7 +638,7 @@ def linear_residual(
     kernel: Any = _linear_residual_kernel
     launch(
         kernel,
-        (triton.cdiv(n, t.block_n), triton.cdiv(m, _BLOCK_M), splits),
+        (triton.cdiv(n, t.block_n), triton.cdiv(m, LINEAR_MAX_ROWS), splits),
         a,
         weight,
         residual,
