@@ -42,11 +42,14 @@ if str(REPO_ROOT) not in sys.path:
 from voice_out.bench.timing import save_out, time_ms  # noqa: E402
 from voice_out.model import decode_kernels  # noqa: E402
 from voice_out.model.checkpoint import random_llm  # noqa: E402
+from voice_out.model.launch import dependent_launch_available  # noqa: E402
 from voice_out.model.llm_graphs import GraphedLLM, pack_decode_rows  # noqa: E402
 from voice_out.model.qwen2 import KVCache, SpeechLM  # noqa: E402
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, new_history, ras_sample_batch  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+#: Steps launched back to back by the chained timing of ``bench_graphed`` (a first chunk's 29).
+CHAIN = 29
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -155,15 +158,23 @@ def bench_graphed(
     dtype: torch.dtype,
     fused: bool,
     linear: bool = False,
+    pdl: bool = False,
 ) -> dict[str, float]:
     """CUDA-graphed decode + head + RAS (the engine's fast path) at ``batch`` rows; ``fused``:
     with the Triton decode kernels (``voice_out.model.decode_kernels``), ``linear``: and the
-    fused linears."""
-    fast = step_llm(lm, batch, args, device, dtype, compile=args.compile, fused=fused, fused_linear=linear)
+    fused linears, ``pdl``: launched programmatically dependent. The median and p95 of a step
+    whose ids the host waits for, and ``chain_ms``: per step of :data:`CHAIN` steps launched
+    back to back (as the engine launches fed steps before it has seen their input ids)."""
+    fast = step_llm(
+        lm, batch, args, device, dtype, compile=args.compile, fused=fused, fused_linear=linear, dependent_launch=pdl
+    )
     t0 = time.perf_counter()
     fast.capture_all()
     took = time.perf_counter() - t0
-    print(f"  capture (compile={args.compile}, fused={fast.fused}, linear={linear}) batch {batch}: {took:.1f} s")
+    print(
+        f"  capture (compile={args.compile}, fused={fast.fused}, linear={linear}, pdl={fast.pdl}) "
+        f"batch {batch}: {took:.1f} s"
+    )
     cache = fast.cache
     rows, base = prefilled_rows(lm, fast, batch, args, device, dtype)
 
@@ -173,7 +184,14 @@ def bench_graphed(
         # host packs and copies the rows and waits for the tokens, as the engine does
         fast.decode_sample(rows, kv_len=args.prompt_len + 1)
 
-    return summary(time_ms(step, device, args.warmup, args.iters))
+    def chain() -> None:
+        for _ in range(CHAIN):
+            cache.lengths.copy_(base)
+            fast.decode_launch(rows, kv_len=args.prompt_len + 1)
+
+    out = summary(time_ms(step, device, args.warmup, args.iters))
+    out["chain_ms"] = statistics.median(time_ms(chain, device, 2, 10)) / CHAIN
+    return out
 
 
 def count_kernels(
@@ -184,13 +202,16 @@ def count_kernels(
     dtype: torch.dtype,
     fused: bool,
     linear: bool = False,
+    pdl: bool = False,
 ) -> dict[str, Any]:
     """CUDA kernels launched by one eager decode step + head + RAS, exactly as the graph
     captures it (``GraphedLLM`` with graphs off: packed rows, the scratch slot, and with
     ``fused`` the Triton kernels and sampler), their summed GPU time and the 12 costliest names."""
     from torch.profiler import ProfilerActivity, profile
 
-    eager = step_llm(lm, batch, args, device, dtype, enabled=False, fused=fused, fused_linear=linear)
+    eager = step_llm(
+        lm, batch, args, device, dtype, enabled=False, fused=fused, fused_linear=linear, dependent_launch=pdl
+    )
     cache = eager.cache
     rows, base = prefilled_rows(lm, eager, batch, args, device, dtype)
     window = -(-(args.prompt_len + 1) // 256) * 256
@@ -427,22 +448,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"decode step  batch {batch:3d} {name:16s}"
                     f"  median {r['median_ms']:7.3f} ms  p95 {r['p95_ms']:7.3f} ms"
                 )
-            variants = [(False, False)]
+            variants = [(False, False, False)]
             if GraphedLLM.can_fuse(lm, SamplingParams()):
-                variants.append((True, False))
+                variants.append((True, False, False))
                 if batch <= decode_kernels.LINEAR_MAX_ROWS:
-                    variants.append((True, True))
-            for fused, linear in variants if device.type == "cuda" else []:
-                tag = ("+fused" if fused else "") + ("+linear" if linear else "")
+                    variants.append((True, True, False))
+                if dependent_launch_available(device):
+                    variants.append((True, batch <= decode_kernels.LINEAR_MAX_ROWS, True))
+            for fused, linear, pdl in variants if device.type == "cuda" else []:
+                tag = ("+fused" if fused else "") + ("+linear" if linear else "") + ("+pdl" if pdl else "")
                 if args.kernels:
                     result["decode"][f"b{batch}_kernels{tag}"] = count_kernels(
-                        lm, batch, args, device, dtype, fused, linear
+                        lm, batch, args, device, dtype, fused, linear, pdl
                     )
-                r = bench_graphed(lm, batch, args, device, dtype, fused, linear)
+                r = bench_graphed(lm, batch, args, device, dtype, fused, linear, pdl)
                 result["decode"][f"b{batch}_graphed+head+ras{tag}"] = r
                 print(
-                    f"decode step  batch {batch:3d} {'GRAPHED+head+ras' + tag:22s}"
+                    f"decode step  batch {batch:3d} {'GRAPHED+head+ras' + tag:28s}"
                     f"  median {r['median_ms']:7.3f} ms  p95 {r['p95_ms']:7.3f} ms"
+                    f"  chained {r['chain_ms']:7.3f} ms a step"
                 )
             if device.type == "cuda" and GraphedLLM.can_fuse(lm, SamplingParams()) and args.group_rows:
                 for how, r in bench_text_group(lm, batch, args, device, dtype).items():

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from tests.conftest import REPO_ROOT
 from voice_out.model import decode_kernels
 from voice_out.model.checkpoint import random_llm
+from voice_out.model.launch import dependent_launch_available, pdl_options
 from voice_out.model.llm_graphs import GraphedLLM, pack_decode_rows
 from voice_out.model.qwen2 import KVCache, SpeechLM, apply_rope, rope_cos_sin
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, mask_eos_, ras_sample_batch
@@ -35,8 +36,17 @@ def test_graphed_llm_does_not_fuse_on_the_cpu() -> None:
     lm = random_llm(TINY, "cpu", torch.float32, seed=1)
     cache = KVCache.allocate(lm.dims, 3, 64, "cpu", torch.float32)
     g = GraphedLLM(lm, cache, SamplingParams(), decode_windows=(32,))
-    assert not g.fused
+    assert not g.fused and not g.pdl
     assert g.decode_windows == (32, 64)
+    assert not dependent_launch_available("cpu")
+    # a kernel launched dependent must wait inside: the launch option never comes without it
+    assert pdl_options(False) == {"PDL": False}
+    assert pdl_options(True) == {"PDL": True, "launch_pdl": True}
+
+
+def _pdl_or_skip(pdl: bool) -> None:
+    if pdl and not dependent_launch_available("cuda"):
+        pytest.skip("programmatic dependent launch needs a Hopper or later GPU")
 
 
 def _reference_layer(
@@ -154,10 +164,13 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.requires_cuda
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_fused_linears_equal_torch(rows: int) -> None:
+def test_fused_linears_equal_torch(rows: int, pdl: bool) -> None:
     """norm_linear (plain, with bias, gated) and linear_residual (in place and not) against
-    F.rms_norm, F.linear, silu * up and addmm, at the 0.5B model's shapes."""
+    F.rms_norm, F.linear, silu * up and addmm, at the 0.5B model's shapes; launched
+    programmatically dependent too (their weights asked into L2 before the wait)."""
+    _pdl_or_skip(pdl)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(rows)
 
@@ -168,27 +181,27 @@ def test_fused_linears_equal_torch(rows: int) -> None:
     x, g = rand(rows, hidden, scale=3.0), (1 + 0.2 * torch.randn(hidden, generator=gen, device=dev)).to(dtype)
     w, bias = rand(qkv, hidden, scale=hidden**-0.5), rand(qkv)
     want = F.linear(F.rms_norm(x, (hidden,), g, eps), w, bias)
-    assert _relative_error(decode_kernels.norm_linear(x, w, g, eps, bias), want) < 1e-2
-    assert _relative_error(decode_kernels.norm_linear(x, w, None, eps), F.linear(x, w)) < 1e-2
+    assert _relative_error(decode_kernels.norm_linear(x, w, g, eps, bias, pdl=pdl), want) < 1e-2
+    assert _relative_error(decode_kernels.norm_linear(x, w, None, eps, pdl=pdl), F.linear(x, w)) < 1e-2
     w13 = rand(2 * inter, hidden, scale=hidden**-0.5)
     gate, up = F.linear(F.rms_norm(x, (hidden,), g, eps), w13).split(inter, dim=-1)
     want = _silu_mul_reference(gate, up)
-    got = decode_kernels.norm_linear(x, w13, g, eps, gated=True)
+    got = decode_kernels.norm_linear(x, w13, g, eps, gated=True, pdl=pdl)
     assert got.shape == (rows, inter) and _relative_error(got, want) < 1e-2
     a, w2, res = rand(rows, inter), rand(hidden, inter, scale=inter**-0.5), rand(rows, hidden)
     want = torch.addmm(res, a, w2.t())
-    assert _relative_error(decode_kernels.linear_residual(a, w2, res), want) < 1e-2
+    assert _relative_error(decode_kernels.linear_residual(a, w2, res, pdl=pdl), want) < 1e-2
     inplace = res.clone()
-    assert decode_kernels.linear_residual(a, w2, inplace, out=inplace) is inplace
+    assert decode_kernels.linear_residual(a, w2, inplace, out=inplace, pdl=pdl) is inplace
     assert _relative_error(inplace, want) < 1e-2
     # the split reduction: the same sum whichever program ends last, launch after launch
     ws = decode_kernels.SplitWorkspace.allocate(dev, hidden)
-    split = decode_kernels.linear_residual(a, w2, res, workspace=ws)
+    split = decode_kernels.linear_residual(a, w2, res, workspace=ws, pdl=pdl)
     assert _relative_error(split, want) < 1e-2
     assert int(ws.counters.abs().sum()) == 0  # left ready for the next launch
     for _ in range(20):
         again = res.clone()
-        decode_kernels.linear_residual(a, w2, again, out=again, workspace=ws)
+        decode_kernels.linear_residual(a, w2, again, out=again, workspace=ws, pdl=pdl)
         torch.testing.assert_close(again, split, atol=0, rtol=0)
     with pytest.raises(ValueError, match="do not fit"):
         decode_kernels.norm_linear(rand(decode_kernels.LINEAR_MAX_ROWS + 1, hidden), w, g, eps)
@@ -201,8 +214,11 @@ def _silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("dims_dir", [TINY, FULL], ids=["tiny", "0.5b"])
-@pytest.mark.parametrize("linear", [False, True], ids=["library-gemms", "fused-linears"])
-def test_fused_decode_step_equals_eager(dims_dir: Path, linear: bool) -> None:
+@pytest.mark.parametrize(
+    ("linear", "pdl"), [(False, False), (True, False), (True, True)], ids=["library-gemms", "fused-linears", "pdl"]
+)
+def test_fused_decode_step_equals_eager(dims_dir: Path, linear: bool, pdl: bool) -> None:
+    _pdl_or_skip(pdl)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     lm = random_llm(dims_dir, dev, dtype, seed=4)
     n_slots, max_len = 5, 160
@@ -215,6 +231,7 @@ def test_fused_decode_step_equals_eager(dims_dir: Path, linear: bool) -> None:
         linears = {
             "fused_linear": True,
             "split_workspace": decode_kernels.SplitWorkspace.allocate(dev, lm.dims.hidden_size),
+            "pdl": pdl,
         }
     for slot, n in enumerate([3, 70, 17, 1]):  # slot 4 is the scratch slot
         e = torch.randn(n, lm.dims.hidden_size, generator=gen, device=dev).to(dtype)
@@ -257,7 +274,12 @@ def test_graphed_fused_decode_equals_the_same_step_eager() -> None:
     params = SamplingParams()
     caches = [KVCache.allocate(lm.dims, 6, 96, dev, dtype) for _ in range(2)]
     graphed = GraphedLLM(lm, caches[0], params, decode_buckets=(1, 2, 4), prefill_buckets=())
-    eager = GraphedLLM(lm, caches[1], params, decode_buckets=(1, 2, 4), prefill_buckets=(), enabled=False)
+    # the eager step without programmatic dependent launch: the graph's (where the GPU has
+    # it) changes when kernels start, not what they compute
+    eager = GraphedLLM(
+        lm, caches[1], params, decode_buckets=(1, 2, 4), prefill_buckets=(), enabled=False, dependent_launch=False
+    )
+    assert not eager.pdl and graphed.pdl == dependent_launch_available(dev)
     assert graphed.fused and eager.fused and graphed.fused_linear
     assert sorted(graphed._decode) == [96]  # one window: the kernel's attention runs to each row's length
     graphed.capture_all()

@@ -116,6 +116,11 @@ class EngineConfig:
     #: the residual adds inside wo and w2 (5 kernels a layer instead of 10); False (and steps
     #: of more rows): the library's GEMMs.
     fused_linear: bool = True
+    #: With fused_decode, on a Hopper or later GPU: the decode step's Triton kernels launched
+    #: programmatically dependent: each is launched while the kernel before it still runs and
+    #: waits for that kernel's results before it touches memory, so their launch latency is
+    #: hidden (~7% of a step). False: each kernel is launched when the one before has finished.
+    dependent_launch: bool = True
     #: The flow estimator's stateless calls (first chunks, re-run chunks, final chunks) with
     #: fused Triton kernels (voice_out.model.flow_kernels: LayerNorm, GELU, Mish, residuals and
     #: the attention mask inside the GEMM and attention kernels), where Triton can run them

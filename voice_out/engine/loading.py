@@ -188,6 +188,7 @@ def build_engine(
             pipeline_vocode=ec.pipeline_vocode,
             fused_decode=ec.fused_decode,
             fused_linear=ec.fused_linear,
+            dependent_launch=ec.dependent_launch,
             batched_input_rows=ec.batched_input_rows,
         )
         if ec.fused_decode and device.type == "cuda" and not runner.graphed.fused:

@@ -184,6 +184,7 @@ class Runner:
         pipeline_vocode: bool = True,
         fused_decode: bool = True,
         fused_linear: bool = True,
+        dependent_launch: bool = True,
         batched_input_rows: int = 128,
     ) -> None:
         self.llm = llm
@@ -215,6 +216,7 @@ class Runner:
             scratch_slot=n_slots,
             fused=fused_decode,
             fused_linear=fused_linear,
+            dependent_launch=dependent_launch,
             enabled=graphs,
         )
         #: CUDA: the stream token2wav runs on while the LLM steps run on the runner's own one

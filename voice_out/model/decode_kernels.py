@@ -31,6 +31,10 @@ MLP's gate in one kernel instead of two.
   searches), ~0.2 ms of a step. Ties keep id order, as the stable sort does: each probability
   is packed with its id into one int64 key, so the k largest keys are the sort's first k.
 
+The step's wrappers (all but ``silu_mul``) take ``pdl``: launch the kernel programmatically
+dependent (``voice_out.model.launch``, Hopper and later), its launch hidden behind the kernel
+before it.
+
 All of them need Triton (it ships with PyTorch's CUDA builds); :func:`available` and
 :func:`sampler_available` say whether they can run for a given device, dtype, head layout,
 vocabulary and top-k. The plain-torch paths (``qwen2.py``, ``sampling.py``) stay the reference:
@@ -46,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from voice_out.model.launch import launch
+from voice_out.model.launch import launch, pdl_options
 from voice_out.model.sampling import SamplingParams
 
 try:  # Triton comes with PyTorch's CUDA wheels; the CPU build has none (then: the eager path)
@@ -87,6 +91,7 @@ def sampler_available(device: torch.device | str, vocab: int, top_k: int) -> boo
 
 
 if triton is not None:
+    from voice_out.model.launch import await_previous
 
     @triton.jit
     def _attend_block(q, keys, vals, n_ok, m, l_sum, acc, qk_scale):  # type: ignore[no-untyped-def]
@@ -123,9 +128,11 @@ if triton is not None:
         GP: tl.constexpr,
         D: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
+        await_previous(PDL)
         half: tl.constexpr = D // 2
         d = tl.arange(0, D)
         g = tl.arange(0, GP)
@@ -213,6 +220,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Rows ``pid(1)``, output columns ``pid(0)`` of ``rmsnorm(x) @ W^T (+ bias)``; GATED:
         ``silu(gate) * up`` of the columns' gate rows of W and their up rows ``N`` further."""
@@ -221,6 +229,7 @@ if triton is not None:
         row_ok = rows < M
         col_ok = cols < N
         ks = tl.arange(0, BLOCK_K)
+        await_previous(PDL)
         x_rows = x_ptr + rows[:, None] * stride_x
         if NORM:
             # every program recomputes its rows' statistic: K values a row, from L2
@@ -284,6 +293,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Rows ``pid(1)``, columns ``pid(0)`` of ``residual + a @ W^T``, added in float32 and
         rounded once (as ``addmm``); ``out`` may be ``residual``: only the program that writes
@@ -300,6 +310,7 @@ if triton is not None:
         col_ok = cols < N
         ks = tl.arange(0, BLOCK_K)
         start = tl.program_id(2) * K_SPLIT
+        await_previous(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kk in range(0, K_SPLIT, BLOCK_K):
             k0 = start + kk
@@ -345,8 +356,10 @@ if triton is not None:
         WIN: tl.constexpr,
         BLOCK_W: tl.constexpr,
         ID_BITS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         r = tl.program_id(0)
+        await_previous(PDL)
         col = tl.arange(0, BLOCK_V)
         in_vocab = col < V
         x = tl.load(logits_ptr + r * stride_logits + col, mask=in_vocab, other=float("-inf")).to(tl.float32)
@@ -378,10 +391,13 @@ if triton is not None:
         w = tl.arange(0, BLOCK_W)  # the last WIN columns of the history row
         hist = tl.load(history_ptr + r * stride_history + (W - WIN) + w, mask=w < WIN, other=-1)
         repeats = tl.sum(tl.where(hist == first, 1.0, 0.0), axis=0)
-        # fallback: the full distribution without the first draw
-        full = tl.where(col == first, 0.0, probs)
-        fallback = _inverse_cdf_pick(full, tl.load(uniforms_ptr + r * 2 + 1), col, col)
-        tl.store(out_ptr + r, tl.where(repeats >= repeat_threshold, fallback, first).to(tl.int64))
+        picked = first.to(tl.int64)
+        if repeats >= repeat_threshold:
+            # fallback: the full distribution without the first draw, only when it is taken
+            # (its float64 scan over the vocabulary: ~4.5 of a draw's ~27 us on an H100)
+            full = tl.where(col == first, 0.0, probs)
+            picked = _inverse_cdf_pick(full, tl.load(uniforms_ptr + r * 2 + 1), col, col).to(tl.int64)
+        tl.store(out_ptr + r, picked)
 
     @triton.jit
     def _inverse_cdf_pick(weights, u, index, ids):  # type: ignore[no-untyped-def]
@@ -408,6 +424,7 @@ def rope_append_attend(
     write_pos: Tensor,
     n_heads: int,
     n_kv_heads: int,
+    pdl: bool = False,
 ) -> Tensor:
     """RoPE, K/V append and decode attention of one layer, one kernel (see module docstring).
 
@@ -420,6 +437,7 @@ def rope_append_attend(
       positions (0 for a lone row): the last ``offset[b]`` of those keys are those rows' new
       keys, taken from ``qkv`` (the cache holds the rest);
       ``write_slot``/``write_pos`` int64 ``[B]``: where the new k/v go.
+    * ``pdl``: launch it programmatically dependent (``voice_out.model.launch``).
 
     Returns the attention output ``[B, Hq * D]`` (head-major, as ``wo`` takes it), qkv's dtype.
     Graph-capturable: no host sync, shapes fixed by B. CUDA with Triton only (:func:`available`).
@@ -463,6 +481,7 @@ def rope_append_attend(
         GP=max(16, triton.next_power_of_2(group)),
         D=d,
         BLOCK=BLOCK_KEYS,
+        **pdl_options(pdl),
     )
     return out
 
@@ -554,6 +573,7 @@ def norm_linear(
     eps: float,
     bias: Tensor | None = None,
     gated: bool = False,
+    pdl: bool = False,
 ) -> Tensor:
     """``rmsnorm(x) @ weight^T + bias`` in one kernel, for the decode step's few rows.
 
@@ -564,6 +584,7 @@ def norm_linear(
       accumulated in float32, bias added, rounded once.
     * ``gated``: ``weight`` is ``[gate; up]`` (``[2N, K]``) and the result ``silu(gate) * up``
       ``[M, N]``, gate and up rounded as a GEMM stores them, then as :func:`silu_mul`.
+    * ``pdl``: launch it programmatically dependent (``voice_out.model.launch``).
 
     Returns ``[M, N]`` in x's dtype. Graph-capturable; CUDA with Triton only.
     """
@@ -592,6 +613,7 @@ def norm_linear(
         BIAS=bias is not None,
         GATED=gated,
         **t.launch_options(),
+        **pdl_options(pdl),
     )
     return out
 
@@ -602,6 +624,7 @@ def linear_residual(
     residual: Tensor,
     out: Tensor | None = None,
     workspace: SplitWorkspace | None = None,
+    pdl: bool = False,
 ) -> Tensor:
     """``residual + a @ weight^T`` in one kernel (``addmm``'s rounding), into ``out`` (may be
     ``residual`` itself: in place) or a new tensor.
@@ -611,7 +634,8 @@ def linear_residual(
     (``LINEAR_TILES["split"]``): a GEMM with few outputs and a long reduction (the MLP's down
     projection) then streams its weight from that many times the SMs; the last program of each
     tile sums the float32 products in a fixed order, so the result does not depend on which
-    program finishes last. Graph-capturable; CUDA with Triton only.
+    program finishes last. ``pdl``: as :func:`norm_linear`. Graph-capturable; CUDA with
+    Triton only.
     """
     _rows_fit("linear_residual", a, weight)
     m, k = a.shape
@@ -655,6 +679,7 @@ def linear_residual(
         K_SPLIT=k_split,
         SPLITS=splits,
         **t.launch_options(),
+        **pdl_options(pdl),
     )
     return out
 
@@ -666,6 +691,7 @@ def ras_sample(
     eos_masked: Tensor,
     eos_token: int,
     params: SamplingParams,
+    pdl: bool = False,
 ) -> Tensor:
     """One RAS draw per row, one kernel: ``voice_out.model.sampling.ras_sample_batch`` of
     ``mask_eos_(log_softmax(logits))`` with ``params``.
@@ -673,8 +699,9 @@ def ras_sample(
     ``logits`` ``[B, V]`` (any float dtype; rows may be strided, e.g. a view of a padded
     head's output), ``history`` int64 ``[B, W]`` (its last ``win_size`` columns are the
     window; rows may be strided, e.g. a view of the packed decode rows), ``uniforms`` float32
-    ``[B, 2]`` contiguous, ``eos_masked`` bool ``[B]``. Returns int64
-    ``[B]``. No host sync; CUDA with Triton (:func:`sampler_available`).
+    ``[B, 2]`` contiguous, ``eos_masked`` bool ``[B]``; ``pdl``: launch it programmatically
+    dependent (``voice_out.model.launch``). Returns int64 ``[B]``. No host sync; CUDA with
+    Triton (:func:`sampler_available`).
     """
     rows, vocab = logits.shape
     width = history.shape[1]
@@ -705,5 +732,6 @@ def ras_sample(
         BLOCK_W=max(16, triton.next_power_of_2(win)),
         ID_BITS=ID_BITS,
         num_warps=8,
+        **pdl_options(pdl),
     )
     return out

@@ -1,5 +1,6 @@
 """One way to launch the Triton kernels of ``flow_kernels`` and ``decode_kernels``, so that a
-start-up can list the launches a model call would make without making them.
+start-up can list the launches a model call would make without making them; and the
+programmatic dependent launch of the decode step's kernels.
 
 Triton compiles a kernel on its first launch with a new specialisation, one after another on
 the thread that launches: on a machine whose kernel cache is empty, ~1.3 s each and a dozen of
@@ -8,6 +9,14 @@ them before the engine is ready. Inside :func:`recording`, :func:`launch` append
 uninitialised: a model call made inside it (a "dry run") costs almost nothing and yields every
 launch it would make, which the engine then compiles in parallel
 (``voice_out.engine.kernels.compile_ahead``) before its real warm-up.
+
+Programmatic dependent launch (PDL, Hopper and later): a kernel launched with ``pdl_options(True)``
+is started while the kernel before it in the stream still runs, as soon as that one's programs
+have passed their own :func:`await_previous`, and waits inside (:func:`await_previous`, before
+it reads or writes any memory) for that kernel to finish and its writes to be visible. A chain
+of such kernels then hides each launch's latency behind the kernel before it. Each kernel waits
+for its predecessor, so every earlier kernel has finished by then too; a kernel launched without
+it (a library kernel) waits as always.
 """
 
 from __future__ import annotations
@@ -16,6 +25,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+
+try:  # Triton comes with PyTorch's CUDA wheels; the CPU build has none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
 
 
 @dataclass(frozen=True)
@@ -52,3 +70,36 @@ def recording() -> Iterator[list[Launch]]:
         yield _recorded
     finally:
         _recorded = None
+
+
+def dependent_launch_available(device: torch.device | str) -> bool:
+    """True if Triton kernels can be launched programmatically dependent on ``device``
+    (:func:`pdl_options`): a CUDA device of compute capability 9.0 or later (Hopper) and a
+    Triton with grid dependency control."""
+    dev = torch.device(device)
+    if triton is None or dev.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        from triton.language.extra import cuda as tl_cuda
+    except ImportError:  # pragma: no cover - depends on the install
+        return False
+    return hasattr(tl_cuda, "gdc_wait") and torch.cuda.get_device_capability(dev)[0] >= 9
+
+
+def pdl_options(pdl: bool) -> dict[str, Any]:
+    """A launch's ``PDL`` constexpr (the kernel's :func:`await_previous` argument), and with it
+    Triton's launch option."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
+if triton is not None:
+
+    @triton.jit
+    def await_previous(PDL: tl.constexpr):  # type: ignore[no-untyped-def]
+        """With PDL (the kernel launched programmatically dependent): wait for the kernel
+        before it in the stream to finish and its writes to be visible, then let the next
+        kernel be launched (it runs beside this one up to its own wait). A kernel calls it
+        before its first memory access; without PDL it is nothing."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from voice_out.model import decode_kernels
 from voice_out.model.cuda_graphs import GraphedFn
+from voice_out.model.launch import dependent_launch_available
 from voice_out.model.llm_inputs import KIND_SPEECH
 from voice_out.model.qwen2 import Block, KVCache, SpeechLM, attend, group_mask, rope_cos_sin
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, mask_eos_, ras_sample_batch
@@ -257,6 +258,7 @@ class GraphedLLM:
         compile: bool = False,
         fused: bool = True,
         fused_linear: bool = True,
+        dependent_launch: bool = True,
     ) -> None:
         self.lm = lm
         self.cache = cache
@@ -271,6 +273,10 @@ class GraphedLLM:
         #: The decode step runs the Triton kernels (``voice_out.model.decode_kernels``): asked
         #: for and available. Their attention runs to each row's length, so one window serves.
         self.fused = fused and self.can_fuse(lm, sampling)
+        #: With :attr:`fused`: the step's Triton kernels launched programmatically dependent
+        #: (``voice_out.model.launch``: Hopper and later): each is launched
+        #: while the kernel before it still runs, and waits for its results inside.
+        self.pdl = self.fused and dependent_launch and dependent_launch_available(self.device)
         #: With the fused linears (:attr:`fused_linear`): the split w2 reduction's products and
         #: counters. Every decode graph runs on one stream, one at a time, so they share it.
         self._split_ws = (
@@ -362,6 +368,7 @@ class GraphedLLM:
             offsets=rows.offsets,
             fused_linear=self.fused_linear,
             split_workspace=self._split_ws,
+            pdl=self.pdl,
         )
         return self.sample(hidden, rows)
 
@@ -374,7 +381,9 @@ class GraphedLLM:
         if self.fused:
             # the bias in the GEMM's epilogue (addmm would first copy it into the output)
             logits = F.linear(hidden, self._head_weight, self._head_bias)[:, : self.lm.dims.speech_vocab_size]
-            ids = decode_kernels.ras_sample(logits, rows.history, rows.uniforms, rows.masked, eos, self.sampling)
+            ids = decode_kernels.ras_sample(
+                logits, rows.history, rows.uniforms, rows.masked, eos, self.sampling, pdl=self.pdl
+            )
         else:
             logp = mask_eos_(self.lm.logprobs(hidden), rows.masked, eos)
             ids = ras_sample_batch(logp, rows.history, rows.uniforms, self.sampling)

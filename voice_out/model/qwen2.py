@@ -415,6 +415,7 @@ class SpeechLM(nn.Module):
         offsets: Tensor | None = None,
         fused_linear: bool = False,
         split_workspace: decode_kernels.SplitWorkspace | None = None,
+        pdl: bool = False,
     ) -> Tensor:
         """Append one row per row of ``embeds`` to its slot; return final-norm hidden states ``[B, H]``.
 
@@ -442,6 +443,9 @@ class SpeechLM(nn.Module):
           inside the [gate; up] GEMM and the residual adds inside wo and w2: 5 kernels a layer;
           with ``split_workspace`` (``decode_kernels.SplitWorkspace`` of at least H outputs,
           used by this step alone) w2's reduction is split over more SMs.
+        * ``pdl`` (with ``fused``): the Triton kernels launched programmatically dependent
+          (check ``launch.dependent_launch_available``): each is launched while the
+          one before it still runs and waits for its results inside, hiding launch latency.
 
         Static shapes, tensor positions, index writes, no host sync: CUDA-graph capturable.
         """
@@ -468,7 +472,7 @@ class SpeechLM(nn.Module):
         h = embeds.to(dtype)  # [B, H]
         if fused:
             linear = fused_linear and b <= decode_kernels.LINEAR_MAX_ROWS
-            h = self._layers_fused(cache, h, pos, slot_idx, offs, write_slot, write_pos, linear, split_workspace)
+            h = self._layers_fused(cache, h, pos, slot_idx, offs, write_slot, write_pos, linear, split_workspace, pdl)
         else:
             h = self._layers_eager(cache, slots, h, pos, write_slot, write_pos, window)
         step = (
@@ -533,6 +537,7 @@ class SpeechLM(nn.Module):
         write_pos: Tensor,
         linear: bool = False,
         split_workspace: decode_kernels.SplitWorkspace | None = None,
+        pdl: bool = False,
     ) -> Tensor:
         """The decode step's layers with the Triton kernels (row b of ``slot[b]``); h ``[B, H]``.
 
@@ -544,7 +549,8 @@ class SpeechLM(nn.Module):
 
         With ``linear``, 5 kernels a layer (``decode_kernels``): norm + qkv GEMM + bias; RoPE +
         K/V append + attention; wo GEMM + residual; norm + [gate; up] GEMM + silu * up; w2 GEMM
-        + residual (its reduction split with ``split_workspace``).
+        + residual (its reduction split with ``split_workspace``). ``pdl``: the Triton kernels
+        launched programmatically dependent (``decode_step``).
         """
         dims = self.dims
         cos, sin = rope_cos_sin(pos, dims.head_dim, dims.rope_theta)  # [B, D] float32, per step
@@ -553,7 +559,7 @@ class SpeechLM(nn.Module):
             attn, mlp = layer.attn, layer.mlp
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
             if linear:
-                qkv = decode_kernels.norm_linear(h, attn.wqkv.weight, norm1.weight, norm1.eps, attn.wqkv.bias)
+                qkv = decode_kernels.norm_linear(h, attn.wqkv.weight, norm1.weight, norm1.eps, attn.wqkv.bias, pdl=pdl)
             else:
                 qkv = attn.wqkv(norm1(h))  # [B, (Hq + 2 Hkv) D]
             o = decode_kernels.rope_append_attend(
@@ -569,12 +575,13 @@ class SpeechLM(nn.Module):
                 write_pos,
                 dims.n_heads,
                 dims.n_kv_heads,
+                pdl=pdl,
             )
             if linear:
                 # in place but at layer 0, whose h is the caller's embeddings
-                h = decode_kernels.linear_residual(o, attn.wo.weight, h, out=None if i == 0 else h)
-                act = decode_kernels.norm_linear(h, mlp.w13.weight, norm2.weight, norm2.eps, gated=True)
-                decode_kernels.linear_residual(act, mlp.w2.weight, h, out=h, workspace=split_workspace)
+                h = decode_kernels.linear_residual(o, attn.wo.weight, h, out=None if i == 0 else h, pdl=pdl)
+                act = decode_kernels.norm_linear(h, mlp.w13.weight, norm2.weight, norm2.eps, gated=True, pdl=pdl)
+                decode_kernels.linear_residual(act, mlp.w2.weight, h, out=h, workspace=split_workspace, pdl=pdl)
                 continue
             h = torch.addmm(h, o, attn.wo.weight.t()) if i == 0 else h.addmm_(o, attn.wo.weight.t())
             act = decode_kernels.silu_mul(mlp.w13(norm2(h)))
