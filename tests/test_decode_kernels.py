@@ -169,7 +169,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_fused_linears_equal_torch(rows: int, pdl: bool) -> None:
     """norm_linear (plain, with bias, gated) and linear_residual (in place and not) against
     F.rms_norm, F.linear, silu * up and addmm, at the 0.5B model's shapes; launched
-    programmatically dependent too (their weights asked into L2 before the wait)."""
+    programmatically dependent too (where the GPU can)."""
     _pdl_or_skip(pdl)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(rows)
