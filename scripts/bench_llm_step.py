@@ -29,6 +29,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,25 @@ from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms,
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 #: Steps launched back to back by the chained timing of ``bench_graphed`` (a first chunk's 29).
 CHAIN = 29
+
+
+@dataclass(frozen=True)
+class StepVariant:
+    """Which fast paths a timed decode step takes: the Triton decode kernels (``fused``), the
+    fused linears too (``linear``), launched programmatically dependent (``pdl``)."""
+
+    fused: bool = False
+    linear: bool = False
+    pdl: bool = False
+
+    @property
+    def tag(self) -> str:
+        """The variant's suffix in the result keys, e.g. ``+fused+linear``."""
+        return "".join(f"+{n}" for n, on in (("fused", self.fused), ("linear", self.linear), ("pdl", self.pdl)) if on)
+
+    def options(self) -> dict[str, bool]:
+        """Its ``GraphedLLM`` options."""
+        return {"fused": self.fused, "fused_linear": self.linear, "dependent_launch": self.pdl}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -156,23 +176,18 @@ def bench_graphed(
     args: argparse.Namespace,
     device: torch.device,
     dtype: torch.dtype,
-    fused: bool,
-    linear: bool = False,
-    pdl: bool = False,
+    variant: StepVariant,
 ) -> dict[str, float]:
-    """CUDA-graphed decode + head + RAS (the engine's fast path) at ``batch`` rows; ``fused``:
-    with the Triton decode kernels (``voice_out.model.decode_kernels``), ``linear``: and the
-    fused linears, ``pdl``: launched programmatically dependent. The median and p95 of a step
-    whose ids the host waits for, and ``chain_ms``: per step of :data:`CHAIN` steps launched
-    back to back (as the engine launches fed steps before it has seen their input ids)."""
-    fast = step_llm(
-        lm, batch, args, device, dtype, compile=args.compile, fused=fused, fused_linear=linear, dependent_launch=pdl
-    )
+    """CUDA-graphed decode + head + RAS (the engine's fast path) at ``batch`` rows, with the
+    fast paths of ``variant``. The median and p95 of a step whose ids the host waits for, and
+    ``chain_ms``: per step of :data:`CHAIN` steps launched back to back (as the engine launches
+    fed steps before it has seen their input ids)."""
+    fast = step_llm(lm, batch, args, device, dtype, compile=args.compile, **variant.options())
     t0 = time.perf_counter()
     fast.capture_all()
     took = time.perf_counter() - t0
     print(
-        f"  capture (compile={args.compile}, fused={fast.fused}, linear={linear}, pdl={fast.pdl}) "
+        f"  capture (compile={args.compile}, fused={fast.fused}, linear={fast.fused_linear}, pdl={fast.pdl}) "
         f"batch {batch}: {took:.1f} s"
     )
     cache = fast.cache
@@ -200,18 +215,14 @@ def count_kernels(
     args: argparse.Namespace,
     device: torch.device,
     dtype: torch.dtype,
-    fused: bool,
-    linear: bool = False,
-    pdl: bool = False,
+    variant: StepVariant,
 ) -> dict[str, Any]:
     """CUDA kernels launched by one eager decode step + head + RAS, exactly as the graph
-    captures it (``GraphedLLM`` with graphs off: packed rows, the scratch slot, and with
-    ``fused`` the Triton kernels and sampler), their summed GPU time and the 12 costliest names."""
+    captures it (``GraphedLLM`` with graphs off and ``variant``'s fast paths: packed rows, the
+    scratch slot), their summed GPU time and the 12 costliest names."""
     from torch.profiler import ProfilerActivity, profile
 
-    eager = step_llm(
-        lm, batch, args, device, dtype, enabled=False, fused=fused, fused_linear=linear, dependent_launch=pdl
-    )
+    eager = step_llm(lm, batch, args, device, dtype, enabled=False, **variant.options())
     cache = eager.cache
     rows, base = prefilled_rows(lm, eager, batch, args, device, dtype)
     window = -(-(args.prompt_len + 1) // 256) * 256
@@ -231,10 +242,7 @@ def count_kernels(
         by_name.setdefault(e.name[:90], []).append(e.device_time_total / 1e3)
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
     total = sum(sum(v) for v in by_name.values())
-    print(
-        f"  kernels batch {batch} window {window} fused={fused} linear={linear}: "
-        f"{len(kernels)} kernels, {total:.3f} ms of GPU time"
-    )
+    print(f"  kernels batch {batch} window {window} {variant}: {len(kernels)} kernels, {total:.3f} ms of GPU time")
     for name, times in top:
         print(f"    {len(times):5d} x  {sum(times):7.3f} ms  {name}")
     return {
@@ -448,20 +456,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"decode step  batch {batch:3d} {name:16s}"
                     f"  median {r['median_ms']:7.3f} ms  p95 {r['p95_ms']:7.3f} ms"
                 )
-            variants = [(False, False, False)]
+            linear = batch <= decode_kernels.LINEAR_MAX_ROWS
+            variants = [StepVariant()]
             if GraphedLLM.can_fuse(lm, SamplingParams()):
-                variants.append((True, False, False))
-                if batch <= decode_kernels.LINEAR_MAX_ROWS:
-                    variants.append((True, True, False))
+                variants.append(StepVariant(fused=True))
+                if linear:
+                    variants.append(StepVariant(fused=True, linear=True))
                 if dependent_launch_available(device):
-                    variants.append((True, batch <= decode_kernels.LINEAR_MAX_ROWS, True))
-            for fused, linear, pdl in variants if device.type == "cuda" else []:
-                tag = ("+fused" if fused else "") + ("+linear" if linear else "") + ("+pdl" if pdl else "")
+                    variants.append(StepVariant(fused=True, linear=linear, pdl=True))
+            for variant in variants if device.type == "cuda" else []:
+                tag = variant.tag
                 if args.kernels:
-                    result["decode"][f"b{batch}_kernels{tag}"] = count_kernels(
-                        lm, batch, args, device, dtype, fused, linear, pdl
-                    )
-                r = bench_graphed(lm, batch, args, device, dtype, fused, linear, pdl)
+                    result["decode"][f"b{batch}_kernels{tag}"] = count_kernels(lm, batch, args, device, dtype, variant)
+                r = bench_graphed(lm, batch, args, device, dtype, variant)
                 result["decode"][f"b{batch}_graphed+head+ras{tag}"] = r
                 print(
                     f"decode step  batch {batch:3d} {'GRAPHED+head+ras' + tag:28s}"
