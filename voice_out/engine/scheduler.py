@@ -455,7 +455,6 @@ class Scheduler:
 
         ready: list[tuple[Request, ChunkPlan]] = []
         in_flight = [r.vocode_inflight for r in self.requests.values() if r.vocode_inflight is not None]
-        inflight = bool(in_flight)
         lanes = self.first_chunk_lane
 
         def lane(chunk: ChunkPlan) -> bool:
@@ -505,7 +504,7 @@ class Scheduler:
             if chunk.index == 0:
                 req.first_chunk_plan_time = now
         vocode = tuple(VocodeWork(r.request_id, c, r.speech_tokens) for r, c in chosen)
-        wait = inflight and not (releases or admits or llm)
+        wait = bool(in_flight) and not (releases or admits or llm)
         if any(c.index == 0 for _, c in chosen) and len(llm) <= self.first_chunk_wait_rows:
             # light load: wait for the first chunk, unless a stream in the LLM batch still
             # needs steps for its own first audio (the wait would delay that)
