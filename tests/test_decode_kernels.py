@@ -13,8 +13,8 @@ from tests.conftest import REPO_ROOT
 from voice_out.model import decode_kernels
 from voice_out.model.checkpoint import random_llm
 from voice_out.model.launch import dependent_launch_available, pdl_options
-from voice_out.model.llm_graphs import GraphedLLM, pack_decode_rows
-from voice_out.model.qwen2 import KVCache, SpeechLM, apply_rope, rope_cos_sin
+from voice_out.model.llm_graphs import GraphedLLM, pack_decode_rows, unpack_decode_rows
+from voice_out.model.qwen2 import KVCache, SpeechLM, apply_rope, rope_cos_sin, rope_inv_freq
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, mask_eos_, ras_sample_batch
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
@@ -264,6 +264,73 @@ def test_fused_decode_step_equals_eager(dims_dir: Path, linear: bool, pdl: bool)
     for slot in range(4):
         n = int(eager.lengths[slot])
         assert _relative_error(fused.k[:, slot, :, :n], eager.k[:, slot, :, :n]) < 2e-2
+
+
+@pytest.mark.requires_cuda
+def test_decode_prologue_equals_the_torch_rows() -> None:
+    """The prologue kernel makes the rows the torch path makes: unpacked fields, fed ids and
+    windows, embeddings of every kind, positions, scratch writes and RoPE angles; the layers
+    fed from it give the fused decode_step's hidden states and lengths."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    lm: SpeechLM = random_llm(TINY, dev, dtype, seed=5)
+    params = SamplingParams()
+    caches = [KVCache.allocate(lm.dims, 6, 64, dev, dtype) for _ in range(2)]
+    g = GraphedLLM(lm, caches[0], params, prefill_buckets=(), enabled=False)
+    assert g.fused
+    gen = torch.Generator(device=dev).manual_seed(2)
+    for slot, n in enumerate([5, 9, 0, 3, 7]):
+        if n:
+            e = torch.randn(n, lm.dims.hidden_size, generator=gen, device=dev).to(dtype)
+            for c in caches:
+                lm.prefill(c, slot, e, start_pos=0)
+    g.last_ids.copy_(torch.tensor([11, 22, 33, 44, 55, 66], device=dev))
+    # a fed speech row, a run of three text rows, an llm_embedding row, an inactive row
+    slots, offsets, kinds = [0, 1, 1, 1, 3, 4], [0, 0, 1, 2, 0, 0], [2, 1, 1, 1, 0, 2]
+    windows = [[1, 2, 3], [], [4] * 20, [], [5, 6], [8]]
+    rows = pack_decode_rows(
+        slots,
+        [7, 100, 101, 102, 1, 9],
+        [False, True, False, False, True, False],
+        counter_uniforms(slots, [3] * 6),
+        windows,
+        params.win_size,
+        offsets=offsets,
+        kinds=kinds,
+        feed=[True, False, False, False, False, False],
+    )
+    rows[5, 0] = 0
+    packed = torch.from_numpy(rows).to(dev)
+    tables = (lm.llm_embedding.weight, lm.embed_tokens.weight, lm.speech_embedding.weight)
+    inv_freq = rope_inv_freq(lm.dims.head_dim, lm.dims.rope_theta, dev)
+    got = decode_kernels.decode_prologue(packed, g._columns, g.last_ids, caches[0].lengths, tables, inv_freq, 5)
+    want = g._resolve_fed(unpack_decode_rows(packed))
+    for field in ("active", "tokens", "kinds", "slots", "offsets", "masked", "uniforms", "history", "feed"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert got.tokens[0] == 11 and got.history[0, -1] == 11  # the fed row took its slot's draw
+    embeds = lm.embed_kinds(want.kinds, want.tokens)
+    assert torch.equal(got.embeds, embeds)
+    pos = caches[0].lengths.index_select(0, want.slots).long() + want.offsets
+    assert got.pos.tolist() == [5, 9, 10, 11, 3, 7]
+    assert torch.equal(got.pos, pos)
+    assert torch.equal(got.write_slot, torch.where(want.active, want.slots, 5))
+    assert torch.equal(got.write_pos, torch.where(want.active, pos, 0))
+    cos, sin = rope_cos_sin(pos, lm.dims.head_dim, lm.dims.rope_theta)
+    torch.testing.assert_close(got.cos, cos, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got.sin, sin, atol=1e-6, rtol=0)
+    hidden = lm.decode_rows(caches[0], got, fused_linear=True, split_workspace=g._split_ws)
+    ref = lm.decode_step(
+        caches[1],
+        want.slots,
+        embeds,
+        active=want.active,
+        scratch_slot=5,
+        fused=True,
+        offsets=want.offsets,
+        fused_linear=True,
+        split_workspace=g._split_ws,
+    )
+    torch.testing.assert_close(hidden, ref, atol=2e-2, rtol=2e-2)
+    assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == [6, 12, 0, 4, 7, 0]
 
 
 @pytest.mark.requires_cuda

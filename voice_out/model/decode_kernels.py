@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from voice_out.model.launch import launch, pdl_options
+from voice_out.model.launch import launch, pdl_options, recording_active
 from voice_out.model.sampling import SamplingParams
 
 try:  # Triton comes with PyTorch's CUDA wheels; the CPU build has none (then: the eager path)
@@ -187,6 +187,89 @@ if triton is not None:
             m, l_sum, acc = _attend_block(q, keys, vals, n_ok, m, l_sum, acc, qk_scale)
         o = acc / l_sum[:, None]
         tl.store(out_ptr + b * stride_out + q_cols + d[None, :], o.to(out_ptr.dtype.element_ty), mask=g_ok)
+
+    @triton.jit
+    def _decode_prologue_kernel(  # type: ignore[no-untyped-def]
+        packed_ptr,
+        stride_p,
+        last_ptr,
+        len_ptr,
+        llm_ptr,
+        text_ptr,
+        speech_ptr,
+        inv_freq_ptr,
+        scratch_slot,
+        emb_ptr,
+        tok_ptr,
+        kind_ptr,
+        slot_ptr,
+        off_ptr,
+        pos_ptr,
+        wslot_ptr,
+        wpos_ptr,
+        active_ptr,
+        masked_ptr,
+        feed_ptr,
+        uni_ptr,
+        hist_ptr,
+        cos_ptr,
+        sin_ptr,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        W: tl.constexpr,
+        C_ACTIVE: tl.constexpr,
+        C_TOKEN: tl.constexpr,
+        C_KIND: tl.constexpr,
+        C_SLOT: tl.constexpr,
+        C_OFFSET: tl.constexpr,
+        C_MASKED: tl.constexpr,
+        C_UNIFORMS: tl.constexpr,
+        C_FEED: tl.constexpr,
+        C_HISTORY: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+    ):
+        """Row ``pid(0)`` of :func:`decode_prologue`."""
+        b = tl.program_id(0)
+        row = packed_ptr + b * stride_p
+        active = tl.load(row + C_ACTIVE) != 0
+        kind = tl.load(row + C_KIND)
+        slot = tl.load(row + C_SLOT)
+        off = tl.load(row + C_OFFSET)
+        feed = tl.load(row + C_FEED) != 0
+        # a fed row's id is its slot's latest draw (the host packed a placeholder)
+        token = tl.where(feed, tl.load(last_ptr + slot), tl.load(row + C_TOKEN))
+        pos = tl.load(len_ptr + slot).to(tl.int64) + off
+        tl.store(tok_ptr + b, token)
+        tl.store(kind_ptr + b, kind)
+        tl.store(slot_ptr + b, slot)
+        tl.store(off_ptr + b, off)
+        tl.store(pos_ptr + b, pos)
+        tl.store(wslot_ptr + b, tl.where(active, slot, scratch_slot))
+        tl.store(wpos_ptr + b, tl.where(active, pos, 0))
+        tl.store(active_ptr + b, active)
+        tl.store(masked_ptr + b, tl.load(row + C_MASKED) != 0)
+        tl.store(feed_ptr + b, feed)
+        two = tl.arange(0, 2)
+        bits = tl.load(row + C_UNIFORMS + two)
+        tl.store(uni_ptr + b * 2 + two, bits.to(tl.float64, bitcast=True).to(tl.float32))
+        w = tl.arange(0, BLOCK_W)
+        hist = tl.load(row + C_HISTORY + w, mask=w < W, other=0)
+        hist = tl.where(feed & (w == W - 1), token, hist)
+        tl.store(hist_ptr + b * W + w, hist, mask=w < W)
+        # the row's embedding from the table of its kind (each table read only by its kind)
+        h = tl.arange(0, BLOCK_H)
+        h_ok = h < H
+        e_speech = tl.load(speech_ptr + token * H + h, mask=h_ok & (kind == 2), other=0.0)
+        e_text = tl.load(text_ptr + token * H + h, mask=h_ok & (kind == 1), other=0.0)
+        e_llm = tl.load(llm_ptr + token * H + h, mask=h_ok & (kind == 0), other=0.0)
+        emb = tl.where(kind == 2, e_speech, tl.where(kind == 1, e_text, e_llm))
+        tl.store(emb_ptr + b * H + h, emb, mask=h_ok)
+        # RoPE angles as rope_cos_sin makes them: float32 position x inverse frequency, twice
+        d = tl.arange(0, D)
+        angle = pos.to(tl.float32) * tl.load(inv_freq_ptr + d % (D // 2))
+        tl.store(cos_ptr + b * D + d, tl.cos(angle))
+        tl.store(sin_ptr + b * D + d, tl.sin(angle))
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, N: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -484,6 +567,150 @@ def rope_append_attend(
         **pdl_options(pdl),
     )
     return out
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """One decode step's rows on the device, made from its packed host rows by
+    :func:`decode_prologue`: int64 ``[B]`` ``tokens`` (a fed row's resolved), ``kinds``,
+    ``slots``, ``offsets``, ``pos`` (the slot's length plus the offset), ``write_slot`` and
+    ``write_pos`` (an inactive row's go to the scratch slot's position 0); bool ``[B]``
+    ``active``, ``masked``, ``feed``; float32 ``uniforms`` ``[B, 2]``; int64 ``history``
+    ``[B, W]`` (a fed row's last id resolved); the embeddings ``embeds`` ``[B, H]``; float32
+    ``cos``/``sin`` ``[B, D]`` of ``pos`` (:func:`voice_out.model.qwen2.rope_cos_sin`)."""
+
+    tokens: Tensor
+    kinds: Tensor
+    slots: Tensor
+    offsets: Tensor
+    pos: Tensor
+    write_slot: Tensor
+    write_pos: Tensor
+    active: Tensor
+    masked: Tensor
+    feed: Tensor
+    uniforms: Tensor
+    history: Tensor
+    embeds: Tensor
+    cos: Tensor
+    sin: Tensor
+
+
+@dataclass(frozen=True)
+class PackedColumns:
+    """Where a packed decode row keeps each field (``voice_out.model.llm_graphs``' layout):
+    the column of each scalar, of the two uniforms' float64 bits, and of the first of the
+    ``win`` history ids."""
+
+    active: int
+    token: int
+    kind: int
+    slot: int
+    offset: int
+    masked: int
+    uniforms: int
+    feed: int
+    history: int
+    win: int
+
+
+def decode_prologue(
+    packed: Tensor,
+    columns: PackedColumns,
+    last_ids: Tensor,
+    lengths: Tensor,
+    tables: tuple[Tensor, Tensor, Tensor],
+    inv_freq: Tensor,
+    scratch_slot: int,
+) -> StepRows:
+    """Everything a fused decode step computes from its packed rows before its first layer,
+    in ONE kernel (one program per row; the torch form is ~40 small kernels): unpacking, a fed
+    row's id from ``last_ids`` (int64 ``[S]``), positions from ``lengths`` (``[S]``), the
+    scratch writes of inactive rows, the embedding of each row's kind from ``tables`` =
+    (``llm_embedding``, ``embed_tokens``, ``speech_embedding``) weights (kind 0, 1, 2), and
+    RoPE's cos/sin from ``inv_freq`` float32 ``[D / 2]``.
+
+    ``packed`` int64 ``[B, columns.history + columns.win]``, rows contiguous. Reads nothing
+    the step writes, so it runs first; launched as usual (not dependent). CUDA with Triton."""
+    b, width = packed.shape
+    if packed.dtype != torch.int64 or packed.stride(1) != 1 or width < columns.history + columns.win:
+        raise ValueError(f"decode_prologue: packed rows must be int64 [B, >= {columns.history + columns.win}]")
+    llm, text, speech = tables
+    hidden = speech.shape[1]
+    d = 2 * inv_freq.shape[0]
+    dev = packed.device
+    # one row per field, each 16-byte aligned whatever B is (Triton specialises a kernel on
+    # its pointers' alignment: one compile then serves every batch bucket)
+    width = -(-b // 16) * 16
+    longs = torch.empty(7, width, dtype=torch.long, device=dev)[:, :b]
+    flags = torch.empty(3, width, dtype=torch.bool, device=dev)[:, :b]
+    if recording_active():
+        # the kernel is recorded, not run: rows that index nothing but the scratch slot, inactive,
+        # for the torch ops after it (a start-up dry run, voice_out.engine.kernels)
+        longs.zero_()
+        longs[[2, 5]] = scratch_slot
+        flags.zero_()
+    rows = StepRows(
+        tokens=longs[0],
+        kinds=longs[1],
+        slots=longs[2],
+        offsets=longs[3],
+        pos=longs[4],
+        write_slot=longs[5],
+        write_pos=longs[6],
+        active=flags[0],
+        masked=flags[1],
+        feed=flags[2],
+        uniforms=torch.empty(b, 2, dtype=torch.float32, device=dev),
+        history=torch.empty(b, columns.win, dtype=torch.long, device=dev),
+        embeds=torch.empty(b, hidden, dtype=speech.dtype, device=dev),
+        cos=torch.empty(b, d, dtype=torch.float32, device=dev),
+        sin=torch.empty(b, d, dtype=torch.float32, device=dev),
+    )
+    kernel: Any = _decode_prologue_kernel
+    launch(
+        kernel,
+        (b,),
+        packed,
+        packed.stride(0),
+        last_ids,
+        lengths,
+        llm,
+        text,
+        speech,
+        inv_freq,
+        scratch_slot,
+        rows.embeds,
+        rows.tokens,
+        rows.kinds,
+        rows.slots,
+        rows.offsets,
+        rows.pos,
+        rows.write_slot,
+        rows.write_pos,
+        rows.active,
+        rows.masked,
+        rows.feed,
+        rows.uniforms,
+        rows.history,
+        rows.cos,
+        rows.sin,
+        H=hidden,
+        D=d,
+        W=columns.win,
+        C_ACTIVE=columns.active,
+        C_TOKEN=columns.token,
+        C_KIND=columns.kind,
+        C_SLOT=columns.slot,
+        C_OFFSET=columns.offset,
+        C_MASKED=columns.masked,
+        C_UNIFORMS=columns.uniforms,
+        C_FEED=columns.feed,
+        C_HISTORY=columns.history,
+        BLOCK_H=triton.next_power_of_2(hidden),
+        BLOCK_W=max(16, triton.next_power_of_2(columns.win)),
+    )
+    return rows
 
 
 def silu_mul(x: Tensor) -> Tensor:

@@ -72,6 +72,11 @@ def recording() -> Iterator[list[Launch]]:
         _recorded = None
 
 
+def recording_active() -> bool:
+    """Whether launches are being recorded (and not run) now: see :func:`recording`."""
+    return _recorded is not None
+
+
 def dependent_launch_available(device: torch.device | str) -> bool:
     """True if Triton kernels can be launched programmatically dependent on ``device``
     (:func:`pdl_options`): a CUDA device of compute capability 9.0 or later (Hopper) and a

@@ -41,6 +41,7 @@ capture runs the step on scratch inputs. GPU worker thread only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -54,7 +55,7 @@ from voice_out.model import decode_kernels
 from voice_out.model.cuda_graphs import GraphedFn
 from voice_out.model.launch import dependent_launch_available
 from voice_out.model.llm_inputs import KIND_SPEECH
-from voice_out.model.qwen2 import Block, KVCache, SpeechLM, attend, group_mask, rope_cos_sin
+from voice_out.model.qwen2 import Block, KVCache, SpeechLM, attend, group_mask, rope_cos_sin, rope_inv_freq
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, mask_eos_, ras_sample_batch
 from voice_out.model.transfer import to_device
 
@@ -297,6 +298,20 @@ class GraphedLLM:
                 self._head_bias[:vocab] = head.bias.detach()
         self._decode_windows = (cache.max_len,) if self.fused else self.decode_windows
         self._cols = decode_cols(sampling.win_size)
+        # what the fused step's prologue kernel reads: the packed layout, RoPE's frequencies
+        self._columns = decode_kernels.PackedColumns(
+            COL_ACTIVE,
+            COL_TOKEN,
+            COL_KIND,
+            COL_SLOT,
+            COL_OFFSET,
+            COL_MASKED,
+            COL_UNIFORMS,
+            COL_FEED,
+            COL_HISTORY,
+            sampling.win_size,
+        )
+        self._inv_freq = rope_inv_freq(dims.head_dim, dims.rope_theta, self.device)
         # an idle row: inactive, on the scratch slot, EOS masked, uniforms 0.5, empty window
         idle = pack_decode_rows([self.scratch_slot], [0], [True], np.full((1, 2), 0.5), [[]], sampling.win_size)
         idle[:, COL_ACTIVE] = 0
@@ -355,6 +370,17 @@ class GraphedLLM:
 
     def _decode_fn(self, window: int, packed: Tensor) -> Tensor:
         # idle rows append nothing: their writes go to the scratch slot
+        if self.fused:
+            lm = self.lm
+            tables = (lm.llm_embedding.weight, lm.embed_tokens.weight, lm.speech_embedding.weight)
+            prepared = decode_kernels.decode_prologue(
+                packed, self._columns, self.last_ids, self.cache.lengths, tables, self._inv_freq, self.scratch_slot
+            )
+            hidden = lm.decode_rows(
+                self.cache, prepared, fused_linear=self.fused_linear, split_workspace=self._split_ws, pdl=self.pdl
+            )
+            fields = {f.name: getattr(prepared, f.name) for f in dataclasses.fields(DecodeInputs)}
+            return self.sample(hidden, DecodeInputs(**fields))
         rows = self._resolve_fed(unpack_decode_rows(packed))
         embeds = self.lm.embed_kinds(rows.kinds, rows.tokens)
         hidden = self.lm.decode_step(

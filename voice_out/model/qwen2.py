@@ -206,9 +206,14 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> Tensor:
+    """RoPE's inverse frequencies, float32 ``[head_dim / 2]``."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+
+
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
     """float32 ``cos``, ``sin`` of shape ``positions.shape + (head_dim,)`` (angles repeated twice)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, positions.device)
     freqs = positions.float()[..., None] * inv_freq  # [..., head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -475,10 +480,42 @@ class SpeechLM(nn.Module):
             h = self._layers_fused(cache, h, pos, slot_idx, offs, write_slot, write_pos, linear, split_workspace, pdl)
         else:
             h = self._layers_eager(cache, slots, h, pos, write_slot, write_pos, window)
-        step = (
-            torch.ones_like(slot_idx, dtype=cache.lengths.dtype) if active is None else active.to(cache.lengths.dtype)
+        return self._advance(cache, h, slot_idx, active)
+
+    @torch.no_grad()
+    def decode_rows(
+        self,
+        cache: KVCache,
+        rows: decode_kernels.StepRows,
+        fused_linear: bool = False,
+        split_workspace: decode_kernels.SplitWorkspace | None = None,
+        pdl: bool = False,
+    ) -> Tensor:
+        """:meth:`decode_step` with ``fused``, for rows whose slots, positions, scratch writes,
+        embeddings and RoPE angles ``decode_kernels.decode_prologue`` made on the device (one
+        kernel where :meth:`decode_step` computes them with ~30): ``rows.embeds`` ``[B, H]``
+        -> final-norm hidden states ``[B, H]``; the other options as :meth:`decode_step`'s.
+        Graph-capturable, no host sync."""
+        linear = fused_linear and rows.embeds.shape[0] <= decode_kernels.LINEAR_MAX_ROWS
+        h = self._layers_fused(
+            cache,
+            rows.embeds,
+            rows.pos,
+            rows.slots,
+            rows.offsets,
+            rows.write_slot,
+            rows.write_pos,
+            linear,
+            split_workspace,
+            pdl,
+            rope=(rows.cos, rows.sin),
         )
-        cache.lengths.index_add_(0, slot_idx, step)
+        return self._advance(cache, h, rows.slots, rows.active)
+
+    def _advance(self, cache: KVCache, h: Tensor, slots: Tensor, active: Tensor | None) -> Tensor:
+        """Count each active row's position into its slot's length; the final norm of ``h``."""
+        step = torch.ones_like(slots, dtype=cache.lengths.dtype) if active is None else active.to(cache.lengths.dtype)
+        cache.lengths.index_add_(0, slots, step)
         return self.norm(h)
 
     def _layers_eager(
@@ -538,8 +575,10 @@ class SpeechLM(nn.Module):
         linear: bool = False,
         split_workspace: decode_kernels.SplitWorkspace | None = None,
         pdl: bool = False,
+        rope: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """The decode step's layers with the Triton kernels (row b of ``slot[b]``); h ``[B, H]``.
+        """The decode step's layers with the Triton kernels (row b of ``slot[b]``); h ``[B, H]``;
+        ``rope``: the rows' float32 cos/sin ``[B, D]`` (None: made here from ``pos``).
 
         Per layer 7 kernels: norm, qkv GEMM, RoPE + K/V append + attention, wo GEMM with the
         residual, norm, w13 GEMM, silu * up, w2 GEMM with the residual. The residual GEMMs run
@@ -553,7 +592,7 @@ class SpeechLM(nn.Module):
         launched programmatically dependent (``decode_step``).
         """
         dims = self.dims
-        cos, sin = rope_cos_sin(pos, dims.head_dim, dims.rope_theta)  # [B, D] float32, per step
+        cos, sin = rope if rope is not None else rope_cos_sin(pos, dims.head_dim, dims.rope_theta)  # [B, D], per step
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, Block)
             attn, mlp = layer.attn, layer.mlp
