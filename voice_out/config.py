@@ -126,6 +126,9 @@ class EngineConfig:
     #: the attention mask inside the GEMM and attention kernels), where Triton can run them
     #: (CUDA, bf16/fp16); else the plain-torch estimator.
     fused_flow: bool = True
+    #: The vocoder's Snake activations as one Triton kernel each (seven torch kernels each
+    #: otherwise), where Triton can run it (CUDA); else the torch form.
+    fused_vocoder: bool = True
     #: Batch buckets for graph capture; a decode step of n rows runs in the smallest bucket >= n
     #: (the largest: max_streams + batched_input_rows).
     graph_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)

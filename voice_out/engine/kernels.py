@@ -115,8 +115,8 @@ def dry_run_ends(flow: Flow, n_prompt: int) -> list[int]:
 def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
     """The Triton launches of a re-run chunk, a batched chunk and a final chunk (graphed and
     eager) of the flow for ``voice``'s prompt length, each at the chunk ends of
-    :func:`dry_run_ends`, and of a decode step, recorded (not run: nothing they compute is
-    kept, and nothing is written to any stream's state)."""
+    :func:`dry_run_ends`, of a vocoder call and of a decode step, recorded (not run: nothing
+    they compute is kept, and nothing is written to any stream's state)."""
     flow = runner.t2w.flow
     if not isinstance(flow, Flow):
         return []
@@ -140,6 +140,8 @@ def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
             # a final chunk of a length start-up did not capture runs eagerly: full attention,
             # no key padding (another specialisation of the attention kernel)
             flow.inference(final, prompt, feat, emb, streaming=False, finalize=True)
+        # the vocoder's Snake kernels (a compile per channel count; lengths are not specialised)
+        runner.t2w.hift(torch.zeros(1, d.n_mels, 8, device=dev))
         if runner.graphed.fused:
             # idle rows: nothing is appended to the cache. One row (the fused linears), and
             # the buckets past them (the library's GEMMs with the MLP gate kernel)

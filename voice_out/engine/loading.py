@@ -169,6 +169,8 @@ def build_engine(
             log.info("engine: flow estimator with fused kernels")
         elif ec.fused_flow and torch.device(device).type == "cuda":
             log.info("engine: fused flow kernels unavailable here (need Triton and bf16/fp16): plain-torch flow")
+        if hift.use_kernels(ec.fused_vocoder):
+            log.info("engine: vocoder with fused Snake kernels")
         t2w = Token2Wav(flow, hift, device=device)
         # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere); the first-chunk
         # lane's graphs apart when first chunks run beside the others (engine.first_chunk_lane)
