@@ -83,9 +83,15 @@ def _reference_layer(
     return out.reshape(b, hq * d).to(dtype), k, v
 
 
+def _workspace(splits: int, rows: int, hq: int, hkv: int, d: int) -> decode_kernels.AttentionWorkspace | None:
+    return decode_kernels.AttentionWorkspace.allocate("cuda", rows, hq, hkv, d, splits) if splits > 1 else None
+
+
 @pytest.mark.requires_cuda
+@pytest.mark.parametrize("splits", [1, 3, 4])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(14, 2, 64), (4, 2, 16), (8, 8, 128)])
-def test_rope_append_attend_equals_torch(hq: int, hkv: int, d: int) -> None:
+def test_rope_append_attend_equals_torch(hq: int, hkv: int, d: int, splits: int) -> None:
+    """Also with each row's cached keys split over several programs (``splits``)."""
     dev, dtype = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(hq + d)
     pos = [0, 1, 63, 64, 65, 300]  # empty, block edges, several blocks
@@ -104,10 +110,12 @@ def test_rope_append_attend_equals_torch(hq: int, hkv: int, d: int) -> None:
     expect_k, expect_v = k_cache.clone(), v_cache.clone()
     cos, sin = rope_cos_sin(pos_t, d, 1e6)
     zeros = torch.zeros_like(pos_t)
+    ws = _workspace(splits, b, hq, hkv, d)
     got = decode_kernels.rope_append_attend(
-        qkv, k_cache, v_cache, cos, sin, pos_t, slot, zeros, write_slot, write_pos, hq, hkv
+        qkv, k_cache, v_cache, cos, sin, pos_t, slot, zeros, write_slot, write_pos, hq, hkv, workspace=ws, splits=splits
     )
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert ws is None or int(ws.counters.abs().sum()) == 0  # left ready for the next launch
     for row in range(b):
         if bool(active[row]):
             expect_k[row, :, pos[row]] = k_new[row]
@@ -122,8 +130,9 @@ def test_rope_append_attend_equals_torch(hq: int, hkv: int, d: int) -> None:
 
 
 @pytest.mark.requires_cuda
+@pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(14, 2, 64), (4, 2, 16)])
-def test_rope_append_attend_runs_of_rows_equal_torch(hq: int, hkv: int, d: int) -> None:
+def test_rope_append_attend_runs_of_rows_equal_torch(hq: int, hkv: int, d: int, splits: int) -> None:
     """Runs of rows feeding one slot (offsets 0, 1, ..) attend causally over the slot and the
     run's earlier rows, whose keys this launch is still writing; a run longer than a block of
     keys (70 rows) included, and runs in any slot order beside lone decode rows."""
@@ -143,7 +152,20 @@ def test_rope_append_attend_runs_of_rows_equal_torch(hq: int, hkv: int, d: int) 
     cos, sin = rope_cos_sin(t(pos), d, 1e6)
     expect_v = v_cache.clone()
     got = decode_kernels.rope_append_attend(
-        qkv, k_cache, v_cache, cos, sin, t(pos), t(slots), t(offsets), t(slots), t(pos), hq, hkv
+        qkv,
+        k_cache,
+        v_cache,
+        cos,
+        sin,
+        t(pos),
+        t(slots),
+        t(offsets),
+        t(slots),
+        t(pos),
+        hq,
+        hkv,
+        workspace=_workspace(splits, b, hq, hkv, d),
+        splits=splits,
     )
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     for row in range(b):

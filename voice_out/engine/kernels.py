@@ -143,12 +143,19 @@ def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
         # the vocoder's Snake kernels (a compile per channel count; lengths are not specialised)
         runner.t2w.hift(torch.zeros(1, d.n_mels, 8, device=dev))
         if runner.graphed.fused:
-            # idle rows: nothing is appended to the cache. One row (the fused linears), and
-            # the buckets past them (the library's GEMMs with the MLP gate kernel)
-            runner.graphed.decode_eagerly()
-            big = [b for b in runner.graphed.decode_buckets if b > decode_kernels.LINEAR_MAX_ROWS]
+            # idle rows: nothing is appended to the cache. One row (the fused linears), the
+            # buckets past them (the library's GEMMs with the MLP gate kernel), and a bucket of
+            # every other split of the attention's keys
+            buckets = runner.graphed.decode_buckets
+            runs = [1]
+            big = [b for b in buckets if b > decode_kernels.LINEAR_MAX_ROWS]
             if runner.graphed.fused_linear and big:
-                runner.graphed.decode_eagerly(big[0])
+                runs.append(big[0])
+            for b in buckets:
+                if decode_kernels.attention_splits(b) not in {decode_kernels.attention_splits(r) for r in runs}:
+                    runs.append(b)
+            for b in runs:
+                runner.graphed.decode_eagerly(b)
     return launches
 
 

@@ -62,6 +62,13 @@ except ImportError:  # pragma: no cover - depends on the install
 
 #: Keys per block of the attention loop.
 BLOCK_KEYS = 64
+#: Programs per row and kv head that share a row's cached keys (:func:`rope_append_attend`
+#: with an :class:`AttentionWorkspace`), by the step's rows: (at most this many rows, splits);
+#: past the last entry, one program. Measured on an H100 (``scripts/bench_llm_step.py``'s
+#: chained step, the dependent launch on): at 900 cached positions 969 -> 824 us a step at 1
+#: row with 8 splits; at 280 positions no change. At 16 rows 4 splits took 1027 -> 942 us at
+#: 900 positions but 868 -> 883 us at 280 (a new stream's first audio): not split.
+ATTENTION_SPLITS: tuple[tuple[int, int], ...] = ((4, 8),)
 #: Widest group of query heads per kv head one program holds (rows padded to >= 16 for tl.dot).
 MAX_GROUP = 64
 #: ``ras_sample``: the vocabulary ids must fit the key's low bits, and top-k one register row.
@@ -121,6 +128,8 @@ if triton is not None:
         wpos_ptr,
         out_ptr,
         stride_out,
+        p_ptr,
+        c_ptr,
         qk_scale,
         HQ: tl.constexpr,
         HKV: tl.constexpr,
@@ -128,10 +137,18 @@ if triton is not None:
         GP: tl.constexpr,
         D: tl.constexpr,
         BLOCK: tl.constexpr,
+        SPLITS: tl.constexpr,
         PDL: tl.constexpr,
     ):
+        """Row ``pid(0)``, kv head ``pid(1)`` (see :func:`rope_append_attend`). SPLITS > 1:
+        program ``pid(2)`` attends over its share of the cached keys only (the last share
+        also over the new key and the run's earlier rows), stores its online-softmax state
+        (max, sum, accumulator) at ``p`` and counts itself in at the row's and head's counter
+        ``c``; the last to arrive merges the states in split order (the same result whichever
+        program is last), writes the output and sets the counter back to 0."""
         b = tl.program_id(0)
         h = tl.program_id(1)
+        sp = tl.program_id(2)
         await_previous(PDL)
         half: tl.constexpr = D // 2
         d = tl.arange(0, D)
@@ -151,20 +168,28 @@ if triton is not None:
         k_new = k_new.to(k_cache_ptr.dtype.element_ty)
         v_new = tl.load(row + (HQ + HKV + h) * D + d)
         w_at = tl.load(wslot_ptr + b) * stride_slot + h * stride_head + tl.load(wpos_ptr + b) * stride_pos
-        tl.store(k_cache_ptr + w_at + d, k_new)
-        tl.store(v_cache_ptr + w_at + d, v_new)
+        # the last share takes the new key (and writes it; no other program reads it)
+        last_share = sp == SPLITS - 1
+        if last_share:
+            tl.store(k_cache_ptr + w_at + d, k_new)
+            tl.store(v_cache_ptr + w_at + d, v_new)
 
         # online softmax in base 2 (qk_scale holds log2(e) / sqrt(D)); the new key first
         s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
-        m = s_new
-        l_sum = tl.full([GP], 1.0, tl.float32)
-        acc = tl.zeros([GP, D], tl.float32) + v_new.to(tl.float32)[None, :]
+        m = tl.where(last_share, s_new, float("-inf"))
+        l_sum = tl.where(last_share, tl.full([GP], 1.0, tl.float32), 0.0)
+        acc = tl.where(last_share, tl.zeros([GP, D], tl.float32) + v_new.to(tl.float32)[None, :], 0.0)
         off = tl.load(off_ptr + b)
         cached = tl.load(pos_ptr + b) - off  # keys already in the cache; then the group's rows
         base = tl.load(slot_ptr + b) * stride_slot + h * stride_head
-        for start in range(0, cached, BLOCK):
+        # this program's share of the cached keys: whole blocks, the last share the rest
+        share = tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK) * BLOCK
+        lo = sp * share
+        hi = tl.minimum(lo + share, cached)
+        off = tl.where(last_share, off, 0)
+        for start in range(lo, hi, BLOCK):
             n = start + tl.arange(0, BLOCK)
-            n_ok = n < cached
+            n_ok = n < hi
             at = base + n[:, None] * stride_pos + d[None, :]
             keys = tl.load(k_cache_ptr + at, mask=n_ok[:, None], other=0.0)
             vals = tl.load(v_cache_ptr + at, mask=n_ok[:, None], other=0.0)
@@ -185,8 +210,33 @@ if triton is not None:
             keys = (k_r * r_cos + k_rp * r_sin).to(k_cache_ptr.dtype.element_ty)
             vals = tl.load(r_row + (HQ + HKV + h) * D + d[None, :], mask=n_ok[:, None], other=0.0)
             m, l_sum, acc = _attend_block(q, keys, vals, n_ok, m, l_sum, acc, qk_scale)
-        o = acc / l_sum[:, None]
-        tl.store(out_ptr + b * stride_out + q_cols + d[None, :], o.to(out_ptr.dtype.element_ty), mask=g_ok)
+        done = True
+        if SPLITS > 1:
+            state = p_ptr + (b * HKV + h) * SPLITS * GP * (D + 2)  # per share: acc [GP, D], max, sum
+            mine = state + sp * GP * (D + 2)
+            tl.store(mine + g[:, None] * D + d[None, :], acc)
+            tl.store(mine + GP * D + g, m)
+            tl.store(mine + GP * (D + 1) + g, l_sum)
+            # every thread's store issued before the count (then released at GPU scope)
+            tl.debug_barrier()
+            counter = c_ptr + b * HKV + h
+            done = tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1
+            if done:
+                # past L1: the states were written by other SMs
+                m = tl.full([GP], float("-inf"), tl.float32)
+                for i in tl.static_range(SPLITS):
+                    m = tl.maximum(m, tl.load(state + i * GP * (D + 2) + GP * D + g, cache_modifier=".cg"))
+                l_sum = tl.zeros([GP], tl.float32)
+                acc = tl.zeros([GP, D], tl.float32)
+                for i in tl.static_range(SPLITS):
+                    at_i = state + i * GP * (D + 2)
+                    scale = tl.exp2(tl.load(at_i + GP * D + g, cache_modifier=".cg") - m)
+                    l_sum += tl.load(at_i + GP * (D + 1) + g, cache_modifier=".cg") * scale
+                    acc += tl.load(at_i + g[:, None] * D + d[None, :], cache_modifier=".cg") * scale[:, None]
+                tl.atomic_xchg(counter, 0)
+        if done:
+            o = acc / l_sum[:, None]
+            tl.store(out_ptr + b * stride_out + q_cols + d[None, :], o.to(out_ptr.dtype.element_ty), mask=g_ok)
 
     @triton.jit
     def _decode_prologue_kernel(  # type: ignore[no-untyped-def]
@@ -508,6 +558,8 @@ def rope_append_attend(
     n_heads: int,
     n_kv_heads: int,
     pdl: bool = False,
+    workspace: AttentionWorkspace | None = None,
+    splits: int = 1,
 ) -> Tensor:
     """RoPE, K/V append and decode attention of one layer, one kernel (see module docstring).
 
@@ -521,6 +573,9 @@ def rope_append_attend(
       keys, taken from ``qkv`` (the cache holds the rest);
       ``write_slot``/``write_pos`` int64 ``[B]``: where the new k/v go.
     * ``pdl``: launch it programmatically dependent (``voice_out.model.launch``).
+    * ``workspace``, ``splits``: each row's cached keys are split over ``splits`` programs per
+      kv head, whose softmax states the last of them merges in a fixed order (more SMs for a
+      step of few rows, :func:`attention_splits`); without a workspace, one program.
 
     Returns the attention output ``[B, Hq * D]`` (head-major, as ``wo`` takes it), qkv's dtype.
     Graph-capturable: no host sync, shapes fixed by B. CUDA with Triton only (:func:`available`).
@@ -536,7 +591,16 @@ def rope_append_attend(
     if any(t.dim() != 1 or not t.is_contiguous() for t in (pos, slot, offset, write_slot, write_pos)):
         raise ValueError("rope_append_attend: pos, slot, offset, write_slot and write_pos must be contiguous [B]")
     out = torch.empty(b, n_heads * d, device=qkv.device, dtype=qkv.dtype)
-    grid = (b, n_kv_heads)
+    gp = max(16, triton.next_power_of_2(group))
+    states = counters = out
+    if workspace is None:
+        splits = 1
+    elif splits > 1:
+        need = b * n_kv_heads * splits * gp * (d + 2)
+        if workspace.states.numel() < need or workspace.counters.numel() < b * n_kv_heads:
+            raise ValueError(f"rope_append_attend: the workspace does not fit {b} rows x {splits} splits")
+        states, counters = workspace.states, workspace.counters
+    grid = (b, n_kv_heads, splits)
     kernel: Any = _rope_append_attend_kernel
     launch(
         kernel,
@@ -557,16 +621,58 @@ def rope_append_attend(
         write_pos,
         out,
         out.stride(0),
+        states,
+        counters,
         math.log2(math.e) / math.sqrt(d),
         HQ=n_heads,
         HKV=n_kv_heads,
         G=group,
-        GP=max(16, triton.next_power_of_2(group)),
+        GP=gp,
         D=d,
         BLOCK=BLOCK_KEYS,
+        SPLITS=splits,
         **pdl_options(pdl),
     )
     return out
+
+
+@dataclass(frozen=True)
+class AttentionWorkspace:
+    """What :func:`rope_append_attend` with split keys needs between its programs: each
+    program's float32 softmax state (accumulator, max and sum of its padded query group) and
+    one int32 arrival counter per row and kv head, zero between launches (each launch leaves
+    them so). One launch at a time may use a workspace: launches on one stream, or their own."""
+
+    states: Tensor
+    counters: Tensor
+
+    @classmethod
+    def allocate(
+        cls, device: torch.device | str, rows: int, n_heads: int, n_kv_heads: int, head_dim: int, splits: int
+    ) -> AttentionWorkspace:
+        """For steps of up to ``rows`` rows of a model with these heads, ``splits`` programs each."""
+        return cls._sized(device, rows * splits, rows, n_heads, n_kv_heads, head_dim)
+
+    @classmethod
+    def for_steps(cls, device: torch.device | str, n_heads: int, n_kv_heads: int, head_dim: int) -> AttentionWorkspace:
+        """For every step that :data:`ATTENTION_SPLITS` splits, with its splits."""
+        programs = max(rows * splits for rows, splits in ATTENTION_SPLITS)
+        rows = max(rows for rows, _ in ATTENTION_SPLITS)
+        return cls._sized(device, programs, rows, n_heads, n_kv_heads, head_dim)
+
+    @classmethod
+    def _sized(
+        cls, device: torch.device | str, programs: int, rows: int, n_heads: int, n_kv_heads: int, head_dim: int
+    ) -> AttentionWorkspace:
+        """States for ``programs`` programs per kv head, counters for ``rows`` rows."""
+        gp = max(16, 1 << (n_heads // n_kv_heads - 1).bit_length())  # the kernel's padded group
+        states = torch.empty(programs * n_kv_heads * gp * (head_dim + 2), device=device, dtype=torch.float32)
+        return cls(states, torch.zeros(rows * n_kv_heads, device=device, dtype=torch.int32))
+
+
+def attention_splits(rows: int) -> int:
+    """Programs sharing each row's cached keys in a step of ``rows`` rows (:data:`ATTENTION_SPLITS`)."""
+    return next((s for most, s in ATTENTION_SPLITS if rows <= most), 1)
 
 
 @dataclass(frozen=True)

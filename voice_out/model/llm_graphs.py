@@ -285,6 +285,13 @@ class GraphedLLM:
             if self.fused and fused_linear
             else None
         )
+        #: With :attr:`fused`: the split attention's softmax states and counters (steps of the
+        #: row counts ``decode_kernels.ATTENTION_SPLITS`` names), shared as the above.
+        self._attn_ws = (
+            decode_kernels.AttentionWorkspace.for_steps(self.device, dims.n_heads, dims.n_kv_heads, dims.head_dim)
+            if self.fused
+            else None
+        )
         if self.fused:
             # The head as a GEMM of a whole number of 64-row tiles (6564 outputs ran a slow
             # 2-aligned kernel: 12 us of a 1.5 ms step); the sampler reads the first V columns.
@@ -377,7 +384,12 @@ class GraphedLLM:
                 packed, self._columns, self.last_ids, self.cache.lengths, tables, self._inv_freq, self.scratch_slot
             )
             hidden = lm.decode_rows(
-                self.cache, prepared, fused_linear=self.fused_linear, split_workspace=self._split_ws, pdl=self.pdl
+                self.cache,
+                prepared,
+                fused_linear=self.fused_linear,
+                split_workspace=self._split_ws,
+                pdl=self.pdl,
+                attention_workspace=self._attn_ws,
             )
             fields = {f.name: getattr(prepared, f.name) for f in dataclasses.fields(DecodeInputs)}
             return self.sample(hidden, DecodeInputs(**fields))

@@ -490,12 +490,14 @@ class SpeechLM(nn.Module):
         fused_linear: bool = False,
         split_workspace: decode_kernels.SplitWorkspace | None = None,
         pdl: bool = False,
+        attention_workspace: decode_kernels.AttentionWorkspace | None = None,
     ) -> Tensor:
         """:meth:`decode_step` with ``fused``, for rows whose slots, positions, scratch writes,
         embeddings and RoPE angles ``decode_kernels.decode_prologue`` made on the device (one
         kernel where :meth:`decode_step` computes them with ~30): ``rows.embeds`` ``[B, H]``
         -> final-norm hidden states ``[B, H]``; the other options as :meth:`decode_step`'s.
-        Graph-capturable, no host sync."""
+        ``attention_workspace``: each row's cached keys split over ``decode_kernels.
+        attention_splits`` programs (``rope_append_attend``). Graph-capturable, no host sync."""
         linear = fused_linear and rows.embeds.shape[0] <= decode_kernels.LINEAR_MAX_ROWS
         h = self._layers_fused(
             cache,
@@ -509,6 +511,7 @@ class SpeechLM(nn.Module):
             split_workspace,
             pdl,
             rope=(rows.cos, rows.sin),
+            attention_workspace=attention_workspace,
         )
         return self._advance(cache, h, rows.slots, rows.active)
 
@@ -576,9 +579,11 @@ class SpeechLM(nn.Module):
         split_workspace: decode_kernels.SplitWorkspace | None = None,
         pdl: bool = False,
         rope: tuple[Tensor, Tensor] | None = None,
+        attention_workspace: decode_kernels.AttentionWorkspace | None = None,
     ) -> Tensor:
         """The decode step's layers with the Triton kernels (row b of ``slot[b]``); h ``[B, H]``;
-        ``rope``: the rows' float32 cos/sin ``[B, D]`` (None: made here from ``pos``).
+        ``rope``: the rows' float32 cos/sin ``[B, D]`` (None: made here from ``pos``);
+        ``attention_workspace``: the attention's keys split (``rope_append_attend``).
 
         Per layer 7 kernels: norm, qkv GEMM, RoPE + K/V append + attention, wo GEMM with the
         residual, norm, w13 GEMM, silu * up, w2 GEMM with the residual. The residual GEMMs run
@@ -615,6 +620,8 @@ class SpeechLM(nn.Module):
                 dims.n_heads,
                 dims.n_kv_heads,
                 pdl=pdl,
+                workspace=attention_workspace,
+                splits=decode_kernels.attention_splits(h.shape[0]),
             )
             if linear:
                 # in place but at layer 0, whose h is the caller's embeddings
