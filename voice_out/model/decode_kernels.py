@@ -17,6 +17,12 @@ MLP's gate in one kernel instead of two.
   which this launch is still writing, so the program recomputes them from their q/k/v rows
   instead of reading the cache. The loops run to ``pos[b]``, not over a static window: one
   graph serves every length.
+  In a step of few rows (:data:`ATTENTION_SPLITS`) each row's cached keys are split over
+  several programs per kv head, the last merging their softmax states in a fixed order
+  (:class:`AttentionWorkspace`).
+* ``decode_prologue``: everything a fused step computes from its packed host rows before its
+  first layer (unpacking, a fed row's id, the embedding of each row's kind, positions, scratch
+  writes, RoPE's cos/sin) in one kernel, where the torch form is ~40 small kernels.
 * ``silu_mul``: ``silu(gate) * up`` of the ``[gate; up]`` GEMM output.
 * ``norm_linear`` and ``linear_residual`` (steps of at most :data:`LINEAR_MAX_ROWS` rows): the
   layer's four projections as skinny GEMMs with narrow column tiles, so every SM streams
@@ -31,9 +37,9 @@ MLP's gate in one kernel instead of two.
   searches), ~0.2 ms of a step. Ties keep id order, as the stable sort does: each probability
   is packed with its id into one int64 key, so the k largest keys are the sort's first k.
 
-The step's wrappers (all but ``silu_mul``) take ``pdl``: launch the kernel programmatically
-dependent (``voice_out.model.launch``, Hopper and later), its launch hidden behind the kernel
-before it.
+The step's wrappers (all but ``silu_mul`` and ``decode_prologue``, which runs first) take
+``pdl``: launch the kernel programmatically dependent (``voice_out.model.launch``, Hopper and
+later), its launch hidden behind the kernel before it.
 
 All of them need Triton (it ships with PyTorch's CUDA builds); :func:`available` and
 :func:`sampler_available` say whether they can run for a given device, dtype, head layout,

@@ -494,7 +494,7 @@ class SpeechLM(nn.Module):
     ) -> Tensor:
         """:meth:`decode_step` with ``fused``, for rows whose slots, positions, scratch writes,
         embeddings and RoPE angles ``decode_kernels.decode_prologue`` made on the device (one
-        kernel where :meth:`decode_step` computes them with ~30): ``rows.embeds`` ``[B, H]``
+        kernel where the torch form takes ~40): ``rows.embeds`` ``[B, H]``
         -> final-norm hidden states ``[B, H]``; the other options as :meth:`decode_step`'s.
         ``attention_workspace``: each row's cached keys split over ``decode_kernels.
         attention_splits`` programs (``rope_append_attend``). Graph-capturable, no host sync."""
