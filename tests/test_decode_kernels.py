@@ -326,7 +326,7 @@ def test_decode_prologue_equals_the_torch_rows() -> None:
     inv_freq = rope_inv_freq(lm.dims.head_dim, lm.dims.rope_theta, dev)
     got = decode_kernels.decode_prologue(packed, g._columns, g.last_ids, caches[0].lengths, tables, inv_freq, 5)
     want = g._resolve_fed(unpack_decode_rows(packed))
-    for field in ("active", "tokens", "kinds", "slots", "offsets", "masked", "uniforms", "history", "feed"):
+    for field in ("active", "tokens", "slots", "offsets", "masked", "uniforms", "history"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
     assert got.tokens[0] == 11 and got.history[0, -1] == 11  # the fed row took its slot's draw
     embeds = lm.embed_kinds(want.kinds, want.tokens)

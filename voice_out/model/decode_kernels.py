@@ -257,7 +257,6 @@ if triton is not None:
         scratch_slot,
         emb_ptr,
         tok_ptr,
-        kind_ptr,
         slot_ptr,
         off_ptr,
         pos_ptr,
@@ -265,7 +264,6 @@ if triton is not None:
         wpos_ptr,
         active_ptr,
         masked_ptr,
-        feed_ptr,
         uni_ptr,
         hist_ptr,
         cos_ptr,
@@ -297,7 +295,6 @@ if triton is not None:
         token = tl.where(feed, tl.load(last_ptr + slot), tl.load(row + C_TOKEN))
         pos = tl.load(len_ptr + slot).to(tl.int64) + off
         tl.store(tok_ptr + b, token)
-        tl.store(kind_ptr + b, kind)
         tl.store(slot_ptr + b, slot)
         tl.store(off_ptr + b, off)
         tl.store(pos_ptr + b, pos)
@@ -305,7 +302,6 @@ if triton is not None:
         tl.store(wpos_ptr + b, tl.where(active, pos, 0))
         tl.store(active_ptr + b, active)
         tl.store(masked_ptr + b, tl.load(row + C_MASKED) != 0)
-        tl.store(feed_ptr + b, feed)
         two = tl.arange(0, 2)
         bits = tl.load(row + C_UNIFORMS + two)
         tl.store(uni_ptr + b * 2 + two, bits.to(tl.float64, bitcast=True).to(tl.float32))
@@ -597,7 +593,7 @@ def rope_append_attend(
     if any(t.dim() != 1 or not t.is_contiguous() for t in (pos, slot, offset, write_slot, write_pos)):
         raise ValueError("rope_append_attend: pos, slot, offset, write_slot and write_pos must be contiguous [B]")
     out = torch.empty(b, n_heads * d, device=qkv.device, dtype=qkv.dtype)
-    gp = max(16, triton.next_power_of_2(group))
+    gp = padded_group(n_heads, n_kv_heads)
     states = counters = out
     if workspace is None:
         splits = 1
@@ -657,23 +653,22 @@ class AttentionWorkspace:
         cls, device: torch.device | str, rows: int, n_heads: int, n_kv_heads: int, head_dim: int, splits: int
     ) -> AttentionWorkspace:
         """For steps of up to ``rows`` rows of a model with these heads, ``splits`` programs each."""
-        return cls._sized(device, rows * splits, rows, n_heads, n_kv_heads, head_dim)
+        group = padded_group(n_heads, n_kv_heads)
+        states = torch.empty(rows * n_kv_heads * splits * group * (head_dim + 2), device=device, dtype=torch.float32)
+        return cls(states, torch.zeros(rows * n_kv_heads, device=device, dtype=torch.int32))
 
     @classmethod
     def for_steps(cls, device: torch.device | str, n_heads: int, n_kv_heads: int, head_dim: int) -> AttentionWorkspace:
-        """For every step that :data:`ATTENTION_SPLITS` splits, with its splits."""
-        programs = max(rows * splits for rows, splits in ATTENTION_SPLITS)
-        rows = max(rows for rows, _ in ATTENTION_SPLITS)
-        return cls._sized(device, programs, rows, n_heads, n_kv_heads, head_dim)
+        """For every step that :data:`ATTENTION_SPLITS` splits."""
+        rows = max(most for most, _ in ATTENTION_SPLITS)
+        splits = max(n for _, n in ATTENTION_SPLITS)
+        return cls.allocate(device, rows, n_heads, n_kv_heads, head_dim, splits)
 
-    @classmethod
-    def _sized(
-        cls, device: torch.device | str, programs: int, rows: int, n_heads: int, n_kv_heads: int, head_dim: int
-    ) -> AttentionWorkspace:
-        """States for ``programs`` programs per kv head, counters for ``rows`` rows."""
-        gp = max(16, 1 << (n_heads // n_kv_heads - 1).bit_length())  # the kernel's padded group
-        states = torch.empty(programs * n_kv_heads * gp * (head_dim + 2), device=device, dtype=torch.float32)
-        return cls(states, torch.zeros(rows * n_kv_heads, device=device, dtype=torch.int32))
+
+def padded_group(n_heads: int, n_kv_heads: int) -> int:
+    """The query heads of a kv group as the attention kernel holds them: a power of two, at
+    least 16 (``tl.dot``'s least)."""
+    return max(16, 1 << (n_heads // n_kv_heads - 1).bit_length())
 
 
 def attention_splits(rows: int) -> int:
@@ -684,15 +679,14 @@ def attention_splits(rows: int) -> int:
 @dataclass(frozen=True)
 class StepRows:
     """One decode step's rows on the device, made from its packed host rows by
-    :func:`decode_prologue`: int64 ``[B]`` ``tokens`` (a fed row's resolved), ``kinds``,
-    ``slots``, ``offsets``, ``pos`` (the slot's length plus the offset), ``write_slot`` and
-    ``write_pos`` (an inactive row's go to the scratch slot's position 0); bool ``[B]``
-    ``active``, ``masked``, ``feed``; float32 ``uniforms`` ``[B, 2]``; int64 ``history``
+    :func:`decode_prologue`: int64 ``[B]`` ``tokens`` (a fed row's resolved), ``slots``,
+    ``offsets``, ``pos`` (the slot's length plus the offset), ``write_slot`` and ``write_pos``
+    (an inactive row's go to the scratch slot's position 0); bool ``[B]`` ``active``,
+    ``masked``; float32 ``uniforms`` ``[B, 2]``; int64 ``history``
     ``[B, W]`` (a fed row's last id resolved); the embeddings ``embeds`` ``[B, H]``; float32
     ``cos``/``sin`` ``[B, D]`` of ``pos`` (:func:`voice_out.model.qwen2.rope_cos_sin`)."""
 
     tokens: Tensor
-    kinds: Tensor
     slots: Tensor
     offsets: Tensor
     pos: Tensor
@@ -700,7 +694,6 @@ class StepRows:
     write_pos: Tensor
     active: Tensor
     masked: Tensor
-    feed: Tensor
     uniforms: Tensor
     history: Tensor
     embeds: Tensor
@@ -754,31 +747,30 @@ def decode_prologue(
     # one row per field, each 16-byte aligned whatever B is (Triton specialises a kernel on
     # its pointers' alignment: one compile then serves every batch bucket)
     width = -(-b // 16) * 16
-    longs = torch.empty(7, width, dtype=torch.long, device=dev)[:, :b]
-    flags = torch.empty(3, width, dtype=torch.bool, device=dev)[:, :b]
-    if recording_active():
-        # the kernel is recorded, not run: rows that index nothing but the scratch slot, inactive,
-        # for the torch ops after it (a start-up dry run, voice_out.engine.kernels)
-        longs.zero_()
-        longs[[2, 5]] = scratch_slot
-        flags.zero_()
+    longs = torch.empty(6, width, dtype=torch.long, device=dev)[:, :b]
+    flags = torch.empty(2, width, dtype=torch.bool, device=dev)[:, :b]
     rows = StepRows(
         tokens=longs[0],
-        kinds=longs[1],
-        slots=longs[2],
-        offsets=longs[3],
-        pos=longs[4],
-        write_slot=longs[5],
-        write_pos=longs[6],
+        slots=longs[1],
+        offsets=longs[2],
+        pos=longs[3],
+        write_slot=longs[4],
+        write_pos=longs[5],
         active=flags[0],
         masked=flags[1],
-        feed=flags[2],
         uniforms=torch.empty(b, 2, dtype=torch.float32, device=dev),
         history=torch.empty(b, columns.win, dtype=torch.long, device=dev),
         embeds=torch.empty(b, hidden, dtype=speech.dtype, device=dev),
         cos=torch.empty(b, d, dtype=torch.float32, device=dev),
         sin=torch.empty(b, d, dtype=torch.float32, device=dev),
     )
+    if recording_active():
+        # the kernel is recorded, not run: inactive rows of the scratch slot, so the torch ops
+        # after it index nothing else (a start-up dry run, voice_out.engine.kernels)
+        longs.zero_()
+        flags.zero_()
+        rows.slots.fill_(scratch_slot)
+        rows.write_slot.fill_(scratch_slot)
     kernel: Any = _decode_prologue_kernel
     launch(
         kernel,
@@ -794,7 +786,6 @@ def decode_prologue(
         scratch_slot,
         rows.embeds,
         rows.tokens,
-        rows.kinds,
         rows.slots,
         rows.offsets,
         rows.pos,
@@ -802,7 +793,6 @@ def decode_prologue(
         rows.write_pos,
         rows.active,
         rows.masked,
-        rows.feed,
         rows.uniforms,
         rows.history,
         rows.cos,

@@ -27,8 +27,10 @@ to 32 it costs the same ~10 ms on an H200 whatever the batch (launch-bound; the 
   the last real row ``[H]``.
 
 With ``fused`` (the default, where ``voice_out.model.decode_kernels`` can run: CUDA with
-Triton, bf16/fp16) the step is the fused one (``SpeechLM.decode_step(fused=True)``), the head
-a GEMM over a padded copy of ``llm_decoder`` and the sampling one kernel
+Triton, bf16/fp16) the step is the fused one: its rows made by one kernel
+(``decode_kernels.decode_prologue``), its layers those of ``SpeechLM.decode_step(fused=True)``
+(``SpeechLM.decode_rows``), the head a GEMM over a padded copy of ``llm_decoder`` and the
+sampling one kernel
 (``decode_kernels.ras_sample``); its attention runs to each row's length, so one window, the
 whole cache, serves every step. Otherwise (plain torch) a decode graph is captured per (batch
 bucket, attention window): each row gathers its slot's K/V over the smallest window of
@@ -41,7 +43,6 @@ capture runs the step on scratch inputs. GPU worker thread only.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -391,8 +392,7 @@ class GraphedLLM:
                 pdl=self.pdl,
                 attention_workspace=self._attn_ws,
             )
-            fields = {f.name: getattr(prepared, f.name) for f in dataclasses.fields(DecodeInputs)}
-            return self.sample(hidden, DecodeInputs(**fields))
+            return self.sample(hidden, prepared)
         rows = self._resolve_fed(unpack_decode_rows(packed))
         embeds = self.lm.embed_kinds(rows.kinds, rows.tokens)
         hidden = self.lm.decode_step(
@@ -402,18 +402,15 @@ class GraphedLLM:
             kv_len=window,
             active=rows.active,
             scratch_slot=self.scratch_slot,
-            fused=self.fused,
             offsets=rows.offsets,
-            fused_linear=self.fused_linear,
-            split_workspace=self._split_ws,
-            pdl=self.pdl,
         )
         return self.sample(hidden, rows)
 
-    def sample(self, hidden: Tensor, rows: DecodeInputs) -> Tensor:
+    def sample(self, hidden: Tensor, rows: DecodeInputs | decode_kernels.StepRows) -> Tensor:
         """The ``llm_decoder`` head, EOS masking and RAS for final-norm hidden states ``[N, H]``
-        with the sampling inputs of ``rows`` (``[N]`` of each): int64 ids ``[N]`` on the device,
-        no sync. The decode step's own tail, and what a prefilled row is sampled with."""
+        with the sampling inputs of ``rows`` (``[N]`` of each: slots, offsets, EOS masks,
+        uniforms, windows): int64 ids ``[N]`` on the device, no sync. The decode step's own
+        tail, and what a prefilled row is sampled with."""
         eos = self.lm.dims.eos_token
         ids: Tensor
         if self.fused:

@@ -598,6 +598,7 @@ class SpeechLM(nn.Module):
         """
         dims = self.dims
         cos, sin = rope if rope is not None else rope_cos_sin(pos, dims.head_dim, dims.rope_theta)  # [B, D], per step
+        splits = decode_kernels.attention_splits(h.shape[0]) if attention_workspace is not None else 1
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, Block)
             attn, mlp = layer.attn, layer.mlp
@@ -621,7 +622,7 @@ class SpeechLM(nn.Module):
                 dims.n_kv_heads,
                 pdl=pdl,
                 workspace=attention_workspace,
-                splits=decode_kernels.attention_splits(h.shape[0]),
+                splits=splits,
             )
             if linear:
                 # in place but at layer 0, whose h is the caller's embeddings
