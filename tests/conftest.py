@@ -1,7 +1,8 @@
 """Shared fixtures and marker handling.
 
 * ``requires_cuda`` tests are skipped when torch sees no CUDA device.
-* ``browser`` tests are skipped when no Chromium binary is installed.
+* ``browser`` tests are skipped when no Chromium binary is installed (or named by
+  ``$VOICE_OUT_CHROMIUM``).
 * ``parity_dir``: the parity model directory, from ``VOICE_OUT_PARITY_DIR`` (default
   ``../shared/parity/tiny-a`` relative to the repository root). Parity tests read every
   dimension from it.
@@ -10,12 +11,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from voice_out.bench.chromium import find_chromium
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PARITY_DIR = REPO_ROOT.parent / "shared" / "parity" / "tiny-a"
@@ -23,14 +25,6 @@ DEFAULT_PARITY_DIR = REPO_ROOT.parent / "shared" / "parity" / "tiny-a"
 
 def parity_dir_path() -> Path:
     return Path(os.environ.get("VOICE_OUT_PARITY_DIR", str(DEFAULT_PARITY_DIR))).resolve()
-
-
-def chromium_path() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
 
 
 def _cuda_available() -> bool:
@@ -43,7 +37,7 @@ def _cuda_available() -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     cuda = _cuda_available()
-    chromium = chromium_path() is not None
+    chromium = find_chromium() is not None
     for item in items:
         if "requires_cuda" in item.keywords and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))

@@ -199,6 +199,63 @@ def test_webrtc_mode_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "| e2e.barge_in.p50 | 1 |" in capsys.readouterr().out
 
 
+@pytest.mark.browser
+def test_webrtc_mode_chromium_client(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--client chromium``: the demo page in headless Chromium speaks, hears and barges in,
+    and its own measurements come back under names of their own."""
+    from voice_out.cli import main
+
+    out = tmp_path / "chromium.json"
+    argv = ["bench", "--mode", "webrtc", "--client", "chromium", "--model", "random:tiny", "--device", "cpu"]
+    argv += ["--quick", "--threads", "1", "--reps", "2"]
+    assert main([*argv, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    check_records(doc, "webrtc", "voice-out " + " ".join([*argv, "--out", str(out)]))
+    assert doc["settings"]["client"] == "chromium" and "Chrome/" in doc["settings"]["browser"]
+    v = by_key(doc)
+    names = ("ttfa", "server_ttfa", "barge_in", "jitter_buffer", "barge_in_over_jitter_buffer")
+    assert {n for n, _ in v} == {f"e2e.chromium.{n}.{q}" for n in names for q in ("p50", "p95", "p99")}
+    for name in names[:4]:
+        check_quantiles(v, f"e2e.chromium.{name}", 1)
+    # the page hears the first audio only after the server put it on the track, and after the
+    # jitter buffer held it: never sooner than the server's TTFA plus a frame
+    assert v[("e2e.chromium.ttfa.p50", 1)] > v[("e2e.chromium.server_ttfa.p50", 1)] + 20
+    # the audio already in the browser plays out after a cancel, nothing sent after it does
+    assert v[("e2e.chromium.barge_in.p50", 1)] < 1000
+    assert any("headless Chromium" in n for n in doc["notes"])
+    assert "| e2e.chromium.barge_in.p50 | 1 |" in capsys.readouterr().out
+
+
+def test_webrtc_chromium_client_errors(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """No browser, or a bad one named: a one-line error before any engine loads."""
+    from voice_out.bench.webrtc_bench import WebrtcBenchOptions
+    from voice_out.cli import main
+
+    argv = ["bench", "--mode", "webrtc", "--client", "chromium", "--model", "no/such-model", "--device", "cpu"]
+    assert main([*argv, "--chromium", "/no/such/chromium"]) == 2
+    monkeypatch.setenv("VOICE_OUT_CHROMIUM", "")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "voice-out: error: --chromium /no/such/chromium: no such executable",
+        "voice-out: error: --client chromium: no Chromium found (install chromium or chromium-headless-shell, "
+        "or pass --chromium PATH or set VOICE_OUT_CHROMIUM)",
+    ]
+    with pytest.raises(ValueError, match="client must be one of aiortc, chromium"):
+        WebrtcBenchOptions(client="firefox")
+
+
+def test_jitter_buffer_between_two_readings() -> None:
+    from voice_out.bench.webrtc_bench import jitter_buffer_ms
+
+    before = {"jitterBufferDelayS": 10.0, "jitterBufferEmittedCount": 48_000}
+    after = {"jitterBufferDelayS": 10.0 + 48_000 * 0.06, "jitterBufferEmittedCount": 96_000}
+    assert jitter_buffer_ms(before, after) == pytest.approx(60.0)
+    assert jitter_buffer_ms(before, before) is None  # nothing played in between
+    assert jitter_buffer_ms(None, after) is None
+
+
 def test_webrtc_mode_refused_utterance_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
     """A ``--fast-first`` the server refuses (at or above its first hop) ends the run with the
     server's reason on one line, not a traceback."""

@@ -6,7 +6,8 @@ The server is the real stack, in this process: ``load_runtime`` (engine and voic
 ``voice-out serve`` builds them) on the tiny official-layout model of ``VOICE_OUT_PARITY_DIR``
 (random weights: it speaks noise, through every stage of the real engine), ``create_app``, and
 aiortc. Chromium is driven through its DevTools protocol over a WebSocket (aiohttp), so the
-test needs no browser-automation package. Everything stays on this machine: the server listens
+test needs no browser-automation package (voice_out.bench.chromium, which the WebRTC benchmark's
+Chromium client uses too). Everything stays on this machine: the server listens
 on 127.0.0.1 and the page loads nothing from elsewhere (asserted).
 
 Set ``VOICE_OUT_BROWSER_ARTIFACTS=<dir>`` to keep the screenshot and the page's measurements.
@@ -15,48 +16,23 @@ Set ``VOICE_OUT_BROWSER_ARTIFACTS=<dir>`` to keep the screenshot and the page's 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import os
-import re
-import time
-from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.conftest import chromium_path
 from tests.fakes import FakeEngine, FakeVoiceStore
+from voice_out.bench.chromium import Page, chromium
 from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig
 from voice_out.server.app import create_app, load_runtime
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--remote-debugging-port=0",
-    "--autoplay-policy=no-user-gesture-required",
-    "--use-fake-ui-for-media-stream",
-    "--use-fake-device-for-media-stream",
-    # Offer real host addresses instead of mDNS names, and let WebRTC use loopback too.
-    "--disable-features=WebRtcHideLocalIpsWithMdns",
-    "--allow-loopback-in-peer-connection",
-    "--window-size=1280,1200",
-)
-DEVTOOLS_LINE = re.compile(rb"DevTools listening on (ws://\S+)")
-LAUNCH_TIMEOUT_S = 20.0
 TEST_TIMEOUT_S = 90.0
 
 # Bounds on what the page measures, on a 2-core CPU machine with the tiny model (design §5):
@@ -91,178 +67,6 @@ CANCEL_WHILE_AUDIBLE = """(async () => {
   voiceOut.cancel(null, "test");
   return true;
 })()"""
-
-
-class DevToolsError(RuntimeError):
-    pass
-
-
-class DevTools:
-    """A minimal Chrome DevTools protocol client: one browser WebSocket, flattened sessions."""
-
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
-        self._ws = ws
-        self._next_id = 0
-        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self.events: list[dict[str, Any]] = []
-        self._reader = asyncio.get_running_loop().create_task(self._read())
-
-    async def _read(self) -> None:
-        async for message in self._ws:
-            if message.type != aiohttp.WSMsgType.TEXT:
-                continue
-            data = json.loads(message.data)
-            future = self._pending.pop(data["id"], None) if "id" in data else None
-            if future is None:
-                self.events.append(data)
-            elif not future.done():
-                if "error" in data:
-                    future.set_exception(DevToolsError(f"{data['error']}"))
-                else:
-                    future.set_result(data.get("result", {}))
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(DevToolsError("the browser closed the DevTools connection"))
-
-    async def send(
-        self, method: str, params: dict[str, Any] | None = None, session: str | None = None
-    ) -> dict[str, Any]:
-        self._next_id += 1
-        message: dict[str, Any] = {"id": self._next_id, "method": method, "params": params or {}}
-        if session is not None:
-            message["sessionId"] = session
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[self._next_id] = future
-        await self._ws.send_str(json.dumps(message))
-        return await asyncio.wait_for(future, 30)
-
-    async def close(self) -> None:
-        await self._ws.close()
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
-
-
-class Page:
-    """One browser tab, attached through a flattened DevTools session."""
-
-    def __init__(self, devtools: DevTools, session: str) -> None:
-        self.devtools = devtools
-        self.session = session
-
-    async def send(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        return await self.devtools.send(method, params, self.session)
-
-    async def evaluate(self, expression: str) -> Any:
-        """Evaluate JavaScript as if from a user gesture; await promises; return the value."""
-        result = await self.send(
-            "Runtime.evaluate",
-            {"expression": expression, "awaitPromise": True, "returnByValue": True, "userGesture": True},
-        )
-        if "exceptionDetails" in result:
-            details = result["exceptionDetails"]
-            text = details.get("exception", {}).get("description") or details.get("text")
-            raise DevToolsError(f"{expression!r} threw: {text}")
-        return result["result"].get("value")
-
-    async def wait_for(self, expression: str, timeout_s: float, what: str) -> Any:
-        """Poll ``expression`` until it is truthy; return its value."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            value = await self.evaluate(expression)
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                page_state = await self.evaluate("window.voiceOut ? JSON.stringify(voiceOut.summary()) : null")
-                raise AssertionError(
-                    f"timed out after {timeout_s} s waiting for {what}\npage: {page_state}\n{self.console()}"
-                )
-            await asyncio.sleep(0.05)
-
-    def requested_urls(self) -> list[str]:
-        """Every URL the page has requested so far."""
-        return [
-            e["params"]["request"]["url"]
-            for e in self.devtools.events
-            if e.get("method") == "Network.requestWillBeSent" and e.get("sessionId") == self.session
-        ]
-
-    def console(self) -> str:
-        """The page's console output and uncaught exceptions so far (for failure messages)."""
-        lines = []
-        for event in self.devtools.events:
-            if event.get("method") == "Runtime.consoleAPICalled":
-                args = event["params"]["args"]
-                lines.append("console: " + " ".join(str(a.get("value", a.get("description"))) for a in args))
-            elif event.get("method") == "Runtime.exceptionThrown":
-                details = event["params"]["exceptionDetails"]
-                lines.append("exception: " + str(details.get("exception", {}).get("description", details)))
-        return "\n".join(lines)
-
-    async def screenshot(self) -> bytes:
-        """The whole page as PNG."""
-        result = await self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})
-        return base64.b64decode(result["data"])
-
-
-@contextlib.asynccontextmanager
-async def chromium(profile_dir: Path) -> AsyncIterator[Page]:
-    """Launch headless Chromium; yield its first tab."""
-    binary = chromium_path()
-    assert binary is not None
-    process = await asyncio.create_subprocess_exec(
-        binary,
-        *CHROMIUM_FLAGS,
-        f"--user-data-dir={profile_dir}",
-        "about:blank",
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert process.stderr is not None
-    stderr_tail: deque[bytes] = deque(maxlen=50)
-    url = None
-    try:
-        async with asyncio.timeout(LAUNCH_TIMEOUT_S):
-            while url is None:
-                line = await process.stderr.readline()
-                if not line:
-                    raise RuntimeError("Chromium exited:\n" + b"".join(stderr_tail).decode(errors="replace"))
-                stderr_tail.append(line)
-                found = DEVTOOLS_LINE.search(line)
-                url = found.group(1).decode() if found else None
-
-        async def drain(stream: asyncio.StreamReader) -> None:
-            while line := await stream.readline():
-                stderr_tail.append(line)
-
-        drainer = asyncio.get_running_loop().create_task(drain(process.stderr))
-        async with aiohttp.ClientSession() as http:
-            ws = await http.ws_connect(url, max_msg_size=0)
-            devtools = DevTools(ws)
-            try:
-                target = await devtools.send("Target.createTarget", {"url": "about:blank"})
-                attached = await devtools.send(
-                    "Target.attachToTarget", {"targetId": target["targetId"], "flatten": True}
-                )
-                page = Page(devtools, attached["sessionId"])
-                await page.send("Runtime.enable")
-                await page.send("Page.enable")
-                await page.send("Network.enable")
-                yield page
-            finally:
-                with contextlib.suppress(Exception):
-                    await devtools.send("Browser.close")
-                await devtools.close()
-        drainer.cancel()
-    finally:
-        if process.returncode is None:
-            process.terminate()
-            try:
-                await asyncio.wait_for(process.wait(), 10)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
 
 
 @contextlib.asynccontextmanager

@@ -178,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help='webrtc mode: each utterance asks for a fast first chunk of N speech tokens ("fast_first")',
     )
+    p.add_argument(
+        "--client",
+        choices=["aiortc", "chromium"],
+        help="webrtc mode: who listens, the aiortc client (default) or the demo page in headless Chromium",
+    )
+    p.add_argument("--chromium", metavar="PATH", help="webrtc mode, --client chromium: the browser binary")
     p.add_argument("--update-docs", action="store_true", help="append to docs/benchmarks.md, rewrite benchmarks.json")
     p.add_argument("--from-json", metavar="FILE", help="report a result written by --out elsewhere; measure nothing")
     p.add_argument("--docs-dir", help=argparse.SUPPRESS)

@@ -142,6 +142,10 @@ async function rtpStats() {
         // Average time a sample waited in the jitter buffer: the floor of barge-in latency.
         jitterBufferMs: emitted ? (1000 * r.jitterBufferDelay) / emitted : null,
         jitterBufferTargetMs: emitted && r.jitterBufferTargetDelay ? (1000 * r.jitterBufferTargetDelay) / emitted : null,
+        // The running totals behind the averages (seconds, samples): the difference of two
+        // readings gives the average over the samples played in between.
+        jitterBufferDelayS: r.jitterBufferDelay || 0,
+        jitterBufferEmittedCount: emitted,
         concealedSamples: r.concealedSamples,
         totalSamplesReceived: r.totalSamplesReceived,
       };
@@ -678,11 +682,15 @@ function selectedFastFirst() {
   return $("fast-start").checked ? FAST_FIRST_TOKENS : null;
 }
 
-/** Speak a whole text at once: one delta, then done. Returns the utterance id. */
-function speak(text, { voice = selectedVoice(), fastFirst = selectedFastFirst() } = {}) {
+/**
+ * Speak a whole text at once: one delta (or, with `deltaChars`, deltas of that many characters
+ * sent back to back), then done. Returns the utterance id.
+ */
+function speak(text, { voice = selectedVoice(), fastFirst = selectedFastFirst(), deltaChars = 0 } = {}) {
   if (!text.trim()) return null;
   const id = newUtterance(voice, fastFirst);
-  sendDelta(id, text);
+  const step = deltaChars > 0 ? deltaChars : text.length;
+  for (let i = 0; i < text.length; i += step) sendDelta(id, text.slice(i, i + step));
   sendDone(id);
   return id;
 }

@@ -3,8 +3,10 @@
 ``--mode engine`` (default) measures the in-process engine: TTFA with the whole text and with
 text arriving at set rates, a capacity sweep over stream counts with simulated real-time
 listeners, RTF, memory and cold start (:mod:`voice_out.bench.engine_bench`). ``--mode webrtc``
-measures end-to-end TTFA and barge-in latency through the real server and an aiortc client
-(:mod:`voice_out.bench.webrtc_bench`; only this mode imports aiortc and av).
+measures end-to-end TTFA and barge-in latency through the real server and a client over
+loopback, the aiortc client or the demo page in headless Chromium (``--client chromium``,
+:mod:`voice_out.bench.chromium`) (:mod:`voice_out.bench.webrtc_bench`; only this mode imports
+aiortc and av).
 
 Results: a markdown table on stdout, a JSON document with ``--out FILE``, and with
 ``--update-docs`` a dated section in docs/benchmarks.md and the latest records in
@@ -92,7 +94,7 @@ def _webrtc_options(args: argparse.Namespace) -> WebrtcBenchOptions:
     from voice_out.bench.webrtc_bench import WebrtcBenchOptions
 
     over: dict[str, Any] = {}
-    for name in ("reps", "tokens_per_text_token", "threads", "url", "voice", "fast_first"):
+    for name in ("reps", "tokens_per_text_token", "threads", "url", "voice", "fast_first", "client", "chromium"):
         value = getattr(args, name, None)
         if value is not None:
             over[name] = value
@@ -159,6 +161,8 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
 
         try:
             wopts = _webrtc_options(args)
+            if wopts.client == "chromium":
+                wopts.chromium_binary()  # before the engine loads: a missing browser is a quick error
         except ValueError as e:
             raise UserError(str(e)) from None
         report = run_webrtc_bench(cfg, wopts, command, log)

@@ -9,21 +9,35 @@ The server runs in this process on a free loopback port with the engine of the c
   is sent -> the last audible frame decoded after it (0 when nothing audible follows; the
   utterance is over once ``quiet_s`` of silent frames follow).
 
-The client is :mod:`voice_out.client` (aiortc): a frame's time is when aiortc handed it over
-decoded, and aiortc's receiver holds about 4 frames (80 ms) in its jitter buffer before it
-plays, so both figures include that hold; a browser's jitter buffer differs.
+Two clients (``client``):
+
+* ``aiortc``: :mod:`voice_out.client`. A frame's time is when aiortc handed it over decoded,
+  and aiortc's receiver holds about 4 frames (80 ms) in its jitter buffer before it plays, so
+  both figures include that hold; a browser's jitter buffer differs.
+* ``chromium``: the demo page (web/) in headless Chromium (:mod:`voice_out.bench.chromium`),
+  measuring itself as it does for a person (docs/browser.md): the page sends the deltas, hears
+  the first audible 128-sample block in its WebAudio graph (AudioWorklet), barges in while it
+  hears sound, and times the last audible block before 250 ms of silence; all on the page's
+  own clock. WebRTC's statistics give the jitter-buffer delay of each utterance, so barge-in
+  can be read against it (design: silence within the jitter-buffer delay + 40 ms).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
+from voice_out.bench.chromium import Page, chromium, find_chromium
 from voice_out.bench.engine_bench import EngineBenchOptions, bench_config, gpu_name, load_engine, text_of
 from voice_out.bench.report import Report
 from voice_out.client import ClientError, VoiceOutClient, connect
@@ -32,10 +46,19 @@ from voice_out.server import protocol as p
 from voice_out.server.app import create_app
 
 QUANTILES = (0.5, 0.95, 0.99)
+CLIENTS = ("aiortc", "chromium")
 JITTER_NOTE = (
     "end-to-end figures are measured by the aiortc client (voice_out.client): a frame counts when "
     "aiortc hands it over decoded, and aiortc's receiver holds about 4 frames (80 ms) before it "
     "plays them, so TTFA and barge-in include that hold"
+)
+CHROMIUM_NOTE = (
+    "end-to-end figures are measured by the demo page in headless Chromium, on the page's clock: "
+    "TTFA = its first text.delta sent -> the first audible 128-sample block (RMS at least the "
+    "settings' audible_rms) of the "
+    "decoded track in its WebAudio graph; barge-in = its cancel sent -> the end of the last audible "
+    "block before 250 ms of silence; jitter_buffer = WebRTC's average jitter-buffer delay over the "
+    "utterance (inbound-rtp jitterBufferDelay / jitterBufferEmittedCount between two readings)"
 )
 
 
@@ -64,6 +87,15 @@ class WebrtcBenchOptions:
     quiet_s: float = 0.5
     prompt_tokens: int = 150
     timeout_s: float = 120.0
+    #: Who listens: ``"aiortc"`` (voice_out.client) or ``"chromium"`` (the demo page).
+    client: str = "aiortc"
+    #: The Chromium binary for ``client="chromium"`` (None: :func:`find_chromium`).
+    chromium: str | None = None
+    #: Chromium: the RMS of a 128-sample block from which the page counts it audible. The page's
+    #: own default (0.005, about -46 dBFS) suits speech; random weights can speak quieter (the
+    #: tiny random model peaks at an RMS of ~0.002), so the benchmark listens from -60 dBFS.
+    #: Opus-decoded digital silence stays far below either.
+    audible_rms: float = 1e-3
 
     @classmethod
     def quick(cls, **overrides: object) -> WebrtcBenchOptions:
@@ -75,13 +107,34 @@ class WebrtcBenchOptions:
     def __post_init__(self) -> None:
         if self.reps < 1:
             raise ValueError("reps must be >= 1")
+        if self.client not in CLIENTS:
+            raise ValueError(f"client must be one of {', '.join(CLIENTS)}, got {self.client!r}")
+
+    def chromium_binary(self) -> str:
+        """The browser ``client="chromium"`` launches (``ValueError`` when there is none)."""
+        if self.chromium is not None:
+            found = shutil.which(self.chromium)
+            if found is None:
+                raise ValueError(f"--chromium {self.chromium}: no such executable")
+            return found
+        binary = find_chromium()
+        if binary is None:
+            raise ValueError(
+                "--client chromium: no Chromium found (install chromium or chromium-headless-shell, "
+                "or pass --chromium PATH or set VOICE_OUT_CHROMIUM)"
+            )
+        return binary
 
 
 @dataclass(frozen=True)
 class Utterance:
+    """What one utterance measured (ms)."""
+
     ttfa_ms: float
     server_ttfa_ms: float
     barge_in_ms: float
+    #: The client's average jitter-buffer delay over the utterance (Chromium only).
+    jitter_buffer_ms: float | None = None
 
 
 async def speak_and_barge_in(client: VoiceOutClient, uid: str, opts: WebrtcBenchOptions) -> Utterance:
@@ -124,7 +177,97 @@ async def speak_and_barge_in(client: VoiceOutClient, uid: str, opts: WebrtcBench
     return Utterance(1000 * (first.t - t_send), started.ttfa_ms, 1000 * (last - t_cancel))
 
 
-async def _measure(url: str, opts: WebrtcBenchOptions, log: Callable[[str], None]) -> list[Utterance]:
+# Runs in the page: one utterance, start to barge-in, timed by the page itself. The cancel is
+# sent at a moment the page hears sound (random weights pause now and then), once the
+# utterance has been audible for bargeAfterMs; the result is read once the page hears silence
+# and the server has confirmed the cancel.
+PAGE_UTTERANCE = """(async (o) => {
+  const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+  const deadline = performance.now() + o.timeoutMs;
+  const late = () => performance.now() > deadline;
+  const before = await voiceOut.rtpStats();
+  const id = voiceOut.speak(o.text, {voice: o.voice, fastFirst: o.fastFirst, deltaChars: o.deltaChars});
+  const u = voiceOut.utterances[id];
+  while (u.firstAudibleAt === null) {
+    if (u.status === "error") return {id, error: `the server refused it: ${JSON.stringify(u.error)}`};
+    if (late()) return {id, error: "no audible audio reached the page"};
+    await sleep(1);
+  }
+  while (performance.now() < u.firstAudibleAt + o.bargeAfterMs ||
+         !(voiceOut.audio.lastAudibleEnd > performance.now() - 20)) {
+    if (u.status === "done") return {id, error: "the utterance ended before the barge-in"};
+    if (late()) return {id, error: "no audible moment to barge in on"};
+    await sleep(1);
+  }
+  const bargeIn = voiceOut.cancel(null, "bench");
+  while (bargeIn.silenceAt === null || u.status !== "cancelled") {
+    if (late()) return {id, error: "no silence (or no cancelled event) after the cancel"};
+    await sleep(5);
+  }
+  const after = await voiceOut.rtpStats();
+  return {id, pageTtfaMs: u.pageTtfaMs, serverTtfaMs: u.serverTtfaMs, bargeInMs: bargeIn.ms, before, after};
+})"""
+
+
+def jitter_buffer_ms(before: dict[str, Any] | None, after: dict[str, Any] | None) -> float | None:
+    """The average jitter-buffer delay (ms) of the samples played between two ``rtpStats()``
+    readings of the page; None when either is missing or nothing was played."""
+    if not before or not after:
+        return None
+    emitted = after["jitterBufferEmittedCount"] - before["jitterBufferEmittedCount"]
+    if emitted <= 0:
+        return None
+    return 1000.0 * (after["jitterBufferDelayS"] - before["jitterBufferDelayS"]) / emitted
+
+
+async def page_utterance(page: Page, opts: WebrtcBenchOptions) -> Utterance:
+    """One utterance spoken, heard and interrupted by the demo page (see PAGE_UTTERANCE)."""
+    args = {
+        "text": text_of(opts.text_chars),
+        "voice": opts.voice,
+        "fastFirst": opts.fast_first,
+        "deltaChars": opts.delta_chars,
+        "bargeAfterMs": 1000 * opts.barge_after_s,
+        "timeoutMs": 1000 * opts.timeout_s,
+    }
+    r = await page.evaluate(f"{PAGE_UTTERANCE}({json.dumps(args)})", timeout_s=opts.timeout_s + 10)
+    if r.get("error"):
+        raise ClientError(f"utterance {r['id']}: {r['error']}")
+    return Utterance(
+        r["pageTtfaMs"], r["serverTtfaMs"], r["bargeInMs"], jitter_buffer_ms(r.get("before"), r.get("after"))
+    )
+
+
+async def _measure_chromium(
+    url: str, opts: WebrtcBenchOptions, log: Callable[[str], None], browser: list[str]
+) -> list[Utterance]:
+    binary = opts.chromium_binary()
+    with tempfile.TemporaryDirectory(prefix="voice-out-bench-chromium-") as profile:
+        async with chromium(Path(profile), binary) as page:
+            browser.append(page.version)
+            log(f"webrtc: {page.version} ({binary}) opens {url}/")
+            await page.send("Page.navigate", {"url": url + "/"})
+            await page.wait_for("window.voiceOut && window.voiceOut.loaded", 30, "the demo page to load")
+            await page.evaluate("voiceOut.connect()")
+            await page.evaluate(f"voiceOut.audio.threshold = {float(opts.audible_rms)!r}")
+            for _ in range(opts.warmup_reps):
+                await page_utterance(page, opts)
+            results = []
+            for i in range(opts.reps):
+                results.append(await page_utterance(page, opts))
+                r = results[-1]
+                log(
+                    f"webrtc: utterance {i + 1}/{opts.reps}: TTFA {r.ttfa_ms:.0f} ms in the page "
+                    f"(server {r.server_ttfa_ms:.0f} ms), barge-in {r.barge_in_ms:.0f} ms"
+                )
+            return results
+
+
+async def _measure(
+    url: str, opts: WebrtcBenchOptions, log: Callable[[str], None], browser: list[str]
+) -> list[Utterance]:
+    if opts.client == "chromium":
+        return await _measure_chromium(url, opts, log, browser)
     client = await connect(url, timeout_s=opts.timeout_s)
     try:
         for i in range(opts.warmup_reps):
@@ -138,9 +281,11 @@ async def _measure(url: str, opts: WebrtcBenchOptions, log: Callable[[str], None
         await client.close()
 
 
-async def _run(cfg: Config, opts: WebrtcBenchOptions, log: Callable[[str], None]) -> list[Utterance]:
+async def _run(
+    cfg: Config, opts: WebrtcBenchOptions, log: Callable[[str], None], browser: list[str]
+) -> list[Utterance]:
     if opts.url is not None:
-        return await _measure(opts.url, opts, log)
+        return await _measure(opts.url.rstrip("/"), opts, log, browser)
     eopts = EngineBenchOptions(
         streams=(1,),
         tokens_per_text_token=opts.tokens_per_text_token,
@@ -157,14 +302,17 @@ async def _run(cfg: Config, opts: WebrtcBenchOptions, log: Callable[[str], None]
         await site.start()
         host, port = runner.addresses[0][:2]
         log(f"webrtc: server on http://{host}:{port}")
-        return await _measure(f"http://{host}:{port}", opts, log)
+        return await _measure(f"http://{host}:{port}", opts, log, browser)
     finally:
         with contextlib.suppress(Exception):
             await runner.cleanup()
 
 
 def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: Callable[[str], None]) -> Report:
-    """Measure end-to-end TTFA and barge-in latency; returns the report."""
+    """Measure end-to-end TTFA and barge-in latency; returns the report (``ValueError`` before
+    anything starts when ``client="chromium"`` finds no browser)."""
+    if opts.client == "chromium":
+        opts.chromium_binary()
     if opts.threads > 0:
         import torch
 
@@ -178,10 +326,24 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
         barge_after_s=opts.barge_after_s,
         tokens_per_text_token=opts.tokens_per_text_token,
         fast_first=opts.fast_first,
+        client=opts.client,
     )
-    report.notes.append(JITTER_NOTE)
-    results = asyncio.run(_run(cfg, opts, log))
-    report.add_quantiles("e2e.ttfa", [r.ttfa_ms for r in results], "ms", 1, QUANTILES)
-    report.add_quantiles("e2e.server_ttfa", [r.server_ttfa_ms for r in results], "ms", 1, QUANTILES)
-    report.add_quantiles("e2e.barge_in", [r.barge_in_ms for r in results], "ms", 1, QUANTILES)
+    if opts.client == "chromium":
+        report.settings.update(audible_rms=opts.audible_rms)
+    browser: list[str] = []
+    results = asyncio.run(_run(cfg, opts, log, browser))
+    # The two clients measure differently, so their figures have names of their own.
+    prefix = "e2e" if opts.client == "aiortc" else f"e2e.{opts.client}"
+    if opts.client == "chromium":
+        report.settings.update(browser=browser[0] if browser else "?")
+        report.notes.append(CHROMIUM_NOTE)
+    else:
+        report.notes.append(JITTER_NOTE)
+    report.add_quantiles(f"{prefix}.ttfa", [r.ttfa_ms for r in results], "ms", 1, QUANTILES)
+    report.add_quantiles(f"{prefix}.server_ttfa", [r.server_ttfa_ms for r in results], "ms", 1, QUANTILES)
+    report.add_quantiles(f"{prefix}.barge_in", [r.barge_in_ms for r in results], "ms", 1, QUANTILES)
+    buffered = [r for r in results if r.jitter_buffer_ms is not None]
+    report.add_quantiles(f"{prefix}.jitter_buffer", [r.jitter_buffer_ms or 0.0 for r in buffered], "ms", 1, QUANTILES)
+    over = [r.barge_in_ms - (r.jitter_buffer_ms or 0.0) for r in buffered]
+    report.add_quantiles(f"{prefix}.barge_in_over_jitter_buffer", over, "ms", 1, QUANTILES)
     return report
