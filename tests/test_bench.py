@@ -213,7 +213,7 @@ def test_webrtc_mode_chromium_client(tmp_path: Path, capsys: pytest.CaptureFixtu
     check_records(doc, "webrtc", "voice-out " + " ".join([*argv, "--out", str(out)]))
     assert doc["settings"]["client"] == "chromium" and "Chrome/" in doc["settings"]["browser"]
     v = by_key(doc)
-    names = ("ttfa", "server_ttfa", "barge_in", "jitter_buffer", "barge_in_over_jitter_buffer")
+    names = ("ttfa", "server_ttfa", "barge_in", "jitter_buffer", "barge_in_over_jitter_buffer", "rtp_jitter")
     assert {n for n, _ in v} == {f"e2e.chromium.{n}.{q}" for n in names for q in ("p50", "p95", "p99")}
     for name in names[:4]:
         check_quantiles(v, f"e2e.chromium.{name}", 1)

@@ -58,7 +58,8 @@ CHROMIUM_NOTE = (
     "settings' audible_rms) of the "
     "decoded track in its WebAudio graph; barge-in = its cancel sent -> the end of the last audible "
     "block before 250 ms of silence; jitter_buffer = WebRTC's average jitter-buffer delay over the "
-    "utterance (inbound-rtp jitterBufferDelay / jitterBufferEmittedCount between two readings)"
+    "utterance (inbound-rtp jitterBufferDelay / jitterBufferEmittedCount between two readings); "
+    "rtp_jitter = its RFC 3550 interarrival jitter at the utterance's end"
 )
 
 
@@ -135,6 +136,9 @@ class Utterance:
     barge_in_ms: float
     #: The client's average jitter-buffer delay over the utterance (Chromium only).
     jitter_buffer_ms: float | None = None
+    #: The RTP interarrival jitter the client estimated at the utterance's end (RFC 3550,
+    #: Chromium only): how irregularly the server's frames arrive.
+    rtp_jitter_ms: float | None = None
 
 
 async def speak_and_barge_in(client: VoiceOutClient, uid: str, opts: WebrtcBenchOptions) -> Utterance:
@@ -233,8 +237,13 @@ async def page_utterance(page: Page, opts: WebrtcBenchOptions) -> Utterance:
     r = await page.evaluate(f"{PAGE_UTTERANCE}({json.dumps(args)})", timeout_s=opts.timeout_s + 10)
     if r.get("error"):
         raise ClientError(f"utterance {r['id']}: {r['error']}")
+    after = r.get("after") or {}
     return Utterance(
-        r["pageTtfaMs"], r["serverTtfaMs"], r["bargeInMs"], jitter_buffer_ms(r.get("before"), r.get("after"))
+        r["pageTtfaMs"],
+        r["serverTtfaMs"],
+        r["bargeInMs"],
+        jitter_buffer_ms(r.get("before"), r.get("after")),
+        after.get("jitterMs"),
     )
 
 
@@ -346,4 +355,6 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
     report.add_quantiles(f"{prefix}.jitter_buffer", [r.jitter_buffer_ms or 0.0 for r in buffered], "ms", 1, QUANTILES)
     over = [r.barge_in_ms - (r.jitter_buffer_ms or 0.0) for r in buffered]
     report.add_quantiles(f"{prefix}.barge_in_over_jitter_buffer", over, "ms", 1, QUANTILES)
+    jitter = [r.rtp_jitter_ms for r in results if r.rtp_jitter_ms is not None]
+    report.add_quantiles(f"{prefix}.rtp_jitter", jitter, "ms", 1, QUANTILES)
     return report
