@@ -5,9 +5,6 @@ FakeEngine implements ``EngineLike``. Each stream "speaks" its text as a 440 Hz 
 the text arrives; every chunk's ``text_end`` is the number of characters it covers, so the
 expected ``played_text`` of a cut is easy to compute. A stream whose text contains
 ``fail_marker`` fails (StreamFailedError) after its first chunk.
-
-OutboxEngine hands out the engine's real stream handles and leaves the worker's part (what is
-delivered, and when) to the test.
 """
 
 from __future__ import annotations
@@ -30,8 +27,6 @@ from voice_out.engine.api import (
     StreamState,
     UnknownVoiceError,
 )
-from voice_out.engine.stream import EngineStream
-from voice_out.engine.worker import Message
 
 
 @dataclass
@@ -216,42 +211,6 @@ class FakeEngine:
         s.auto_ack = auto_ack
         self.active.add(s)
         self.opened.append(s)
-        return s
-
-    def voice_names(self) -> list[str]:
-        return list(self.voices)
-
-
-class OutboxEngine:
-    """An ``EngineLike`` whose streams are real :class:`EngineStream` handles with no worker
-    behind them: a test delivers each stream's items itself (``stream.outbox.deliver``), as the
-    engine's worker thread would; what the streams send to the worker is kept in ``sent``."""
-
-    def __init__(self, voices: tuple[str, ...] = ("alice",)) -> None:
-        self.voices = list(voices)
-        self.streams: list[EngineStream] = []
-        self.sent: list[Message] = []
-
-    @property
-    def sample_rate(self) -> int:
-        return SAMPLE_RATE
-
-    @property
-    def ready(self) -> bool:
-        return True
-
-    def open_stream(
-        self, voice: str | None = None, *, stream_id: str | None = None, auto_ack: bool = True
-    ) -> EngineStream:
-        s = EngineStream(
-            stream_id or f"s{len(self.streams)}",
-            voice or self.voices[0],
-            send=self.sent.append,
-            post=self.sent.append,
-            max_text_chars=4000,
-            auto_ack=auto_ack,
-        )
-        self.streams.append(s)
         return s
 
     def voice_names(self) -> list[str]:

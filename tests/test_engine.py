@@ -30,10 +30,9 @@ from voice_out.engine.api import (
     UnknownVoiceError,
 )
 from voice_out.engine.engine import Engine, EngineStats, EngineStream
-from voice_out.engine.request import SAMPLES_PER_TOKEN, LlmInputKind, LlmStep, RequestStatus, VoicePrompt
+from voice_out.engine.request import SAMPLES_PER_TOKEN, LlmInputKind, LlmStep, VoicePrompt
 from voice_out.engine.runner import Runner, noise_voice
 from voice_out.engine.scheduler import Admit, ForcedTokens, LlmWork, NextGuess, StepPlan, VocodeWork
-from voice_out.engine.worker import EndOfStream, Message
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
 from voice_out.model.token2wav import Token2WavStream
 
@@ -346,63 +345,6 @@ def test_async_cancel_from_the_consumer_ends_the_iteration(engine: Engine) -> No
 
     got, state = asyncio.run(main())
     assert len(got) == 1 and state is StreamState.ABORTED
-    assert_clean(engine)
-
-
-def test_poll_chunk_hands_out_delivered_chunks_and_leaves_the_end_to_the_iteration() -> None:
-    sent: list[Message] = []
-    stream = EngineStream("s", "v", send=sent.append, post=sent.append, max_text_chars=10, auto_ack=False)
-    chunks = [PcmChunk(np.full(4, i, np.float32), 4 * i, i) for i in range(3)]
-    assert stream.poll_chunk() is None  # nothing delivered: None at once, never a wait
-    stream.outbox.deliver(chunks[0])
-    stream.outbox.deliver(chunks[1])
-    assert stream.poll_chunk() is chunks[0]
-    assert stream.state is StreamState.RUNNING and stream.samples_received == 4
-    stream.outbox.deliver(chunks[2])
-    stream.outbox.deliver(EndOfStream(RequestStatus.FAILED, StreamFailedError("injected")))
-    assert stream.poll_chunk() is chunks[1]
-    assert stream.poll_chunk() is chunks[2]
-    assert stream.poll_chunk() is None  # the end stays for the iteration ...
-
-    async def rest() -> list[PcmChunk]:
-        return [c async for c in stream]
-
-    with pytest.raises(StreamFailedError, match="injected"):  # ... which raises it
-        asyncio.run(rest())
-    assert sent == []  # no acks: auto_ack is off
-
-
-def test_chunks_polled_between_iteration_steps_are_the_same_audio(engine: Engine) -> None:
-    text = "a long enough text to make several chunks of audio"
-
-    async def mixed() -> tuple[list[PcmChunk], int]:
-        stream = engine.open_stream(seed=12)
-        stream.push_text(text)
-        stream.end_text()
-        it = stream.__aiter__()
-        got: list[PcmChunk] = []
-        polled = 0
-        while True:
-            chunk = stream.poll_chunk()
-            if chunk is not None:
-                polled += 1
-            else:
-                try:
-                    chunk = await it.__anext__()
-                except StopAsyncIteration:
-                    break
-                for _ in range(600):  # the next item is delivered before anyone asks for it
-                    if len(stream.outbox):
-                        break
-                    await asyncio.sleep(0.05)
-            got.append(chunk)
-        return got, polled
-
-    got, polled = asyncio.run(mixed())
-    alone = solo(engine, 12, [text])
-    assert polled >= 1
-    assert signature(got) == signature(alone)
-    assert np.array_equal(np.concatenate([c.pcm for c in got]), np.concatenate([c.pcm for c in alone]))
     assert_clean(engine)
 
 

@@ -23,17 +23,12 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from tests.fakes import FakeEngine, FakeScript, FakeVoiceStore, OutboxEngine
+from tests.fakes import FakeEngine, FakeScript, FakeVoiceStore
 from voice_out.client import ClientError, ReceivedFrame, VoiceOutClient, connect
 from voice_out.config import ServerConfig
-from voice_out.engine.api import SAMPLE_RATE, PcmChunk, StreamFailedError
-from voice_out.engine.request import RequestStatus
-from voice_out.engine.worker import EndOfStream
 from voice_out.server import protocol as p
 from voice_out.server.app import METRICS_KEY, SESSIONS_KEY, VOICES_KEY, create_app
-from voice_out.server.session import Session
 from voice_out.server.signaling import SessionManager
-from voice_out.server.track import UtteranceTrack, pcm_to_s16
 
 TOKEN = "s3cret-token"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -157,86 +152,6 @@ async def test_speaks_with_energy_and_events_in_order(server: Server) -> None:
     assert stream.acks == sorted(stream.acks) and len(stream.acks) >= 3
     assert done.audio_ms * 24 - 2400 <= stream.acks[-1] <= done.audio_ms * 24
     await client.close()
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.messages: list[p.ServerMessage] = []
-
-    def send(self, text: str) -> None:
-        self.messages.append(p.parse_server(text))
-
-    def close(self) -> None:
-        pass
-
-
-def outbox_session() -> tuple[Session, OutboxEngine, UtteranceTrack, ListSink]:
-    engine = OutboxEngine()
-    track = UtteranceTrack(sample_rate=SAMPLE_RATE, output_rate=SAMPLE_RATE)
-    session = Session("s", engine, track=track)
-    sink = ListSink()
-    session.add_sink(sink, greet=False)
-    return session, engine, track, sink
-
-
-async def turns(n: int = 5) -> None:
-    """Let the event loop run every task that is ready (the pumps), ``n`` rounds."""
-    for _ in range(n):
-        await asyncio.sleep(0)
-
-
-def build_frame(track: UtteranceTrack) -> np.ndarray:
-    """What ``track.recv`` does at a frame's time, without the pacing: build it, report events."""
-    frame, events = track.next_frame(time.monotonic())
-    assert track.on_event is not None
-    for ev in events:
-        track.on_event(ev)
-    return frame
-
-
-@pytest.mark.asyncio
-async def test_audio_delivered_before_a_frame_is_built_goes_out_in_that_frame() -> None:
-    """The engine's worker delivers the first chunk, and the track builds its next frame before
-    the utterance's pump has had its turn on the event loop: the frame carries the audio (not
-    the frame after it, 20 ms later), and the pump does not push it a second time."""
-    session, engine, track, sink = outbox_session()
-    session.receive(json.dumps({"type": "text.delta", "id": "u1", "delta": "Hello there. "}))
-    session.receive(json.dumps({"type": "text.done", "id": "u1"}))
-    await turns()  # the pump waits on the stream
-    assert not build_frame(track).any()
-    (stream,) = engine.streams
-    audio = (0.25 * np.sin(np.arange(1500) / 7)).astype(np.float32)
-    stream.outbox.deliver(PcmChunk(audio[:1000], 0, 6))  # the worker's thread does this
-    frame = build_frame(track)  # no turn for the pump in between
-    assert np.array_equal(frame, pcm_to_s16(audio[:480]))
-    assert [type(m) for m in sink.messages] == [p.AudioStarted]
-    await turns()
-    assert track.buffered_samples("u1") == 520  # taken once: the pump found nothing left
-    stream.outbox.deliver(PcmChunk(audio[1000:], 1000, 13, final=True))
-    stream.outbox.deliver(EndOfStream(RequestStatus.FINISHED))
-    await turns()
-    out = np.concatenate([build_frame(track) for _ in range(3)])
-    assert np.array_equal(out[:1020], pcm_to_s16(audio[480:]))
-    assert not out[1020:].any()
-    assert [type(m) for m in sink.messages] == [p.AudioStarted, p.AudioDone]
-    assert sink.messages[-1] == p.AudioDone("u1", 1000 * 1500 / SAMPLE_RATE)
-    assert not track.has("u1") and not session.live and session.n_tasks == 0
-    await session.close()
-
-
-@pytest.mark.asyncio
-async def test_a_failure_after_audio_taken_at_a_frame_reaches_the_pump() -> None:
-    session, engine, track, sink = outbox_session()
-    session.receive(json.dumps({"type": "text.delta", "id": "u1", "delta": "Hello. "}))
-    await turns()
-    (stream,) = engine.streams
-    stream.outbox.deliver(PcmChunk(np.full(960, 0.1, np.float32), 0, 6))
-    stream.outbox.deliver(EndOfStream(RequestStatus.FAILED, StreamFailedError("injected")))
-    assert build_frame(track).any()  # the chunk went out in this frame; the failure is the pump's
-    await turns()
-    assert [(type(m), getattr(m, "id", None)) for m in sink.messages] == [(p.AudioStarted, "u1"), (p.Error, "u1")]
-    assert not track.has("u1") and "u1" not in session.live
-    await session.close()
 
 
 @pytest.mark.asyncio

@@ -132,53 +132,6 @@ async def test_utterances_play_in_start_order_without_gaps() -> None:
 
 
 @pytest.mark.asyncio
-async def test_refill_puts_ready_audio_into_the_frame_being_built() -> None:
-    """Audio that is ready when a frame is built goes out in that frame, even though nobody
-    pushed it before: the hook is asked while the utterance runs short, and only then."""
-    track, clock, events = make_track()
-    a = tone(1500, seed=3)
-    ready: list[PcmChunk] = []  # what the engine has delivered and no pump has pushed yet
-    calls: list[int] = []
-
-    def refill() -> None:
-        calls.append(track.buffered_samples("u"))
-        while ready:
-            track.push("u", ready.pop(0))
-
-    await frames(track, 1)
-    track.open("u", refill=refill)
-    assert not (await frames(track, 1)).any()  # nothing ready: silence, asked once
-    assert calls == [0]
-    ready.append(PcmChunk(a[:1000], 0, 3))
-    t = clock.t
-    out = await frames(track, 1)  # the very next frame carries it
-    assert np.array_equal(out, pcm_to_s16(a[:FRAME]))
-    assert [e.t for e in events if isinstance(e, Started)] == [pytest.approx(t + 0.02)]
-    await frames(track, 1)  # 520 samples were buffered: the hook is not asked
-    assert calls == [0, 0]
-    ready.append(PcmChunk(a[1000:], 1000, 5, final=True))
-    out = await frames(track, 1)  # 40 left, less than the frame needs: asked, gapless
-    assert calls == [0, 0, 40]
-    assert np.array_equal(out, pcm_to_s16(a[2 * FRAME : 3 * FRAME]))
-    assert not any(isinstance(e, Underrun) for e in events)
-    await frames(track, 2)  # complete: never asked again
-    assert calls == [0, 0, 40]
-    assert isinstance(events[-1], Done) and events[-1].n_samples == 1500
-
-
-@pytest.mark.asyncio
-async def test_refill_of_the_next_utterance_fills_the_rest_of_a_frame() -> None:
-    track, _, events = make_track()
-    a, b = tone(600, seed=4), tone(700, seed=5)
-    track.open("a")
-    track.open("b", refill=lambda: track.push("b", PcmChunk(b, 0, 2, final=True)))
-    track.push("a", PcmChunk(a, 0, 1, final=True))
-    out = await frames(track, 3)
-    assert np.array_equal(out[:1300], np.concatenate([pcm_to_s16(a), pcm_to_s16(b)]))
-    assert [e for e in events if isinstance(e, Started)][1].t == [e for e in events if isinstance(e, Done)][0].t
-
-
-@pytest.mark.asyncio
 async def test_cancel_fades_within_5ms_then_silence() -> None:
     track, clock, events = make_track()
     track.open("u")

@@ -104,10 +104,6 @@ class Stream(Protocol):
     ``cancel()`` is idempotent, may be called at any stage, and ends the iteration promptly
     (no further chunks). A failure inside the engine ends the iteration with
     :class:`StreamFailedError`.
-
-    Optional: ``poll_chunk() -> PcmChunk | None``, the next chunk if it is ready now (never
-    waiting; the end of the stream stays with the iteration). The server's track uses it, when
-    a stream has it, to take audio in the frame it is building (``EngineStream`` has it).
     """
 
     @property

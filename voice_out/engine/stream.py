@@ -107,15 +107,6 @@ class _Outbox:
         with self._cond:
             return self._items.popleft() if self._items else None
 
-    def poll_chunk(self) -> PcmChunk | None:
-        """The first item if it is a chunk, else None (an ``EndOfStream`` stays for ``poll``)."""
-        with self._cond:
-            head = self._items[0] if self._items else None
-            if isinstance(head, PcmChunk):
-                self._items.popleft()
-                return head
-            return None
-
     def get(self, timeout: float | None = None) -> PcmChunk | EndOfStream | None:
         """Block until an item arrives (None: closed, or ``timeout`` passed)."""
         with self._cond:
@@ -223,18 +214,6 @@ class EngineStream:
         """The listener has heard ``samples_played`` samples of this stream (monotone)."""
         if not self._cancelled and not self.state.terminal:
             self._send(Ack(self._id, int(samples_played)))
-
-    def poll_chunk(self) -> PcmChunk | None:
-        """The next chunk if the worker has already delivered it, else None; never waits.
-
-        For a consumer that must not wait for its iterator's turn on the event loop: the
-        server's track takes audio with it while it builds a frame, so that a chunk delivered
-        before the frame goes out in it. Chunks are handed out once, in order, by this or the
-        iteration, whichever asks first; the end of the stream (a failure included) is left to
-        the iteration. Call it from the thread that iterates the stream.
-        """
-        chunk = self.outbox.poll_chunk()
-        return None if chunk is None else self._take(chunk)
 
     def _take(self, item: PcmChunk | EndOfStream) -> PcmChunk | None:
         """Consume one item; None means the iteration ends (raises on failure)."""

@@ -4,12 +4,9 @@ Messages arrive on the data channel ``voice_out`` (the browser) and on any numbe
 WebSockets (an agent backend); events go to all of them. A reply to one message (``error`` for
 bad input, ``pong``) goes only to whoever sent it.
 
-Ownership: the session owns one pump task per utterance (engine stream -> track); while the
-track builds a frame in which an utterance runs short, the session also hands it the chunks the
-engine has already delivered (``Session._refill``), so they need not wait for the pump's turn
-on the event loop. ``close()`` cancels every stream, cancels and awaits every task and stops
-the track; after it nothing of the session runs. Nothing a client sends raises out of
-:meth:`Session.receive`.
+Ownership: the session owns one pump task per utterance (engine stream -> track). ``close()``
+cancels every stream, cancels and awaits every task and stops the track; after it nothing of
+the session runs. Nothing a client sends raises out of :meth:`Session.receive`.
 
 Threads: everything here runs on the asyncio thread.
 """
@@ -21,7 +18,6 @@ import enum
 import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -244,10 +240,7 @@ class Session:
         self._seq += 1
         u = Utterance(msg.id, self._seq, stream, self.clock.now())
         self.live[msg.id] = u
-        # A stream that hands out delivered chunks without waiting lets the track take them in
-        # the frame it is building (track.py, ``refill``), not after the pump's next turn.
-        poll: Callable[[], PcmChunk | None] | None = getattr(stream, "poll_chunk", None)
-        self.track.open(msg.id, refill=None if poll is None else lambda: self._refill(u, poll))
+        self.track.open(msg.id)
         u.task = asyncio.get_running_loop().create_task(self._pump(u), name=f"pump {self.id}/{msg.id}")
         self._tasks.add(u.task)
         u.task.add_done_callback(self._tasks.discard)
@@ -321,7 +314,8 @@ class Session:
                 except StopAsyncIteration:
                     break
                 u.engine_wait_s += self.clock.now() - t0
-                self._accept(u, chunk)
+                u.n_samples += len(chunk.pcm)
+                self.track.push(u.id, chunk)
                 if chunk.final:
                     break
                 await self.track.wait_room(u.id, max_buffered)
@@ -335,28 +329,6 @@ class Session:
         except Exception:
             log.exception("session %s: utterance %s failed", self.id, u.id)
             self._fail(u, p.ErrorCode.INTERNAL, "internal error while synthesizing; the session goes on")
-
-    def _accept(self, u: Utterance, chunk: PcmChunk) -> None:
-        u.n_samples += len(chunk.pcm)
-        self.track.push(u.id, chunk)
-
-    def _refill(self, u: Utterance, poll: Callable[[], PcmChunk | None]) -> None:
-        """The track is building a frame in which ``u`` runs short: push the chunks the engine
-        has already delivered, up to a frame's worth. Called from ``track.recv``.
-
-        The pump would push them too, but only when its task next runs, which may be after
-        this frame is built: the audio would then wait a whole frame more. Nothing here may
-        raise into ``recv`` (aiortc would stop sending): a stream's failure is left to the
-        pump, which meets it at the end of the stream's items.
-        """
-        try:
-            while self.track.buffered_samples(u.id) < self.track.frame_samples:
-                chunk = poll()
-                if chunk is None:
-                    return
-                self._accept(u, chunk)
-        except Exception:
-            log.exception("session %s: taking ready audio of %s failed", self.id, u.id)
 
     def _fail(self, u: Utterance, code: p.ErrorCode, message: str) -> None:
         if self.live.get(u.id) is not u:

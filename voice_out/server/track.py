@@ -13,15 +13,6 @@ and the utterance that was audible gets a linear fade of at most 5 ms (no click)
 The track accounts for what was actually *sent* (handed to the encoder) per utterance, so the
 ``played_ms`` / ``played_text`` of a cancel are exact: only samples returned by ``recv`` count.
 
-Audio normally arrives through ``push`` (the session's pump task, one per utterance). An
-utterance may also be opened with a ``refill`` hook, which the track calls while it builds a
-frame in which that utterance would run short (its first audio, an underrun): the hook pushes
-audio that is ready but not yet pushed, so it goes out in this frame rather than one frame
-(20 ms) later. The pump only gets its turn when the event loop runs its task, and a frame can
-be built in between (a loop that waits for the GIL held by the engine's worker runs one
-iteration at a time); the hook closes that gap. Pacing is unchanged: frames still leave at
-``start + pts / sample_rate``, one per ``recv``.
-
 Threads: every method runs on the asyncio thread. The per-frame work is a copy of at most 480
 int16 samples; encoding runs in aiortc's executor, so nothing heavy happens on the loop.
 """
@@ -147,8 +138,6 @@ class _Playout:
     started: bool = False
     starved: bool = False
     room: asyncio.Event = field(default_factory=asyncio.Event)
-    #: Called while a frame is built in which this utterance runs short (see ``open``).
-    refill: Callable[[], None] | None = None
 
     def take(self, n: int) -> np.ndarray:
         """Remove and return up to ``n`` samples (int16)."""
@@ -262,17 +251,11 @@ class UtteranceTrack(MediaStreamTrack):
 
     # -- feeding (asyncio thread) ------------------------------------------------------------
 
-    def open(self, uid: str, refill: Callable[[], None] | None = None) -> None:
-        """Reserve ``uid``'s place: it plays after every utterance opened before it.
-
-        ``refill``: called (from ``recv``, on the asyncio thread) while a frame is built in
-        which ``uid`` is next to play and holds less audio than the frame still needs, before
-        the frame takes its samples. It may only ``push`` (or ``finish``) ``uid``, must not
-        block and must not raise. See the module docstring.
-        """
+    def open(self, uid: str) -> None:
+        """Reserve ``uid``'s place: it plays after every utterance opened before it."""
         if uid in self._by_id:
             raise ValueError(f"utterance {uid!r} is already queued")
-        p = _Playout(uid, refill=refill)
+        p = _Playout(uid)
         self._queue.append(p)
         self._by_id[uid] = p
 
@@ -368,8 +351,6 @@ class UtteranceTrack(MediaStreamTrack):
                 self._cancel_t = None
         while pos < n and self._queue:
             p = self._queue[0]
-            if p.refill is not None and not p.complete and p.pending_samples < n - pos:
-                p.refill()
             if p.pending_samples:
                 piece = p.take(n - pos)
                 out[pos : pos + len(piece)] = piece
