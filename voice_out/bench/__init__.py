@@ -152,7 +152,7 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
         run_engine_bench(cfg, opts, report, log, save)
     else:
         try:
-            from voice_out.bench.webrtc_bench import run_webrtc_bench
+            from voice_out.bench.webrtc_bench import NoBrowserError, run_webrtc_bench
         except ModuleNotFoundError as e:
             if e.name is not None and e.name.split(".")[0] in ("aiortc", "av"):
                 msg = f"--mode webrtc needs aiortc and av (the WebRTC client); {e.name} is not installed"
@@ -161,11 +161,12 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
 
         try:
             wopts = _webrtc_options(args)
-            if wopts.client == "chromium":
-                wopts.chromium_binary()  # before the engine loads: a missing browser is a quick error
         except ValueError as e:
             raise UserError(str(e)) from None
-        report = run_webrtc_bench(cfg, wopts, command, log)
+        try:
+            report = run_webrtc_bench(cfg, wopts, command, log)
+        except NoBrowserError as e:  # found before the engine loads
+            raise UserError(str(e)) from None
 
     print(report.markdown(), flush=True)
     out = getattr(args, "out", None)

@@ -30,7 +30,7 @@ import json
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,12 +55,16 @@ JITTER_NOTE = (
 CHROMIUM_NOTE = (
     "end-to-end figures are measured by the demo page in headless Chromium, on the page's clock: "
     "TTFA = its first text.delta sent -> the first audible 128-sample block (RMS at least the "
-    "settings' audible_rms) of the "
-    "decoded track in its WebAudio graph; barge-in = its cancel sent -> the end of the last audible "
-    "block before 250 ms of silence; jitter_buffer = WebRTC's average jitter-buffer delay over the "
+    "settings' audible_rms) of the decoded track in its WebAudio graph; barge-in = its cancel sent "
+    "-> the end of the last audible block before 250 ms of silence; jitter_buffer = WebRTC's "
+    "average jitter-buffer delay over the "
     "utterance (inbound-rtp jitterBufferDelay / jitterBufferEmittedCount between two readings); "
     "rtp_jitter = its RFC 3550 interarrival jitter at the utterance's end"
 )
+
+
+class NoBrowserError(ValueError):
+    """``client="chromium"`` and no browser to launch."""
 
 
 @dataclass(frozen=True)
@@ -112,15 +116,15 @@ class WebrtcBenchOptions:
             raise ValueError(f"client must be one of {', '.join(CLIENTS)}, got {self.client!r}")
 
     def chromium_binary(self) -> str:
-        """The browser ``client="chromium"`` launches (``ValueError`` when there is none)."""
+        """The browser ``client="chromium"`` launches (:class:`NoBrowserError` when there is none)."""
         if self.chromium is not None:
             found = shutil.which(self.chromium)
             if found is None:
-                raise ValueError(f"--chromium {self.chromium}: no such executable")
+                raise NoBrowserError(f"--chromium {self.chromium}: no such executable")
             return found
         binary = find_chromium()
         if binary is None:
-            raise ValueError(
+            raise NoBrowserError(
                 "--client chromium: no Chromium found (install chromium or chromium-headless-shell, "
                 "or pass --chromium PATH or set VOICE_OUT_CHROMIUM)"
             )
@@ -237,23 +241,24 @@ async def page_utterance(page: Page, opts: WebrtcBenchOptions) -> Utterance:
     r = await page.evaluate(f"{PAGE_UTTERANCE}({json.dumps(args)})", timeout_s=opts.timeout_s + 10)
     if r.get("error"):
         raise ClientError(f"utterance {r['id']}: {r['error']}")
-    after = r.get("after") or {}
+    before, after = r.get("before"), r.get("after")
     return Utterance(
         r["pageTtfaMs"],
         r["serverTtfaMs"],
         r["bargeInMs"],
-        jitter_buffer_ms(r.get("before"), r.get("after")),
-        after.get("jitterMs"),
+        jitter_buffer_ms(before, after),
+        after.get("jitterMs") if after else None,
     )
 
 
 async def _measure_chromium(
-    url: str, opts: WebrtcBenchOptions, log: Callable[[str], None], browser: list[str]
+    url: str, opts: WebrtcBenchOptions, binary: str, log: Callable[[str], None], settings: dict[str, Any]
 ) -> list[Utterance]:
-    binary = opts.chromium_binary()
+    """The utterances through the demo page in ``binary``; the browser's version goes into
+    ``settings["browser"]``."""
     with tempfile.TemporaryDirectory(prefix="voice-out-bench-chromium-") as profile:
         async with chromium(Path(profile), binary) as page:
-            browser.append(page.version)
+            settings["browser"] = page.version
             log(f"webrtc: {page.version} ({binary}) opens {url}/")
             await page.send("Page.navigate", {"url": url + "/"})
             await page.wait_for("window.voiceOut && window.voiceOut.loaded", 30, "the demo page to load")
@@ -272,11 +277,7 @@ async def _measure_chromium(
             return results
 
 
-async def _measure(
-    url: str, opts: WebrtcBenchOptions, log: Callable[[str], None], browser: list[str]
-) -> list[Utterance]:
-    if opts.client == "chromium":
-        return await _measure_chromium(url, opts, log, browser)
+async def _measure(url: str, opts: WebrtcBenchOptions, log: Callable[[str], None]) -> list[Utterance]:
     client = await connect(url, timeout_s=opts.timeout_s)
     try:
         for i in range(opts.warmup_reps):
@@ -291,10 +292,14 @@ async def _measure(
 
 
 async def _run(
-    cfg: Config, opts: WebrtcBenchOptions, log: Callable[[str], None], browser: list[str]
+    cfg: Config,
+    opts: WebrtcBenchOptions,
+    log: Callable[[str], None],
+    measure: Callable[[str], Awaitable[list[Utterance]]],
 ) -> list[Utterance]:
+    """``measure`` the server at ``opts.url``, or at one started here (its base URL)."""
     if opts.url is not None:
-        return await _measure(opts.url.rstrip("/"), opts, log, browser)
+        return await measure(opts.url.rstrip("/"))
     eopts = EngineBenchOptions(
         streams=(1,),
         tokens_per_text_token=opts.tokens_per_text_token,
@@ -311,17 +316,16 @@ async def _run(
         await site.start()
         host, port = runner.addresses[0][:2]
         log(f"webrtc: server on http://{host}:{port}")
-        return await _measure(f"http://{host}:{port}", opts, log, browser)
+        return await measure(f"http://{host}:{port}")
     finally:
         with contextlib.suppress(Exception):
             await runner.cleanup()
 
 
 def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: Callable[[str], None]) -> Report:
-    """Measure end-to-end TTFA and barge-in latency; returns the report (``ValueError`` before
-    anything starts when ``client="chromium"`` finds no browser)."""
-    if opts.client == "chromium":
-        opts.chromium_binary()
+    """Measure end-to-end TTFA and barge-in latency; returns the report
+    (:class:`NoBrowserError` before anything starts when ``client="chromium"`` finds no browser)."""
+    binary = opts.chromium_binary() if opts.client == "chromium" else None
     if opts.threads > 0:
         import torch
 
@@ -337,23 +341,24 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
         fast_first=opts.fast_first,
         client=opts.client,
     )
-    if opts.client == "chromium":
+
+    async def measure(url: str) -> list[Utterance]:
+        if binary is None:
+            return await _measure(url, opts, log)
+        return await _measure_chromium(url, opts, binary, log, report.settings)
+
+    if binary is not None:
         report.settings.update(audible_rms=opts.audible_rms)
-    browser: list[str] = []
-    results = asyncio.run(_run(cfg, opts, log, browser))
+    report.notes.append(JITTER_NOTE if binary is None else CHROMIUM_NOTE)
+    results = asyncio.run(_run(cfg, opts, log, measure))
     # The two clients measure differently, so their figures have names of their own.
-    prefix = "e2e" if opts.client == "aiortc" else f"e2e.{opts.client}"
-    if opts.client == "chromium":
-        report.settings.update(browser=browser[0] if browser else "?")
-        report.notes.append(CHROMIUM_NOTE)
-    else:
-        report.notes.append(JITTER_NOTE)
+    prefix = "e2e" if binary is None else f"e2e.{opts.client}"
     report.add_quantiles(f"{prefix}.ttfa", [r.ttfa_ms for r in results], "ms", 1, QUANTILES)
     report.add_quantiles(f"{prefix}.server_ttfa", [r.server_ttfa_ms for r in results], "ms", 1, QUANTILES)
     report.add_quantiles(f"{prefix}.barge_in", [r.barge_in_ms for r in results], "ms", 1, QUANTILES)
-    buffered = [r for r in results if r.jitter_buffer_ms is not None]
-    report.add_quantiles(f"{prefix}.jitter_buffer", [r.jitter_buffer_ms or 0.0 for r in buffered], "ms", 1, QUANTILES)
-    over = [r.barge_in_ms - (r.jitter_buffer_ms or 0.0) for r in buffered]
+    buffered = [(r.barge_in_ms, r.jitter_buffer_ms) for r in results if r.jitter_buffer_ms is not None]
+    report.add_quantiles(f"{prefix}.jitter_buffer", [jb for _, jb in buffered], "ms", 1, QUANTILES)
+    over = [barge_in - jb for barge_in, jb in buffered]
     report.add_quantiles(f"{prefix}.barge_in_over_jitter_buffer", over, "ms", 1, QUANTILES)
     jitter = [r.rtp_jitter_ms for r in results if r.rtp_jitter_ms is not None]
     report.add_quantiles(f"{prefix}.rtp_jitter", jitter, "ms", 1, QUANTILES)
