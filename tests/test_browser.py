@@ -27,7 +27,7 @@ import pytest
 from aiohttp import web
 
 from tests.fakes import FakeEngine, FakeVoiceStore
-from voice_out.bench.chromium import Page, chromium
+from voice_out.bench.chromium import DevToolsError, Page, chromium
 from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig
 from voice_out.server.app import create_app, load_runtime
 
@@ -315,3 +315,16 @@ def test_demo_page_bearer_token_and_errors(tmp_path: Path) -> None:
     pongs = [e for e in events if e["type"] == "pong"]
     assert len(pongs) == 1 and isinstance(pongs[0]["t"], int | float)
     assert r["rtt_shown"].endswith("ms"), r["rtt_shown"]
+
+
+def test_a_browser_that_dies_is_reported_with_its_last_output(tmp_path: Path) -> None:
+    """A browser lost mid-run (a crash, a missing font) ends the run with Chromium's own words."""
+
+    async def run() -> None:
+        async with chromium(tmp_path / "profile") as page:
+            with contextlib.suppress(DevToolsError, TimeoutError):
+                await page.send("Browser.crash", timeout_s=5)
+            await page.evaluate("1 + 1")
+
+    with pytest.raises(DevToolsError, match="Chromium's last output"):
+        asyncio.run(asyncio.wait_for(run(), TEST_TIMEOUT_S))

@@ -246,7 +246,13 @@ async def chromium(
                 await page.send("Runtime.enable")
                 await page.send("Page.enable")
                 await page.send("Network.enable")
-                yield page
+                try:
+                    yield page
+                except (DevToolsError, aiohttp.ClientError) as e:
+                    # The browser went away (a crash, a missing font or library): say why.
+                    await asyncio.sleep(0.2)  # let the drainer read its last words
+                    tail = b"".join(stderr_tail).decode(errors="replace").strip()
+                    raise DevToolsError(f"{e}\nChromium's last output:\n{tail or '(none)'}") from e
             finally:
                 with contextlib.suppress(Exception):
                     await devtools.send("Browser.close")
