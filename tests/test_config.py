@@ -60,6 +60,7 @@ def test_config_env_var_names_file(tmp_path: Path) -> None:
         (["engine.first_chunk_lane_max_playing=-1"], "engine.first_chunk_lane_max_playing = -1 is invalid"),
         (["server.auth_token=short"], "at least 8 characters"),
         (["server.nope=1"], "unknown key(s) in [server]: nope"),
+        (["server.frame_ms=15"], "server.frame_ms = 15 is invalid: expected 10 or 20"),
     ],
 )
 def test_bad_values_get_precise_errors(overrides: list[str], fragment: str) -> None:

@@ -121,6 +121,22 @@ def utterance_frames(client: VoiceOutClient, since: float) -> list[ReceivedFrame
 
 
 @pytest.mark.asyncio
+async def test_10ms_frames_go_out_as_10ms_opus_packets(make_server: Callable[..., Any]) -> None:
+    server: Server = await make_server(frame_ms=10)
+    client = await server.connect()
+    t_send = client.send_text("u1", "Hello there, world. ")
+    client.done("u1")
+    done = await client.wait_for("audio.done", "u1")
+    assert isinstance(done, p.AudioDone)
+    await asyncio.sleep(0.2)
+    frames = utterance_frames(client, t_send)
+    assert {len(f.pcm) for f in frames} == {480}  # 10 ms at 48 kHz, each one packet
+    pcm = np.concatenate([f.pcm for f in frames if f.audible])
+    assert len(pcm) / 48 == pytest.approx(done.audio_ms, abs=30)
+    assert dominant_hz(pcm, 48000) == pytest.approx(440, abs=5)
+
+
+@pytest.mark.asyncio
 async def test_speaks_with_energy_and_events_in_order(server: Server) -> None:
     client = await server.connect()
     assert client.voices == ("alice", "bob") and client.sample_rate == 24000
@@ -137,11 +153,12 @@ async def test_speaks_with_energy_and_events_in_order(server: Server) -> None:
     frames = utterance_frames(client, t_send)
     audible = [f for f in frames if f.audible]
     # The whole utterance arrived (within a frame of the resampler's edges) and is the tone.
-    assert len(audible) * 20 == pytest.approx(done.audio_ms, abs=40)
     pcm = np.concatenate([f.pcm for f in audible])
     assert frames[0].sample_rate == 48000
-    # 0.3 * sin has rms 0.212; the encoder's mono -> stereo upmix is -3 dB per channel: 0.15.
-    assert 0.12 < float(np.sqrt(np.mean(pcm[960:-960] ** 2))) < 0.19
+    assert len(pcm) / 48 == pytest.approx(done.audio_ms, abs=40)
+    # 0.3 * sin has rms 0.212, and the server encodes mono (aiortc's encoder upmixed to
+    # stereo, -3 dB per channel).
+    assert 0.19 < float(np.sqrt(np.mean(pcm[960:-960] ** 2))) < 0.23
     assert dominant_hz(pcm, 48000) == pytest.approx(440, abs=5)
     assert events_of(client)[0] == ("session.ready", None)
     assert events_of(client)[1:] == [("audio.started", "u1"), ("audio.done", "u1")]

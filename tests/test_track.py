@@ -7,11 +7,13 @@ import fractions
 
 import numpy as np
 import pytest
+from av import AudioFrame, CodecContext, Packet
 
 from voice_out.engine.api import PcmChunk
 from voice_out.server.track import (
     FADE_MS,
     Done,
+    OpusFrameEncoder,
     Played,
     Silenced,
     Started,
@@ -56,10 +58,24 @@ def tone(n: int, amp: float = 0.5, seed: int = 0) -> np.ndarray:
     return (amp * rng.uniform(0.2, 1.0, n) * np.sign(rng.standard_normal(n))).astype(np.float32)
 
 
+async def recv_frame(track: UtteranceTrack) -> AudioFrame:
+    """The next raw frame of a track that does not encode."""
+    f = await track.recv()
+    assert isinstance(f, AudioFrame)
+    return f
+
+
+async def recv_packet(track: UtteranceTrack) -> Packet:
+    """The next Opus packet of a track that encodes."""
+    pk = await track.recv()
+    assert isinstance(pk, Packet)
+    return pk
+
+
 async def frames(track: UtteranceTrack, n: int) -> np.ndarray:
     out = []
     for _ in range(n):
-        f = await track.recv()
+        f = await recv_frame(track)
         out.append(f.to_ndarray().reshape(-1))
     return np.concatenate(out)
 
@@ -69,7 +85,7 @@ async def test_frames_are_20ms_s16_mono_paced_by_the_clock() -> None:
     track, clock, _ = make_track()
     t0 = clock.t
     for i in range(5):
-        f = await track.recv()
+        f = await recv_frame(track)
         assert f.format.name == "s16" and f.layout.name == "mono"
         assert f.samples == FRAME and f.sample_rate == SR
         assert f.time_base == fractions.Fraction(1, SR)
@@ -320,9 +336,80 @@ async def test_default_output_is_48khz_and_silent_right_after_a_cancel() -> None
     track.open("u")
     track.push("u", PcmChunk(np.full(SR, 0.5, np.float32), 0, 3))
     for i in range(3):
-        f = await track.recv()
+        f = await recv_frame(track)
         assert (f.samples, f.sample_rate, f.pts, f.time_base) == (960, 48000, 960 * i, fractions.Fraction(1, 48000))
     track.flush()
-    after = np.concatenate([(await track.recv()).to_ndarray().reshape(-1) for _ in range(3)])
+    after = np.concatenate([(await recv_frame(track)).to_ndarray().reshape(-1) for _ in range(3)])
     assert after[: 2 * FADE].any()
     assert not after[2 * FADE + Upsampler2x.TAPS :].any()  # the 5 ms fade, the filter's 2 ms, then zeros
+
+
+def decode_opus(packets: list[Packet], rate: int) -> np.ndarray:
+    """Decoded mono float32 of ``packets`` (libopus, as a receiver would)."""
+    dec = CodecContext.create("libopus", "r")
+    dec.sample_rate = rate
+    dec.layout = "mono"
+    dec.format = "s16"
+    out = [f.to_ndarray().reshape(-1) for pk in packets for f in dec.decode(pk)]
+    return np.concatenate(out).astype(np.float32) / 32768.0
+
+
+@pytest.mark.parametrize("frame_ms", [10, 20])
+def test_opus_encoder_makes_one_packet_per_frame_that_decodes_to_the_input(frame_ms: int) -> None:
+    rate = 48000
+    enc = OpusFrameEncoder(rate, frame_ms)
+    n = rate * frame_ms // 1000
+    t = np.arange(50 * n) / rate
+    x = pcm_to_s16(0.3 * np.sin(2 * np.pi * 440 * t).astype(np.float32))
+    packets = [enc.encode(x[i * n : (i + 1) * n], 1000 + i * n) for i in range(50)]
+    assert [pk.pts for pk in packets] == [1000 + i * n for i in range(50)]  # the frames' own clock
+    assert all(pk.time_base == fractions.Fraction(1, rate) for pk in packets)
+    y = decode_opus(packets, rate)
+    assert len(y) == len(x)  # one packet holds exactly one frame's duration
+    body = y[rate // 10 :]
+    spectrum = np.abs(np.fft.rfft(body * np.hanning(len(body))))
+    assert np.fft.rfftfreq(len(body), 1 / rate)[np.argmax(spectrum)] == pytest.approx(440, abs=5)
+    assert float(np.sqrt(np.mean(body**2))) == pytest.approx(0.3 / np.sqrt(2), rel=0.1)
+    with pytest.raises(ValueError, match=f"expected {n} samples"):
+        enc.encode(x[: n - 1], 0)
+
+
+@pytest.mark.asyncio
+async def test_10ms_frames_are_paced_every_10ms_and_encoded_when_asked() -> None:
+    clock = FakeClock()
+    track = UtteranceTrack(sample_rate=SR, clock=clock, frame_ms=10, encode=True)
+    assert track.frame_samples == SR // 100
+    track.open("u")
+    sine = 0.3 * np.sin(2 * np.pi * 440 * np.arange(SR // 5) / SR).astype(np.float32)
+    track.push("u", PcmChunk(sine, 0, 3, final=True))  # 200 ms
+    packets = [await recv_packet(track) for _ in range(30)]
+    assert [pk.pts for pk in packets] == [480 * i for i in range(30)]  # 48 kHz RTP clock
+    assert clock.sleeps == pytest.approx([0.01] * 29)
+    y = decode_opus(packets, 48000)
+    audible = np.flatnonzero(np.abs(y) > 0.05)
+    # 200 ms of audio, shifted by the encoder's look-ahead (6.5 ms) and the upsampler's filter
+    # (1 ms), and a codec tail of under 20 ms at its end.
+    assert 5 < audible[0] / 48 < 10
+    assert 199 < (audible[-1] - audible[0]) / 48 < 220
+
+
+@pytest.mark.asyncio
+async def test_a_cancel_is_silent_within_one_10ms_frame() -> None:
+    clock = FakeClock()
+    events: list[TrackEvent] = []
+    track = UtteranceTrack(sample_rate=SR, clock=clock, on_event=events.append, output_rate=SR, frame_ms=10)
+    track.open("u")
+    track.push("u", PcmChunk(np.full(SR, 0.5, np.float32), 0, 3))
+    await frames(track, 3)
+    track.flush()
+    after = await frames(track, 2)
+    assert after[:FADE].any() and not after[FADE:].any()  # the 5 ms fade fits in the first frame
+    silenced = [e for e in events if isinstance(e, Silenced)]
+    assert len(silenced) == 1 and silenced[0].latency_s == pytest.approx(0.01)
+
+
+def test_frame_ms_must_be_10_or_20() -> None:
+    with pytest.raises(ValueError, match="frame_ms must be one of"):
+        UtteranceTrack(sample_rate=SR, frame_ms=15)
+    with pytest.raises(ValueError, match="frame_ms must be one of"):
+        OpusFrameEncoder(48000, 5)

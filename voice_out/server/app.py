@@ -357,6 +357,7 @@ def create_app(
         max_text_chars=cfg.engine.max_text_chars,
         connect_timeout_s=connect_timeout_s,
         clock_factory=clock_factory,
+        frame_ms=server.frame_ms,
     )
     app.cleanup_ctx.append(_engine_ctx)
     app.on_shutdown.append(_close_sessions)

@@ -29,7 +29,7 @@ from voice_out.errors import VoiceOutError
 from voice_out.server.metrics import Metrics
 from voice_out.server.protocol import CHANNEL_LABEL
 from voice_out.server.session import Session
-from voice_out.server.track import Clock, UtteranceTrack
+from voice_out.server.track import FRAME_MS, Clock, UtteranceTrack
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class SessionManager:
         max_text_chars: int = 4000,
         connect_timeout_s: float = 30.0,
         clock_factory: Callable[[], Clock] | None = None,
+        frame_ms: int = FRAME_MS,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -87,6 +88,7 @@ class SessionManager:
         self.max_text_chars = max_text_chars
         self.connect_timeout_s = connect_timeout_s
         self.clock_factory = clock_factory
+        self.frame_ms = frame_ms
         self.peers: dict[str, Peer] = {}
         self.accepting = True
         self._tasks: set[asyncio.Task[None]] = set()
@@ -134,7 +136,7 @@ class SessionManager:
             )
         session_id = uuid.uuid4().hex
         clock = self.clock_factory() if self.clock_factory is not None else None
-        track = UtteranceTrack(sample_rate=self.engine.sample_rate, clock=clock)
+        track = UtteranceTrack(sample_rate=self.engine.sample_rate, clock=clock, frame_ms=self.frame_ms, encode=True)
         session = Session(
             session_id,
             self.engine,

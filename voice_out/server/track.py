@@ -1,8 +1,11 @@
 """The outgoing audio track: utterances played in order, paced by the clock, cut on barge-in.
 
-:class:`UtteranceTrack` is an aiortc ``MediaStreamTrack`` that emits 20 ms s16 mono frames.
-It works on the engine's 24 kHz samples and sends 48 kHz (upsampled here, which saves the
-20 ms that aiortc's Opus-encoder resampler would hold back; 24 kHz output is an option).
+:class:`UtteranceTrack` is an aiortc ``MediaStreamTrack`` that emits s16 mono frames of
+``frame_ms`` (10 or 20 ms). It works on the engine's 24 kHz samples and sends 48 kHz
+(upsampled here, which saves the 20 ms that aiortc's Opus-encoder resampler would hold back;
+24 kHz output is an option). With ``encode=True`` (the server's way) it encodes each frame to
+one Opus packet itself (:class:`OpusFrameEncoder`) and hands aiortc the packet: aiortc's own
+encoder packs 20 ms, so a 10 ms frame would wait there for the next one.
 ``pts`` comes from a sample counter and ``recv`` sleeps until ``start + pts / sample_rate``,
 so RTP time never drifts; when there is nothing to play it emits silence, so RTP never stalls.
 
@@ -14,7 +17,7 @@ The track accounts for what was actually *sent* (handed to the encoder) per utte
 ``played_ms`` / ``played_text`` of a cancel are exact: only samples returned by ``recv`` count.
 
 Threads: every method runs on the asyncio thread. The per-frame work is a copy of at most 480
-int16 samples; encoding runs in aiortc's executor, so nothing heavy happens on the loop.
+int16 samples, the upsampling, and (``encode=True``) one Opus frame's encoding (~0.1 ms).
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from typing import Protocol
 
 import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
-from av import AudioFrame
+from av import AudioFrame, CodecContext, Packet
 
 from voice_out.engine.api import SAMPLE_RATE, PcmChunk
 
 FRAME_MS = 20
+#: Frame durations the track (and an Opus packet) may have, ms.
+FRAME_MS_CHOICES = (10, 20)
 FADE_MS = 5
 #: When ``recv`` is called this late, re-anchor the clock instead of sending a burst.
 MAX_LAG_S = 0.2
@@ -205,6 +210,50 @@ class Upsampler2x:
         return np.clip(np.rint(out), -32768, 32767).astype(np.int16)
 
 
+class OpusFrameEncoder:
+    """Encodes each frame of the track to exactly one Opus packet of the frame's duration.
+
+    libopus as aiortc configures it ("voip"), mono, ``bitrate`` bits/s. Not "lowdelay" (CELT
+    only, 2.5 ms of look-ahead against 6.5): it gained ~1.5 ms to the first audible sample but
+    left a tail decaying over ~90 ms above -60 dBFS after the audio stopped (a cancel's
+    silence), where "voip" is silent ~20 ms after it. The packets' ``pts`` are the frames' own,
+    so RTP time stays exactly paced.
+    """
+
+    def __init__(self, rate: int, frame_ms: int, bitrate: int = 64000) -> None:
+        if frame_ms not in FRAME_MS_CHOICES:
+            raise ValueError(f"frame_ms must be one of {FRAME_MS_CHOICES}, not {frame_ms}")
+        self.rate = rate
+        self.frame_samples = rate * frame_ms // 1000
+        self.time_base = fractions.Fraction(1, rate)
+        codec = CodecContext.create("libopus", "w")
+        codec.bit_rate = bitrate
+        codec.format = "s16"
+        codec.layout = "mono"
+        codec.sample_rate = rate
+        codec.time_base = self.time_base
+        codec.options = {"application": "voip", "frame_duration": str(frame_ms)}
+        codec.open()
+        self._codec = codec
+
+    def encode(self, samples: np.ndarray, pts: int) -> Packet:
+        """int16 [frame_samples] at ``rate`` -> one Opus packet with ``pts`` (in 1/rate)."""
+        if samples.shape != (self.frame_samples,):
+            raise ValueError(f"expected {self.frame_samples} samples, got {samples.shape}")
+        frame = AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = self.rate
+        frame.pts = pts
+        frame.time_base = self.time_base
+        packets = self._codec.encode(frame)
+        if len(packets) != 1:  # libopus takes whole frames of frame_duration and buffers none
+            raise RuntimeError(f"libopus returned {len(packets)} packets for one frame")
+        packet = packets[0]
+        packet.pts = pts
+        packet.dts = pts
+        packet.time_base = self.time_base
+        return packet
+
+
 def pcm_to_s16(pcm: np.ndarray) -> np.ndarray:
     """float32 [-1, 1] -> int16, clipped."""
     return (np.clip(np.asarray(pcm, dtype=np.float32), -1.0, 1.0) * 32767.0).astype(np.int16)
@@ -218,6 +267,12 @@ class UtteranceTrack(MediaStreamTrack):
 
     ``on_event`` receives :data:`TrackEvent` s synchronously from ``recv``, after the frame that
     caused them has been built (so ``Started`` follows the frame holding the first sample).
+
+    ``frame_ms``: each frame's duration (10 or 20). A frame holding newly arrived audio waits
+    for the next frame time, 0 to ``frame_ms`` (half of it on average), so shorter frames bring
+    the first audio and the silence after a cancel sooner, at twice the packets per second.
+    ``encode``: ``recv`` returns one Opus packet per frame (see :class:`OpusFrameEncoder`)
+    instead of the raw frame.
     """
 
     kind = "audio"
@@ -229,16 +284,22 @@ class UtteranceTrack(MediaStreamTrack):
         clock: Clock | None = None,
         on_event: Callable[[TrackEvent], None] | None = None,
         output_rate: int = 2 * SAMPLE_RATE,
+        frame_ms: int = FRAME_MS,
+        encode: bool = False,
     ) -> None:
         super().__init__()
+        if frame_ms not in FRAME_MS_CHOICES:
+            raise ValueError(f"frame_ms must be one of {FRAME_MS_CHOICES}, not {frame_ms}")
         self.sample_rate = sample_rate
-        self.frame_samples = sample_rate * FRAME_MS // 1000
+        self.frame_ms = frame_ms
+        self.frame_samples = sample_rate * frame_ms // 1000
         self.fade_samples = sample_rate * FADE_MS // 1000
         if output_rate not in (sample_rate, 2 * sample_rate):
             raise ValueError(f"output_rate must be {sample_rate} or {2 * sample_rate}, not {output_rate}")
         self.output_rate = output_rate
         self.time_base = fractions.Fraction(1, output_rate)
         self._upsampler = Upsampler2x() if output_rate != sample_rate else None
+        self._encoder = OpusFrameEncoder(output_rate, frame_ms) if encode else None
         self.clock: Clock = clock or MonotonicClock()
         self.on_event = on_event
         self._queue: deque[_Playout] = deque()
@@ -376,7 +437,7 @@ class UtteranceTrack(MediaStreamTrack):
             self._cancel_t = None
         return out, events
 
-    async def recv(self) -> AudioFrame:
+    async def recv(self) -> AudioFrame | Packet:
         if self.readyState != "live":
             raise MediaStreamError
         if self._start is None:
@@ -396,15 +457,19 @@ class UtteranceTrack(MediaStreamTrack):
         if self._upsampler is not None:
             samples = self._upsampler.process(samples)
             factor = 2
-        frame = AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
-        frame.sample_rate = self.output_rate
-        frame.pts = self._pts * factor
-        frame.time_base = self.time_base
+        out: AudioFrame | Packet
+        if self._encoder is not None:
+            out = self._encoder.encode(samples, self._pts * factor)
+        else:
+            out = AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
+            out.sample_rate = self.output_rate
+            out.pts = self._pts * factor
+            out.time_base = self.time_base
         self.frames_sent += 1
         if self.on_event is not None:
             for ev in events:
                 self.on_event(ev)
-        return frame
+        return out
 
     def stop(self) -> None:
         for p in self._queue:
