@@ -184,13 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="webrtc mode: who listens, the aiortc client (default) or the demo page in headless Chromium",
     )
     p.add_argument("--chromium", metavar="PATH", help="webrtc mode, --client chromium: the browser binary")
-    p.add_argument(
-        "--settle-s",
-        type=float,
-        metavar="S",
-        help="webrtc mode, --client chromium: seconds the page listens before its first utterance, while "
-        "its jitter buffer settles (default 10; --quick 0)",
-    )
     p.add_argument("--update-docs", action="store_true", help="append to docs/benchmarks.md, rewrite benchmarks.json")
     p.add_argument("--from-json", metavar="FILE", help="report a result written by --out elsewhere; measure nothing")
     p.add_argument("--docs-dir", help=argparse.SUPPRESS)

@@ -94,17 +94,7 @@ def _webrtc_options(args: argparse.Namespace) -> WebrtcBenchOptions:
     from voice_out.bench.webrtc_bench import WebrtcBenchOptions
 
     over: dict[str, Any] = {}
-    for name in (
-        "reps",
-        "tokens_per_text_token",
-        "threads",
-        "url",
-        "voice",
-        "fast_first",
-        "client",
-        "chromium",
-        "settle_s",
-    ):
+    for name in ("reps", "tokens_per_text_token", "threads", "url", "voice", "fast_first", "client", "chromium"):
         value = getattr(args, name, None)
         if value is not None:
             over[name] = value

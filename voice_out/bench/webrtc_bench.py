@@ -101,24 +101,17 @@ class WebrtcBenchOptions:
     #: tiny random model peaks at an RMS of ~0.002), so the benchmark listens from -60 dBFS.
     #: Opus-decoded digital silence stays far below either.
     audible_rms: float = 1e-3
-    #: Chromium: seconds the page stays connected (hearing the track's silence) before its
-    #: first utterance. Chromium's jitter buffer starts high and adapts down over its first
-    #: seconds: on an H200, the first ~4 s of utterances heard 60 to 97 ms after the server
-    #: sent them, the rest 42 to 54 ms. The figures are of a conversation under way.
-    settle_s: float = 10.0
 
     @classmethod
     def quick(cls, **overrides: object) -> WebrtcBenchOptions:
         import dataclasses
 
-        base = cls(reps=1, warmup_reps=0, text_chars=40, barge_after_s=0.2, quiet_s=0.3, prompt_tokens=25, settle_s=0.0)
+        base = cls(reps=1, warmup_reps=0, text_chars=40, barge_after_s=0.2, quiet_s=0.3, prompt_tokens=25)
         return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
         if self.reps < 1:
             raise ValueError("reps must be >= 1")
-        if self.settle_s < 0:
-            raise ValueError("settle_s must be >= 0")
         if self.client not in CLIENTS:
             raise ValueError(f"client must be one of {', '.join(CLIENTS)}, got {self.client!r}")
 
@@ -271,9 +264,6 @@ async def _measure_chromium(
             await page.wait_for("window.voiceOut && window.voiceOut.loaded", 30, "the demo page to load")
             await page.evaluate("voiceOut.connect()")
             await page.evaluate(f"voiceOut.audio.threshold = {float(opts.audible_rms)!r}")
-            if opts.settle_s > 0:
-                log(f"webrtc: the page listens to {opts.settle_s:g} s of silence first (its jitter buffer settles)")
-                await asyncio.sleep(opts.settle_s)
             for _ in range(opts.warmup_reps):
                 await page_utterance(page, opts)
             results = []
@@ -358,9 +348,7 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
         return await _measure_chromium(url, opts, binary, log, report.settings)
 
     if binary is not None:
-        report.settings.update(audible_rms=opts.audible_rms, settle_s=opts.settle_s)
-    if opts.url is None:
-        report.settings.update(frame_ms=cfg.server.frame_ms)
+        report.settings.update(audible_rms=opts.audible_rms)
     report.notes.append(JITTER_NOTE if binary is None else CHROMIUM_NOTE)
     results = asyncio.run(_run(cfg, opts, log, measure))
     # The two clients measure differently, so their figures have names of their own.
