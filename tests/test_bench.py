@@ -212,6 +212,7 @@ def test_webrtc_mode_chromium_client(tmp_path: Path, capsys: pytest.CaptureFixtu
     doc = json.loads(out.read_text())
     check_records(doc, "webrtc", "voice-out " + " ".join([*argv, "--out", str(out)]))
     assert doc["settings"]["client"] == "chromium" and "Chrome/" in doc["settings"]["browser"]
+    assert doc["settings"]["frame_ms"] == 10  # the server's default
     v = by_key(doc)
     names = ("ttfa", "server_ttfa", "barge_in", "jitter_buffer", "barge_in_over_jitter_buffer", "rtp_jitter")
     assert {n for n, _ in v} == {f"e2e.chromium.{n}.{q}" for n in names for q in ("p50", "p95", "p99")}

@@ -40,9 +40,9 @@ from voice_out.server import protocol as p
 
 #: Peak (full scale 1.0) below which a decoded frame counts as silent.
 SILENCE_PEAK = 1e-3
-#: Decoded frames a client keeps by default: the last minute (a 20 ms frame of 960 float32
-#: samples is 3.8 KB, so about 11.5 MB). None keeps everything.
-DEFAULT_MAX_FRAMES = 3000
+#: Decoded frames a client keeps by default: the last minute at the server's default 10 ms
+#: frames (a frame of 480 float32 samples is 1.9 KB, so about 11.5 MB). None keeps everything.
+DEFAULT_MAX_FRAMES = 6000
 
 
 class ClientError(VoiceOutError):
@@ -74,6 +74,11 @@ class ReceivedFrame:
     @property
     def audible(self) -> bool:
         return self.peak >= SILENCE_PEAK
+
+    @property
+    def duration_ms(self) -> float:
+        """The frame's duration (the server's frame size: 10 or 20 ms)."""
+        return 1000.0 * len(self.pcm) / self.sample_rate
 
 
 @dataclass(frozen=True)

@@ -281,9 +281,11 @@ class ServerConfig:
     #: Serve the demo page at ``/``.
     serve_web: bool = True
     #: Duration of each audio frame (one Opus packet), ms: 10 or 20. New audio waits for the
-    #: next frame time (half a frame on average), and so does the silence after a cancel;
-    #: 10 ms frames halve that wait at twice the packets per second (docs/browser.md).
-    frame_ms: int = 20
+    #: next frame time (half a frame on average), and so does the silence after a cancel, and
+    #: Chromium's jitter buffer settles lower with 10 ms packets (20 ms against 30 ms on an
+    #: H200). 20 halves the packets per second each session costs the event loop
+    #: (docs/browser.md, "Frame size").
+    frame_ms: int = 10
 
     def __post_init__(self) -> None:
         s = "server"

@@ -349,6 +349,8 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
 
     if binary is not None:
         report.settings.update(audible_rms=opts.audible_rms)
+    if opts.url is None:
+        report.settings.update(frame_ms=cfg.server.frame_ms)
     report.notes.append(JITTER_NOTE if binary is None else CHROMIUM_NOTE)
     results = asyncio.run(_run(cfg, opts, log, measure))
     # The two clients measure differently, so their figures have names of their own.

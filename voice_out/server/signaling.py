@@ -24,12 +24,13 @@ from typing import Any
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.rtcdatachannel import RTCDataChannel
 
+from voice_out.config import ServerConfig
 from voice_out.engine.api import EngineLike
 from voice_out.errors import VoiceOutError
 from voice_out.server.metrics import Metrics
 from voice_out.server.protocol import CHANNEL_LABEL
 from voice_out.server.session import Session
-from voice_out.server.track import FRAME_MS, Clock, UtteranceTrack
+from voice_out.server.track import Clock, UtteranceTrack
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class SessionManager:
         max_text_chars: int = 4000,
         connect_timeout_s: float = 30.0,
         clock_factory: Callable[[], Clock] | None = None,
-        frame_ms: int = FRAME_MS,
+        frame_ms: int = ServerConfig.frame_ms,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
