@@ -195,6 +195,7 @@ def test_webrtc_mode_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     # the client hears the first audio after the server put it on the track
     assert v[("e2e.ttfa.p50", 1)] >= v[("e2e.server_ttfa.p50", 1)] > 0
     assert v[("e2e.barge_in.p50", 1)] < 1000
+    assert 0 <= v[("server.late_frames.over_20ms", 1)] <= v[("server.late_frames", 1)]
     assert any("80 ms" in n for n in doc["notes"])
     assert "| e2e.barge_in.p50 | 1 |" in capsys.readouterr().out
 
@@ -215,7 +216,9 @@ def test_webrtc_mode_chromium_client(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert doc["settings"]["frame_ms"] == 10  # the server's default
     v = by_key(doc)
     names = ("ttfa", "server_ttfa", "barge_in", "jitter_buffer", "barge_in_over_jitter_buffer", "rtp_jitter")
-    assert {n for n, _ in v} == {f"e2e.chromium.{n}.{q}" for n in names for q in ("p50", "p95", "p99")}
+    late = {"server.late_frames", "server.late_frames.over_20ms"}
+    assert {n for n, _ in v} == {f"e2e.chromium.{n}.{q}" for n in names for q in ("p50", "p95", "p99")} | late
+    assert 0 <= v[("server.late_frames.over_20ms", 1)] <= v[("server.late_frames", 1)]
     for name in names[:4]:
         check_quantiles(v, f"e2e.chromium.{name}", 1)
     # the page hears the first audio only after the server put it on the track, and after the
@@ -332,3 +335,14 @@ def test_component_timers_time_each_call_and_keep_results() -> None:
     time_method(Box, "missing", "never", times)  # no such method: left alone
     assert Box().double(3) == 6 and Box().double(3) == 6 and Box().double(4) == 8
     assert sorted((k, len(v)) for k, v in times.items()) == [("x=3", 2), ("x=4", 1)]
+
+
+def test_late_frames_are_read_from_the_servers_histogram() -> None:
+    from voice_out.bench.webrtc_bench import LateFrames, late_frames
+    from voice_out.server.metrics import Metrics
+
+    m = Metrics()
+    assert late_frames(m) == LateFrames(0, 0)
+    for lag_s in (0.006, 0.012, 0.02, 0.021, 0.3):
+        m.late_frames.observe(lag_s)
+    assert late_frames(m) == LateFrames(5, 2)  # 20 ms itself is within the 20 ms bucket

@@ -610,6 +610,7 @@ async def test_metrics(make_server: Callable[..., Any]) -> None:
     assert values["voice_out_rtf_count"] >= 1
     assert values['voice_out_errors_total{code="bad_json"}'] == 1
     assert "voice_out_underruns_total" in values
+    assert "voice_out_late_frame_seconds_count" in values
     async with other.http.get(other.url + "/metrics") as r:  # its own registry
         assert "voice_out_ttfa_seconds_count 0.0" in await r.text()
     await client.close()

@@ -12,7 +12,9 @@ from av import AudioFrame, CodecContext, Packet
 from voice_out.engine.api import PcmChunk
 from voice_out.server.track import (
     FADE_MS,
+    LATE_S,
     Done,
+    Late,
     OpusFrameEncoder,
     Played,
     Silenced,
@@ -413,3 +415,22 @@ def test_frame_ms_must_be_10_or_20() -> None:
         UtteranceTrack(sample_rate=SR, frame_ms=15)
     with pytest.raises(ValueError, match="frame_ms must be one of"):
         OpusFrameEncoder(48000, 5)
+
+
+@pytest.mark.asyncio
+async def test_a_frame_built_late_is_reported_with_its_lag() -> None:
+    track, clock, events = make_track()
+    await recv_frame(track)
+    await recv_frame(track)  # on time
+    assert not [e for e in events if isinstance(e, Late)]
+    clock.t += 0.02 + 2 * LATE_S  # the loop was busy when the third frame fell due
+    await recv_frame(track)
+    late = [e for e in events if isinstance(e, Late)]
+    assert len(late) == 1 and late[0].lag_s == pytest.approx(2 * LATE_S)
+    clock.t += 1.0  # so late that the clock re-anchors: reported too
+    await recv_frame(track)
+    late = [e for e in events if isinstance(e, Late)]
+    assert len(late) == 2 and late[1].lag_s == pytest.approx(1.0 - 0.02 + 2 * LATE_S)
+    before = len(events)
+    await recv_frame(track)  # paced again from the new anchor: on time
+    assert not [e for e in events[before:] if isinstance(e, Late)]

@@ -220,8 +220,9 @@ class VoiceOutClient:
     def last_audible(self, since: float) -> ReceivedFrame | None:
         """The last audible frame decoded at or after ``since`` (barge-in: its ``t``).
 
-        Note: aiortc's receiver holds about four 20 ms frames in its jitter buffer, so times
-        measured with this client include ~60-80 ms that a browser's adaptive buffer may not.
+        Note: aiortc's receiver holds about four packets in its jitter buffer (40 ms of the
+        server's default 10 ms frames, 80 ms of 20 ms ones), so times measured with this client
+        include that hold, which a browser's adaptive buffer may not.
         """
         return next((f for f in reversed(self.frames) if f.t >= since and f.audible), None)
 

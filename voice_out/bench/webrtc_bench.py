@@ -12,8 +12,9 @@ The server runs in this process on a free loopback port with the engine of the c
 Two clients (``client``):
 
 * ``aiortc``: :mod:`voice_out.client`. A frame's time is when aiortc handed it over decoded,
-  and aiortc's receiver holds about 4 frames (80 ms) in its jitter buffer before it plays, so
-  both figures include that hold; a browser's jitter buffer differs.
+  and aiortc's receiver holds about 4 packets in its jitter buffer before it plays (40 ms of
+  the server's default 10 ms frames, 80 ms of 20 ms ones), so both figures include that hold;
+  a browser's jitter buffer differs.
 * ``chromium``: the demo page (web/) in headless Chromium (:mod:`voice_out.bench.chromium`),
   measuring itself as it does for a person (docs/browser.md): the page sends the deltas, hears
   the first audible 128-sample block in its WebAudio graph (AudioWorklet), barges in while it
@@ -43,14 +44,16 @@ from voice_out.bench.report import Report
 from voice_out.client import ClientError, VoiceOutClient, connect
 from voice_out.config import Config
 from voice_out.server import protocol as p
-from voice_out.server.app import create_app
+from voice_out.server.app import METRICS_KEY, create_app
+from voice_out.server.metrics import Metrics
 
 QUANTILES = (0.5, 0.95, 0.99)
 CLIENTS = ("aiortc", "chromium")
 JITTER_NOTE = (
     "end-to-end figures are measured by the aiortc client (voice_out.client): a frame counts when "
-    "aiortc hands it over decoded, and aiortc's receiver holds about 4 frames (80 ms) before it "
-    "plays them, so TTFA and barge-in include that hold"
+    "aiortc hands it over decoded, and aiortc's receiver holds about 4 packets before it plays "
+    "them (40 ms of 10 ms frames, 80 ms of 20 ms ones: the settings' frame_ms), so TTFA and "
+    "barge-in include that hold"
 )
 CHROMIUM_NOTE = (
     "end-to-end figures are measured by the demo page in headless Chromium, on the page's clock: "
@@ -291,15 +294,33 @@ async def _measure(url: str, opts: WebrtcBenchOptions, log: Callable[[str], None
         await client.close()
 
 
+@dataclass(frozen=True)
+class LateFrames:
+    """The frames the server built late over a whole run (warm-up included), from its
+    ``voice_out_late_frame_seconds`` histogram: at least 5 ms late, and more than 20 ms."""
+
+    over_5ms: int
+    over_20ms: int
+
+
+def late_frames(metrics: Metrics) -> LateFrames:
+    """Read :class:`LateFrames` from a server's instruments."""
+    r = metrics.registry
+    total = r.get_sample_value("voice_out_late_frame_seconds_count") or 0.0
+    within_20ms = r.get_sample_value("voice_out_late_frame_seconds_bucket", {"le": "0.02"}) or 0.0
+    return LateFrames(int(total), int(total - within_20ms))
+
+
 async def _run(
     cfg: Config,
     opts: WebrtcBenchOptions,
     log: Callable[[str], None],
     measure: Callable[[str], Awaitable[list[Utterance]]],
-) -> list[Utterance]:
-    """``measure`` the server at ``opts.url``, or at one started here (its base URL)."""
+) -> tuple[list[Utterance], LateFrames | None]:
+    """``measure`` the server at ``opts.url`` (no late-frame count), or at one started here
+    (its base URL)."""
     if opts.url is not None:
-        return await measure(opts.url.rstrip("/"))
+        return await measure(opts.url.rstrip("/")), None
     eopts = EngineBenchOptions(
         streams=(1,),
         tokens_per_text_token=opts.tokens_per_text_token,
@@ -309,14 +330,16 @@ async def _run(
     )
     bcfg = bench_config(cfg, eopts)
     engine = load_engine(bcfg, eopts)
-    runner = web.AppRunner(create_app(bcfg, engine, None))
+    app = create_app(bcfg, engine, None)
+    runner = web.AppRunner(app)
     await runner.setup()  # enters the engine: worker started and warm
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         host, port = runner.addresses[0][:2]
         log(f"webrtc: server on http://{host}:{port}")
-        return await measure(f"http://{host}:{port}")
+        results = await measure(f"http://{host}:{port}")
+        return results, late_frames(app[METRICS_KEY])
     finally:
         with contextlib.suppress(Exception):
             await runner.cleanup()
@@ -352,7 +375,7 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
     if opts.url is None:
         report.settings.update(frame_ms=cfg.server.frame_ms)
     report.notes.append(JITTER_NOTE if binary is None else CHROMIUM_NOTE)
-    results = asyncio.run(_run(cfg, opts, log, measure))
+    results, late = asyncio.run(_run(cfg, opts, log, measure))
     # The two clients measure differently, so their figures have names of their own.
     prefix = "e2e" if binary is None else f"e2e.{opts.client}"
     report.add_quantiles(f"{prefix}.ttfa", [r.ttfa_ms for r in results], "ms", 1, QUANTILES)
@@ -364,4 +387,7 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
     report.add_quantiles(f"{prefix}.barge_in_over_jitter_buffer", over, "ms", 1, QUANTILES)
     jitter = [r.rtp_jitter_ms for r in results if r.rtp_jitter_ms is not None]
     report.add_quantiles(f"{prefix}.rtp_jitter", jitter, "ms", 1, QUANTILES)
+    if late is not None:
+        report.add("server.late_frames", late.over_5ms, "count", 1)
+        report.add("server.late_frames.over_20ms", late.over_20ms, "count", 1)
     return report

@@ -9,6 +9,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS_S = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 BARGE_IN_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5)
+LATE_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 
@@ -36,6 +37,12 @@ class Metrics:
             "voice_out_rtf",
             "Per utterance: seconds spent waiting on the engine per second of audio",
             buckets=RTF_BUCKETS,
+            registry=r,
+        )
+        self.late_frames = Histogram(
+            "voice_out_late_frame_seconds",
+            "Audio frames built at least 5 ms after their time, by how late (the event loop was busy)",
+            buckets=LATE_BUCKETS_S,
             registry=r,
         )
         self.active_sessions = Gauge("voice_out_active_sessions", "Open sessions", registry=r)

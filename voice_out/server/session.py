@@ -25,7 +25,17 @@ from voice_out.engine.api import EngineError, EngineLike, PcmChunk, Stream
 from voice_out.errors import VoiceOutError
 from voice_out.server import protocol as p
 from voice_out.server.metrics import Metrics
-from voice_out.server.track import Done, Played, Silenced, Started, TrackEvent, Underrun, UtteranceTrack, heard_text
+from voice_out.server.track import (
+    Done,
+    Late,
+    Played,
+    Silenced,
+    Started,
+    TrackEvent,
+    Underrun,
+    UtteranceTrack,
+    heard_text,
+)
 
 log = logging.getLogger(__name__)
 
@@ -372,6 +382,8 @@ class Session:
             self.metrics.underruns.inc()
         elif isinstance(ev, Silenced):
             self.metrics.barge_in.observe(ev.latency_s)
+        elif isinstance(ev, Late):
+            self.metrics.late_frames.observe(ev.lag_s)
 
     # -- shutdown ------------------------------------------------------------------------------
 

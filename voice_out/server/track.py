@@ -43,6 +43,9 @@ FRAME_MS_CHOICES = (10, 20)
 FADE_MS = 5
 #: When ``recv`` is called this late, re-anchor the clock instead of sending a burst.
 MAX_LAG_S = 0.2
+#: A frame built at least this long after its time is reported (:class:`Late`): a browser's
+#: jitter buffer grows after late packets and comes down only slowly.
+LATE_S = 0.005
 
 
 class Clock(Protocol):
@@ -108,7 +111,15 @@ class Silenced:
     latency_s: float
 
 
-TrackEvent = Started | Played | Done | Underrun | Silenced
+@dataclass(frozen=True)
+class Late:
+    """A frame was built ``lag_s`` after its time (at least :data:`LATE_S`): the event loop was
+    busy, or waited for the GIL, when the frame fell due."""
+
+    lag_s: float
+
+
+TrackEvent = Started | Played | Done | Underrun | Silenced | Late
 
 
 @dataclass(frozen=True)
@@ -440,6 +451,7 @@ class UtteranceTrack(MediaStreamTrack):
     async def recv(self) -> AudioFrame | Packet:
         if self.readyState != "live":
             raise MediaStreamError
+        late: Late | None = None
         if self._start is None:
             self._start = self.clock.now()
         else:
@@ -450,9 +462,14 @@ class UtteranceTrack(MediaStreamTrack):
                 self._start += lag
             else:
                 await self.clock.sleep_until(target)
+                lag = self.clock.now() - target
+            if lag >= LATE_S:
+                late = Late(lag)
             if self.readyState != "live":
                 raise MediaStreamError
         samples, events = self.next_frame(self.clock.now())
+        if late is not None:
+            events.append(late)
         factor = 1
         if self._upsampler is not None:
             samples = self._upsampler.process(samples)
