@@ -17,7 +17,8 @@ The track accounts for what was actually *sent* (handed to the encoder) per utte
 ``played_ms`` / ``played_text`` of a cancel are exact: only samples returned by ``recv`` count.
 
 Threads: every method runs on the asyncio thread. The per-frame work is a copy of at most 480
-int16 samples, the upsampling, and (``encode=True``) one Opus frame's encoding (~0.1 ms).
+int16 samples, the upsampling, and (``encode=True``) one Opus frame's encoding (~0.1 ms;
+libopus runs without the GIL).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from av import AudioFrame, CodecContext, Packet
 
 from voice_out.engine.api import SAMPLE_RATE, PcmChunk
 
+#: The track's own default frame (tests and scripts); the server passes ``server.frame_ms``
+#: (10 by default).
 FRAME_MS = 20
 #: Frame durations the track (and an Opus packet) may have, ms.
 FRAME_MS_CHOICES = (10, 20)
