@@ -196,6 +196,8 @@ def test_webrtc_mode_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert v[("e2e.ttfa.p50", 1)] >= v[("e2e.server_ttfa.p50", 1)] > 0
     assert v[("e2e.barge_in.p50", 1)] < 1000
     assert 0 <= v[("server.late_frames.over_20ms", 1)] <= v[("server.late_frames", 1)]
+    assert v[("server.late_frames.warmup", 1)] == 0  # --quick: no warm-up utterance
+    assert 0 <= v[("server.late_frames.utterance.max", 1)] <= v[("server.late_frames", 1)]
     assert any("80 ms" in n for n in doc["notes"])
     assert "| e2e.barge_in.p50 | 1 |" in capsys.readouterr().out
 
@@ -216,7 +218,7 @@ def test_webrtc_mode_chromium_client(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert doc["settings"]["frame_ms"] == 10  # the server's default
     v = by_key(doc)
     names = ("ttfa", "server_ttfa", "barge_in", "jitter_buffer", "barge_in_over_jitter_buffer", "rtp_jitter")
-    late = {"server.late_frames", "server.late_frames.over_20ms"}
+    late = {f"server.late_frames{k}" for k in ("", ".over_20ms", ".warmup", ".utterance.max")}
     assert {n for n, _ in v} == {f"e2e.chromium.{n}.{q}" for n in names for q in ("p50", "p95", "p99")} | late
     assert 0 <= v[("server.late_frames.over_20ms", 1)] <= v[("server.late_frames", 1)]
     for name in names[:4]:
@@ -346,3 +348,26 @@ def test_late_frames_are_read_from_the_servers_histogram() -> None:
     for lag_s in (0.006, 0.012, 0.02, 0.021, 0.3):
         m.late_frames.observe(lag_s)
     assert late_frames(m) == LateFrames(5, 2)  # 20 ms itself is within the 20 ms bucket
+
+
+@pytest.mark.asyncio
+async def test_each_utterance_counts_the_frames_built_late_meanwhile() -> None:
+    from voice_out.bench.webrtc_bench import LateWatch, Utterance, _log_warmup, _watched
+    from voice_out.server.metrics import Metrics
+
+    m = Metrics()
+    m.late_frames.observe(0.5)  # before the utterance: not its own
+    watch = LateWatch(m)
+
+    async def utterance(lags: tuple[float, ...]) -> Utterance:
+        for lag in lags:
+            m.late_frames.observe(lag)
+        return Utterance(100.0, 60.0, 50.0)
+
+    lines: list[str] = []
+    warm = await _watched(watch, utterance((0.01, 0.03)))
+    _log_warmup(lines.append, watch, warm, 0)
+    measured = await _watched(watch, utterance(()))
+    assert (warm.late_frames, measured.late_frames, watch.warmup) == (2, 0, 2)
+    assert lines == ["webrtc: warm-up utterance 1: TTFA 100 ms, 2 frames late"]
+    assert (await _watched(None, utterance((0.01,)))).late_frames is None  # a remote server: unknown

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -146,6 +147,51 @@ class Utterance:
     #: The RTP interarrival jitter the client estimated at the utterance's end (RFC 3550,
     #: Chromium only): how irregularly the server's frames arrive.
     rtp_jitter_ms: float | None = None
+    #: Frames the server built at least 5 ms late while this utterance ran (a server started
+    #: here only).
+    late_frames: int | None = None
+
+
+@dataclass(frozen=True)
+class LateFrames:
+    """The frames the server built late over a whole run (warm-up included), from its
+    ``voice_out_late_frame_seconds`` histogram: at least 5 ms late, and more than 20 ms."""
+
+    over_5ms: int
+    over_20ms: int
+
+
+def late_frames(metrics: Metrics) -> LateFrames:
+    """Read :class:`LateFrames` from a server's instruments."""
+    r = metrics.registry
+    total = r.get_sample_value("voice_out_late_frame_seconds_count") or 0.0
+    within_20ms = r.get_sample_value("voice_out_late_frame_seconds_bucket", {"le": "0.02"}) or 0.0
+    return LateFrames(int(total), int(total - within_20ms))
+
+
+class LateWatch:
+    """Counts an in-process server's late frames around each utterance (its metrics)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        #: Late frames during the warm-up utterances.
+        self.warmup = 0
+
+    def count(self) -> int:
+        return late_frames(self.metrics).over_5ms
+
+
+async def _watched(watch: LateWatch | None, run: Awaitable[Utterance]) -> Utterance:
+    """``run`` one utterance; with a ``watch``, the late frames meanwhile go into it."""
+    before = watch.count() if watch is not None else 0
+    u = await run
+    if watch is None:
+        return u
+    return dataclasses.replace(u, late_frames=watch.count() - before)
+
+
+def _late_note(u: Utterance) -> str:
+    return "" if u.late_frames is None else f", {u.late_frames} frames late"
 
 
 async def speak_and_barge_in(client: VoiceOutClient, uid: str, opts: WebrtcBenchOptions) -> Utterance:
@@ -255,7 +301,12 @@ async def page_utterance(page: Page, opts: WebrtcBenchOptions) -> Utterance:
 
 
 async def _measure_chromium(
-    url: str, opts: WebrtcBenchOptions, binary: str, log: Callable[[str], None], settings: dict[str, Any]
+    url: str,
+    opts: WebrtcBenchOptions,
+    binary: str,
+    log: Callable[[str], None],
+    settings: dict[str, Any],
+    watch: LateWatch | None,
 ) -> list[Utterance]:
     """The utterances through the demo page in ``binary``; the browser's version goes into
     ``settings["browser"]``."""
@@ -267,60 +318,54 @@ async def _measure_chromium(
             await page.wait_for("window.voiceOut && window.voiceOut.loaded", 30, "the demo page to load")
             await page.evaluate("voiceOut.connect()")
             await page.evaluate(f"voiceOut.audio.threshold = {float(opts.audible_rms)!r}")
-            for _ in range(opts.warmup_reps):
-                await page_utterance(page, opts)
+            for i in range(opts.warmup_reps):
+                w = await _watched(watch, page_utterance(page, opts))
+                _log_warmup(log, watch, w, i)
             results = []
             for i in range(opts.reps):
-                results.append(await page_utterance(page, opts))
+                results.append(await _watched(watch, page_utterance(page, opts)))
                 r = results[-1]
                 log(
                     f"webrtc: utterance {i + 1}/{opts.reps}: TTFA {r.ttfa_ms:.0f} ms in the page "
-                    f"(server {r.server_ttfa_ms:.0f} ms), barge-in {r.barge_in_ms:.0f} ms"
+                    f"(server {r.server_ttfa_ms:.0f} ms), barge-in {r.barge_in_ms:.0f} ms{_late_note(r)}"
                 )
             return results
 
 
-async def _measure(url: str, opts: WebrtcBenchOptions, log: Callable[[str], None]) -> list[Utterance]:
+def _log_warmup(log: Callable[[str], None], watch: LateWatch | None, w: Utterance, i: int) -> None:
+    if watch is not None and w.late_frames is not None:
+        watch.warmup += w.late_frames
+    log(f"webrtc: warm-up utterance {i + 1}: TTFA {w.ttfa_ms:.0f} ms{_late_note(w)}")
+
+
+async def _measure(
+    url: str, opts: WebrtcBenchOptions, log: Callable[[str], None], watch: LateWatch | None
+) -> list[Utterance]:
     client = await connect(url, timeout_s=opts.timeout_s)
     try:
         for i in range(opts.warmup_reps):
-            await speak_and_barge_in(client, f"warm{i}", opts)
+            w = await _watched(watch, speak_and_barge_in(client, f"warm{i}", opts))
+            _log_warmup(log, watch, w, i)
         results = []
         for i in range(opts.reps):
-            results.append(await speak_and_barge_in(client, f"u{i}", opts))
-            log(f"webrtc: utterance {i + 1}/{opts.reps}: TTFA {results[-1].ttfa_ms:.0f} ms")
+            results.append(await _watched(watch, speak_and_barge_in(client, f"u{i}", opts)))
+            r = results[-1]
+            log(f"webrtc: utterance {i + 1}/{opts.reps}: TTFA {r.ttfa_ms:.0f} ms{_late_note(r)}")
         return results
     finally:
         await client.close()
-
-
-@dataclass(frozen=True)
-class LateFrames:
-    """The frames the server built late over a whole run (warm-up included), from its
-    ``voice_out_late_frame_seconds`` histogram: at least 5 ms late, and more than 20 ms."""
-
-    over_5ms: int
-    over_20ms: int
-
-
-def late_frames(metrics: Metrics) -> LateFrames:
-    """Read :class:`LateFrames` from a server's instruments."""
-    r = metrics.registry
-    total = r.get_sample_value("voice_out_late_frame_seconds_count") or 0.0
-    within_20ms = r.get_sample_value("voice_out_late_frame_seconds_bucket", {"le": "0.02"}) or 0.0
-    return LateFrames(int(total), int(total - within_20ms))
 
 
 async def _run(
     cfg: Config,
     opts: WebrtcBenchOptions,
     log: Callable[[str], None],
-    measure: Callable[[str], Awaitable[list[Utterance]]],
-) -> tuple[list[Utterance], LateFrames | None]:
+    measure: Callable[[str, LateWatch | None], Awaitable[list[Utterance]]],
+) -> tuple[list[Utterance], LateWatch | None]:
     """``measure`` the server at ``opts.url`` (no late-frame count), or at one started here
-    (its base URL)."""
+    (its base URL, and a :class:`LateWatch` on its metrics)."""
     if opts.url is not None:
-        return await measure(opts.url.rstrip("/")), None
+        return await measure(opts.url.rstrip("/"), None), None
     eopts = EngineBenchOptions(
         streams=(1,),
         tokens_per_text_token=opts.tokens_per_text_token,
@@ -338,8 +383,8 @@ async def _run(
         await site.start()
         host, port = runner.addresses[0][:2]
         log(f"webrtc: server on http://{host}:{port}")
-        results = await measure(f"http://{host}:{port}")
-        return results, late_frames(app[METRICS_KEY])
+        watch = LateWatch(app[METRICS_KEY])
+        return await measure(f"http://{host}:{port}", watch), watch
     finally:
         with contextlib.suppress(Exception):
             await runner.cleanup()
@@ -365,17 +410,17 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
         client=opts.client,
     )
 
-    async def measure(url: str) -> list[Utterance]:
+    async def measure(url: str, watch: LateWatch | None) -> list[Utterance]:
         if binary is None:
-            return await _measure(url, opts, log)
-        return await _measure_chromium(url, opts, binary, log, report.settings)
+            return await _measure(url, opts, log, watch)
+        return await _measure_chromium(url, opts, binary, log, report.settings, watch)
 
     if binary is not None:
         report.settings.update(audible_rms=opts.audible_rms)
     if opts.url is None:
         report.settings.update(frame_ms=cfg.server.frame_ms)
     report.notes.append(JITTER_NOTE if binary is None else CHROMIUM_NOTE)
-    results, late = asyncio.run(_run(cfg, opts, log, measure))
+    results, watch = asyncio.run(_run(cfg, opts, log, measure))
     # The two clients measure differently, so their figures have names of their own.
     prefix = "e2e" if binary is None else f"e2e.{opts.client}"
     report.add_quantiles(f"{prefix}.ttfa", [r.ttfa_ms for r in results], "ms", 1, QUANTILES)
@@ -387,7 +432,11 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
     report.add_quantiles(f"{prefix}.barge_in_over_jitter_buffer", over, "ms", 1, QUANTILES)
     jitter = [r.rtp_jitter_ms for r in results if r.rtp_jitter_ms is not None]
     report.add_quantiles(f"{prefix}.rtp_jitter", jitter, "ms", 1, QUANTILES)
-    if late is not None:
+    if watch is not None:
+        late = late_frames(watch.metrics)
         report.add("server.late_frames", late.over_5ms, "count", 1)
         report.add("server.late_frames.over_20ms", late.over_20ms, "count", 1)
+        report.add("server.late_frames.warmup", watch.warmup, "count", 1)
+        per = [r.late_frames for r in results if r.late_frames is not None]
+        report.add("server.late_frames.utterance.max", max(per, default=0), "count", 1)
     return report
