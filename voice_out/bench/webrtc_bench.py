@@ -182,7 +182,8 @@ class LateWatch:
 
 
 async def _watched(watch: LateWatch | None, run: Awaitable[Utterance]) -> Utterance:
-    """``run`` one utterance; with a ``watch``, the late frames meanwhile go into it."""
+    """``run`` one utterance; with a ``watch``, it comes back with the count of frames the
+    server built late meanwhile (``Utterance.late_frames``)."""
     before = watch.count() if watch is not None else 0
     u = await run
     if watch is None:
