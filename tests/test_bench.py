@@ -352,22 +352,26 @@ def test_late_frames_are_read_from_the_servers_histogram() -> None:
 
 @pytest.mark.asyncio
 async def test_each_utterance_counts_the_frames_built_late_meanwhile() -> None:
-    from voice_out.bench.webrtc_bench import LateWatch, Utterance, _log_warmup, _watched
+    from voice_out.bench.webrtc_bench import Utterance, WebrtcBenchOptions, _series, _watched, late_frames
     from voice_out.server.metrics import Metrics
 
     m = Metrics()
-    m.late_frames.observe(0.5)  # before the utterance: not its own
-    watch = LateWatch(m)
+    m.late_frames.observe(0.5)  # before the utterances: not theirs
+    lags = {"warm0": (0.01, 0.03), "u0": ()}
 
-    async def utterance(lags: tuple[float, ...]) -> Utterance:
-        for lag in lags:
+    async def utterance(uid: str) -> Utterance:
+        for lag in lags[uid]:
             m.late_frames.observe(lag)
         return Utterance(100.0, 60.0, 50.0)
 
     lines: list[str] = []
-    warm = await _watched(watch, utterance((0.01, 0.03)))
-    _log_warmup(lines.append, watch, warm, 0)
-    measured = await _watched(watch, utterance(()))
-    assert (warm.late_frames, measured.late_frames, watch.warmup) == (2, 0, 2)
-    assert lines == ["webrtc: warm-up utterance 1: TTFA 100 ms, 2 frames late"]
-    assert (await _watched(None, utterance((0.01,)))).late_frames is None  # a remote server: unknown
+    opts = WebrtcBenchOptions(reps=1, warmup_reps=1)
+    warm, measured = await _series(
+        opts, lines.append, lambda: late_frames(m).over_5ms, utterance, lambda r: f"TTFA {r.ttfa_ms:.0f} ms"
+    )
+    assert ([w.late_frames for w in warm], [r.late_frames for r in measured]) == ([2], [0])
+    assert lines == [
+        "webrtc: warm-up utterance 1: TTFA 100 ms, 2 frames late",
+        "webrtc: utterance 1/1: TTFA 100 ms, 0 frames late",
+    ]
+    assert (await _watched(None, utterance("u0"))).late_frames is None  # a remote server: unknown

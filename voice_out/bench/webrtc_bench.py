@@ -137,7 +137,7 @@ class WebrtcBenchOptions:
 
 @dataclass(frozen=True)
 class Utterance:
-    """What one utterance measured (ms)."""
+    """What one utterance measured (times in ms)."""
 
     ttfa_ms: float
     server_ttfa_ms: float
@@ -169,30 +169,42 @@ def late_frames(metrics: Metrics) -> LateFrames:
     return LateFrames(int(total), int(total - within_20ms))
 
 
-class LateWatch:
-    """Counts an in-process server's late frames around each utterance (its metrics)."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-        #: Late frames during the warm-up utterances.
-        self.warmup = 0
-
-    def count(self) -> int:
-        return late_frames(self.metrics).over_5ms
+#: The server's late frames so far (an in-process server's metrics), or None (a remote one).
+LateCount = Callable[[], int] | None
 
 
-async def _watched(watch: LateWatch | None, run: Awaitable[Utterance]) -> Utterance:
-    """``run`` one utterance; with a ``watch``, it comes back with the count of frames the
-    server built late meanwhile (``Utterance.late_frames``)."""
-    before = watch.count() if watch is not None else 0
+async def _watched(late: LateCount, run: Awaitable[Utterance]) -> Utterance:
+    """``run`` one utterance; with ``late``, it comes back with the count of frames the server
+    built late meanwhile (``Utterance.late_frames``)."""
+    before = late() if late is not None else 0
     u = await run
-    if watch is None:
+    if late is None:
         return u
-    return dataclasses.replace(u, late_frames=watch.count() - before)
+    return dataclasses.replace(u, late_frames=late() - before)
 
 
-def _late_note(u: Utterance) -> str:
-    return "" if u.late_frames is None else f", {u.late_frames} frames late"
+async def _series(
+    opts: WebrtcBenchOptions,
+    log: Callable[[str], None],
+    late: LateCount,
+    one: Callable[[str], Awaitable[Utterance]],
+    describe: Callable[[Utterance], str],
+) -> tuple[list[Utterance], list[Utterance]]:
+    """The warm-up utterances, then the measured ones (``one(uid)`` each), each logged with
+    ``describe`` and its late frames; returns (warm-ups, measured)."""
+
+    def note(u: Utterance) -> str:
+        return describe(u) + ("" if u.late_frames is None else f", {u.late_frames} frames late")
+
+    warm = []
+    for i in range(opts.warmup_reps):
+        warm.append(await _watched(late, one(f"warm{i}")))
+        log(f"webrtc: warm-up utterance {i + 1}: {note(warm[-1])}")
+    results = []
+    for i in range(opts.reps):
+        results.append(await _watched(late, one(f"u{i}")))
+        log(f"webrtc: utterance {i + 1}/{opts.reps}: {note(results[-1])}")
+    return warm, results
 
 
 async def speak_and_barge_in(client: VoiceOutClient, uid: str, opts: WebrtcBenchOptions) -> Utterance:
@@ -307,10 +319,10 @@ async def _measure_chromium(
     binary: str,
     log: Callable[[str], None],
     settings: dict[str, Any],
-    watch: LateWatch | None,
-) -> list[Utterance]:
-    """The utterances through the demo page in ``binary``; the browser's version goes into
-    ``settings["browser"]``."""
+    late: LateCount,
+) -> tuple[list[Utterance], list[Utterance]]:
+    """The utterances through the demo page in ``binary`` (warm-ups, measured); the browser's
+    version goes into ``settings["browser"]``."""
     with tempfile.TemporaryDirectory(prefix="voice-out-bench-chromium-") as profile:
         async with chromium(Path(profile), binary) as page:
             settings["browser"] = page.version
@@ -319,40 +331,30 @@ async def _measure_chromium(
             await page.wait_for("window.voiceOut && window.voiceOut.loaded", 30, "the demo page to load")
             await page.evaluate("voiceOut.connect()")
             await page.evaluate(f"voiceOut.audio.threshold = {float(opts.audible_rms)!r}")
-            for i in range(opts.warmup_reps):
-                w = await _watched(watch, page_utterance(page, opts))
-                _log_warmup(log, watch, w, i)
-            results = []
-            for i in range(opts.reps):
-                results.append(await _watched(watch, page_utterance(page, opts)))
-                r = results[-1]
-                log(
-                    f"webrtc: utterance {i + 1}/{opts.reps}: TTFA {r.ttfa_ms:.0f} ms in the page "
-                    f"(server {r.server_ttfa_ms:.0f} ms), barge-in {r.barge_in_ms:.0f} ms{_late_note(r)}"
-                )
-            return results
-
-
-def _log_warmup(log: Callable[[str], None], watch: LateWatch | None, w: Utterance, i: int) -> None:
-    if watch is not None and w.late_frames is not None:
-        watch.warmup += w.late_frames
-    log(f"webrtc: warm-up utterance {i + 1}: TTFA {w.ttfa_ms:.0f} ms{_late_note(w)}")
+            return await _series(
+                opts,
+                log,
+                late,
+                lambda _uid: page_utterance(page, opts),
+                lambda r: (
+                    f"TTFA {r.ttfa_ms:.0f} ms in the page (server {r.server_ttfa_ms:.0f} ms), "
+                    f"barge-in {r.barge_in_ms:.0f} ms"
+                ),
+            )
 
 
 async def _measure(
-    url: str, opts: WebrtcBenchOptions, log: Callable[[str], None], watch: LateWatch | None
-) -> list[Utterance]:
+    url: str, opts: WebrtcBenchOptions, log: Callable[[str], None], late: LateCount
+) -> tuple[list[Utterance], list[Utterance]]:
     client = await connect(url, timeout_s=opts.timeout_s)
     try:
-        for i in range(opts.warmup_reps):
-            w = await _watched(watch, speak_and_barge_in(client, f"warm{i}", opts))
-            _log_warmup(log, watch, w, i)
-        results = []
-        for i in range(opts.reps):
-            results.append(await _watched(watch, speak_and_barge_in(client, f"u{i}", opts)))
-            r = results[-1]
-            log(f"webrtc: utterance {i + 1}/{opts.reps}: TTFA {r.ttfa_ms:.0f} ms{_late_note(r)}")
-        return results
+        return await _series(
+            opts,
+            log,
+            late,
+            lambda uid: speak_and_barge_in(client, uid, opts),
+            lambda r: f"TTFA {r.ttfa_ms:.0f} ms",
+        )
     finally:
         await client.close()
 
@@ -361,12 +363,13 @@ async def _run(
     cfg: Config,
     opts: WebrtcBenchOptions,
     log: Callable[[str], None],
-    measure: Callable[[str, LateWatch | None], Awaitable[list[Utterance]]],
-) -> tuple[list[Utterance], LateWatch | None]:
+    measure: Callable[[str, LateCount], Awaitable[tuple[list[Utterance], list[Utterance]]]],
+) -> tuple[list[Utterance], list[Utterance], LateFrames | None]:
     """``measure`` the server at ``opts.url`` (no late-frame count), or at one started here
-    (its base URL, and a :class:`LateWatch` on its metrics)."""
+    (its base URL, and a count of its late frames); returns (warm-ups, measured, the server's
+    late frames over the whole run)."""
     if opts.url is not None:
-        return await measure(opts.url.rstrip("/"), None), None
+        return *await measure(opts.url.rstrip("/"), None), None
     eopts = EngineBenchOptions(
         streams=(1,),
         tokens_per_text_token=opts.tokens_per_text_token,
@@ -384,8 +387,9 @@ async def _run(
         await site.start()
         host, port = runner.addresses[0][:2]
         log(f"webrtc: server on http://{host}:{port}")
-        watch = LateWatch(app[METRICS_KEY])
-        return await measure(f"http://{host}:{port}", watch), watch
+        metrics = app[METRICS_KEY]
+        warm, results = await measure(f"http://{host}:{port}", lambda: late_frames(metrics).over_5ms)
+        return warm, results, late_frames(metrics)
     finally:
         with contextlib.suppress(Exception):
             await runner.cleanup()
@@ -411,17 +415,17 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
         client=opts.client,
     )
 
-    async def measure(url: str, watch: LateWatch | None) -> list[Utterance]:
+    async def measure(url: str, late: LateCount) -> tuple[list[Utterance], list[Utterance]]:
         if binary is None:
-            return await _measure(url, opts, log, watch)
-        return await _measure_chromium(url, opts, binary, log, report.settings, watch)
+            return await _measure(url, opts, log, late)
+        return await _measure_chromium(url, opts, binary, log, report.settings, late)
 
     if binary is not None:
         report.settings.update(audible_rms=opts.audible_rms)
     if opts.url is None:
         report.settings.update(frame_ms=cfg.server.frame_ms)
     report.notes.append(JITTER_NOTE if binary is None else CHROMIUM_NOTE)
-    results, watch = asyncio.run(_run(cfg, opts, log, measure))
+    warm, results, late = asyncio.run(_run(cfg, opts, log, measure))
     # The two clients measure differently, so their figures have names of their own.
     prefix = "e2e" if binary is None else f"e2e.{opts.client}"
     report.add_quantiles(f"{prefix}.ttfa", [r.ttfa_ms for r in results], "ms", 1, QUANTILES)
@@ -433,11 +437,9 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
     report.add_quantiles(f"{prefix}.barge_in_over_jitter_buffer", over, "ms", 1, QUANTILES)
     jitter = [r.rtp_jitter_ms for r in results if r.rtp_jitter_ms is not None]
     report.add_quantiles(f"{prefix}.rtp_jitter", jitter, "ms", 1, QUANTILES)
-    if watch is not None:
-        late = late_frames(watch.metrics)
+    if late is not None:
         report.add("server.late_frames", late.over_5ms, "count", 1)
         report.add("server.late_frames.over_20ms", late.over_20ms, "count", 1)
-        report.add("server.late_frames.warmup", watch.warmup, "count", 1)
-        per = [r.late_frames for r in results if r.late_frames is not None]
-        report.add("server.late_frames.utterance.max", max(per, default=0), "count", 1)
+        report.add("server.late_frames.warmup", sum(w.late_frames or 0 for w in warm), "count", 1)
+        report.add("server.late_frames.utterance.max", max(r.late_frames or 0 for r in results), "count", 1)
     return report
