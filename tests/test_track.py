@@ -25,6 +25,7 @@ from voice_out.server.track import (
     UtteranceTrack,
     heard_text,
     pcm_to_s16,
+    s16_frame,
 )
 
 SR = 24000
@@ -363,7 +364,7 @@ def test_opus_encoder_makes_one_packet_per_frame_that_decodes_to_the_input(frame
     n = rate * frame_ms // 1000
     t = np.arange(50 * n) / rate
     x = pcm_to_s16(0.3 * np.sin(2 * np.pi * 440 * t).astype(np.float32))
-    packets = [enc.encode(x[i * n : (i + 1) * n], 1000 + i * n) for i in range(50)]
+    packets = [enc.encode(s16_frame(x[i * n : (i + 1) * n], rate, 1000 + i * n)) for i in range(50)]
     assert [pk.pts for pk in packets] == [1000 + i * n for i in range(50)]  # the frames' own clock
     assert all(pk.time_base == fractions.Fraction(1, rate) for pk in packets)
     y = decode_opus(packets, rate)
@@ -373,7 +374,7 @@ def test_opus_encoder_makes_one_packet_per_frame_that_decodes_to_the_input(frame
     assert np.fft.rfftfreq(len(body), 1 / rate)[np.argmax(spectrum)] == pytest.approx(440, abs=5)
     assert float(np.sqrt(np.mean(body**2))) == pytest.approx(0.3 / np.sqrt(2), rel=0.1)
     with pytest.raises(ValueError, match=f"expected {n} samples"):
-        enc.encode(x[: n - 1], 0)
+        enc.encode(s16_frame(x[: n - 1], rate, 0))
 
 
 @pytest.mark.asyncio

@@ -250,22 +250,30 @@ class OpusFrameEncoder:
         codec.open()
         self._codec = codec
 
-    def encode(self, samples: np.ndarray, pts: int) -> Packet:
-        """int16 [frame_samples] at ``rate`` -> one Opus packet with ``pts`` (in 1/rate)."""
-        if samples.shape != (self.frame_samples,):
-            raise ValueError(f"expected {self.frame_samples} samples, got {samples.shape}")
-        frame = AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
-        frame.sample_rate = self.rate
-        frame.pts = pts
-        frame.time_base = self.time_base
+    def encode(self, frame: AudioFrame) -> Packet:
+        """One s16 mono frame of ``frame_samples`` at ``rate`` (:func:`s16_frame`) -> one Opus
+        packet with the frame's ``pts``."""
+        if frame.samples != self.frame_samples or frame.sample_rate != self.rate:
+            raise ValueError(
+                f"expected {self.frame_samples} samples at {self.rate} Hz, "
+                f"got {frame.samples} at {frame.sample_rate} Hz"
+            )
         packets = self._codec.encode(frame)
         if len(packets) != 1:  # libopus takes whole frames of frame_duration and buffers none
             raise RuntimeError(f"libopus returned {len(packets)} packets for one frame")
         packet = packets[0]
-        packet.pts = pts
-        packet.dts = pts
+        packet.pts = frame.pts
         packet.time_base = self.time_base
         return packet
+
+
+def s16_frame(samples: np.ndarray, rate: int, pts: int) -> AudioFrame:
+    """int16 [n] mono samples at ``rate`` as an AudioFrame stamped ``pts`` (in 1/rate)."""
+    frame = AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
+    frame.sample_rate = rate
+    frame.pts = pts
+    frame.time_base = fractions.Fraction(1, rate)
+    return frame
 
 
 def pcm_to_s16(pcm: np.ndarray) -> np.ndarray:
@@ -311,7 +319,6 @@ class UtteranceTrack(MediaStreamTrack):
         if output_rate not in (sample_rate, 2 * sample_rate):
             raise ValueError(f"output_rate must be {sample_rate} or {2 * sample_rate}, not {output_rate}")
         self.output_rate = output_rate
-        self.time_base = fractions.Fraction(1, output_rate)
         self._upsampler = Upsampler2x() if output_rate != sample_rate else None
         self._encoder = OpusFrameEncoder(output_rate, frame_ms) if encode else None
         self.clock: Clock = clock or MonotonicClock()
@@ -477,14 +484,8 @@ class UtteranceTrack(MediaStreamTrack):
         if self._upsampler is not None:
             samples = self._upsampler.process(samples)
             factor = 2
-        out: AudioFrame | Packet
-        if self._encoder is not None:
-            out = self._encoder.encode(samples, self._pts * factor)
-        else:
-            out = AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
-            out.sample_rate = self.output_rate
-            out.pts = self._pts * factor
-            out.time_base = self.time_base
+        frame = s16_frame(samples, self.output_rate, self._pts * factor)
+        out = self._encoder.encode(frame) if self._encoder is not None else frame
         self.frames_sent += 1
         if self.on_event is not None:
             for ev in events:
