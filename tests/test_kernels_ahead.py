@@ -140,16 +140,20 @@ def test_the_engine_dry_runs_record_every_fused_kernel_and_compile_them() -> Non
 
 
 @pytest.mark.requires_cuda
-def test_a_start_launches_no_kernel_its_dry_runs_missed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_start_and_its_first_utterances_launch_no_kernel_its_dry_runs_missed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every kernel specialisation that a start launches (warm-up, the LLM's and the default
-    voice's token2wav graph captures) was among its dry runs' launches: nothing is left to
-    compile one after another during the captures. A 150-token prompt (the benchmark's) with
-    the 25-token warm-up voice: the long chunks captured reach the tall tile tier."""
+    voice's token2wav graph captures), and then its first utterances (the voice's prefix
+    prefilled, its first row drawn from the prefill, the decode steps, the chunks), was among
+    its dry runs' launches: nothing is left to compile one after another during the captures,
+    nor during a listener's first sentence (a missed sampler specialisation once cost a
+    server's first utterance ~1.6 s on an H200). A 150-token prompt (the benchmark's) with the
+    25-token warm-up voice: the long chunks captured reach the tall tile tier."""
     import dataclasses
 
     from voice_out.config import EngineConfig
     from voice_out.engine import kernels as kernels_mod
     from voice_out.engine.engine import Engine
+    from voice_out.engine.scheduler import ForcedTokens
     from voice_out.model import decode_kernels, flow_kernels
 
     launched: dict[tuple[Any, ...], str] = {}
@@ -172,12 +176,28 @@ def test_a_start_launches_no_kernel_its_dry_runs_missed(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(kernels_mod, "dry_run_launches", keep)
     ec = dataclasses.replace(EngineConfig(), capture_tokens=400, capture_batch_tokens=300)
-    eng = Engine.load(model="random:tiny", device="cuda", text_normalizer="none", noise_prompt_tokens=150, engine=ec)
+    eng = Engine.load(
+        model="random:tiny",
+        device="cuda",
+        text_normalizer="none",
+        noise_prompt_tokens=150,
+        engine=ec,
+        forced=ForcedTokens(3),
+    )
     eng.start(timeout=600)
-    eng.close()
+    try:
+        # the whole text at once, then in small deltas (as an agent's LLM streams it)
+        for deltas in (["Hello there, this is the first sentence."], ["And ", "a sec", "ond o", "ne."]):
+            stream = eng.open_stream()
+            for d in deltas:
+                stream.push_text(d)
+            stream.end_text()
+            assert sum(len(c.pcm) for c in stream) > 0
+    finally:
+        eng.close()
     if not dry:
         pytest.skip("no fused kernels (no dry run) for this model here")
     assert launched, "the start launched no fused kernel"
     planned = {specialisation(ln) for ln in dry}
     missed = sorted(name for key, name in launched.items() if key not in planned)
-    assert not missed, f"compiled on first use during the start: {missed}"
+    assert not missed, f"compiled on first use during the start or the first utterances: {missed}"

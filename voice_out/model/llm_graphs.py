@@ -514,6 +514,20 @@ class GraphedLLM:
         out: Tensor = self._prefill[window](bucket, *args)
         return out
 
+    def sample_packed(self, hidden: Tensor, packed: Tensor) -> Tensor:
+        """:meth:`sample` with the sampling inputs of packed rows (:func:`pack_decode_rows`,
+        int64 ``[N, decode_cols]`` on the device): how prefilled rows are sampled. Their inputs
+        are views into ``packed``, whose alignment Triton specialises the sampler on, unlike
+        the decode step's, which its prologue writes: :meth:`sample_eagerly` dry-runs this
+        path at start-up, so the first prefilled row does not compile the sampler anew."""
+        return self.sample(hidden, unpack_decode_rows(packed))
+
+    def sample_eagerly(self, rows: int = 1) -> Tensor:
+        """:meth:`sample_packed` on ``rows`` idle rows and zero hidden states: for a start-up
+        dry run of its kernels (``voice_out.model.launch.recording``). Returns its ids."""
+        hidden = torch.zeros(rows, self.lm.dims.hidden_size, device=self.device, dtype=self.lm.llm_decoder.weight.dtype)
+        return self.sample_packed(hidden, self._idle_rows(rows))
+
     def decode_eagerly(self, batch: int = 1) -> Tensor:
         """Run the decode step once without a graph, every row idle (nothing is appended): for a
         start-up dry run of its kernels (``voice_out.model.launch.recording``). Returns its output."""
