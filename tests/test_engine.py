@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import json
 import random
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -15,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import REPO_ROOT
 from voice_out.config import Config, EngineConfig, ServerConfig
 from voice_out.engine.api import (
     SAMPLE_RATE,
@@ -758,6 +762,45 @@ def test_fast_first_chunk_end_to_end(engine: Engine) -> None:
     assert len(chunks[0].pcm) == 8 * SAMPLES_PER_TOKEN - 3840  # 8 tokens, minus the held-back crossfade
     assert sum(len(c.pcm) for c in chunks) == 39 * SAMPLES_PER_TOKEN
     assert chunks[-1].final and chunks[-1].text_end == len("hi there, bob")
+
+
+FIRST_UTTERANCES = """
+import json, sys
+from voice_out.config import Config, ServerConfig
+from voice_out.engine.engine import Engine
+from voice_out.engine.scheduler import ForcedTokens
+cfg = Config(server=ServerConfig(voices_dir=sys.argv[1]))
+eng = Engine.load(cfg, model="random:tiny", device="cpu", forced=ForcedTokens(3), noise_prompt_tokens=60)
+eng.start(timeout=120)
+before = set(sys.modules)
+for text, cancel in (("Hello there, a first request.", False), ("And 2 more at 3:45 pm.", False), ("Stop me.", True)):
+    s = eng.open_stream()
+    for k in range(0, len(text), 4):
+        s.push_text(text[k : k + 4])
+    s.end_text()
+    for chunk in s:
+        if cancel:
+            s.cancel()
+eng.close()
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_a_warm_engine_s_first_utterances_import_nothing(tmp_path: Path) -> None:
+    """Whatever a request imports on first use, a fresh server's first listener waits for:
+    ``np.unique``'s first call imported numpy.ma inside the first decode step (~40 ms of a
+    server's first audio on an H200 machine). A warm engine's first utterances (text in
+    deltas, digits and a time for the normaliser, a cancel) import no module. A fresh
+    interpreter, since the modules other tests imported would hide one."""
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_UTTERANCES, str(tmp_path / "no-voices")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
 # --------------------------------------------------------------------------------------------

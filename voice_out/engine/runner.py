@@ -471,6 +471,10 @@ class Runner:
             history = torch.full((2, self.sampling.win_size), NO_TOKEN, dtype=torch.long, device=self.device)
             uniforms = to_device(torch.from_numpy(counter_uniforms([0, 1], [0, 0])), self.device, torch.float32)
             ras_sample_batch(logp, history, uniforms, self.sampling).tolist()
+            # a prefilled row's draw, the sampler's own specialisation (GraphedLLM.sample_packed):
+            # compiling a kernel ahead does not load it, and its first launch also builds its
+            # launcher (~70 ms on an H200), which the first request would otherwise pay
+            self.graphed.sample_eagerly(1).tolist()
             token, feat, emb, prepared = self._voice(voice)
             stream = self.t2w.open_stream(
                 token,
