@@ -803,6 +803,40 @@ def test_a_warm_engine_s_first_utterances_import_nothing(tmp_path: Path) -> None
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
+@pytest.mark.requires_cuda
+def test_a_start_captures_every_voice_s_first_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A voice whose prompt length differs from the default voice's has its first chunk's
+    graphs captured at start-up, so its first utterance captures none (the capture was 0.5 to
+    0.9 s of that utterance's first audio on an H200)."""
+    from voice_out.model.cuda_graphs import GraphedFn
+
+    ec = EngineConfig(max_streams=2, capture_tokens=100, capture_batch_tokens=60)
+    cfg = Config(server=ServerConfig(voices_dir=str(tmp_path / "no-voices")), engine=ec)
+    eng = Engine.load(
+        cfg, model="random:tiny", device="cuda", forced=FORCED_3, text_normalizer="none", noise_prompt_tokens=50
+    )
+    for p in (25, 75):
+        ids, fv = noise_voice(p, seed=p)
+        eng.voices.builtin[f"n{p}"] = VoicePrompt(f"n{p}", tuple(range(p // 3)), tuple(ids), p, fv)
+    eng.start(timeout=600)
+    try:
+        captured: list[object] = []
+        real = GraphedFn._capture
+        monkeypatch.setattr(
+            GraphedFn,
+            "_capture",
+            lambda self, key, *a, **kw: captured.append(key) or real(self, key, *a, **kw),
+        )
+        for voice in ("n25", "n75", "n25"):
+            stream = eng.open_stream(voice)
+            stream.push_text("Hello there.")  # a first chunk and a final one: 36 speech tokens
+            stream.end_text()
+            assert sum(len(c.pcm) for c in stream) > 0
+        assert captured == []
+    finally:
+        eng.close()
+
+
 # --------------------------------------------------------------------------------------------
 # Batched token2wav at the runner: plans built by hand, so which chunks share a step is exact
 

@@ -225,6 +225,7 @@ def build_engine(
                     chunks_per_step,
                     time.perf_counter() - t0,
                 )
+                _capture_first_chunks(runner, book, default_voice.flow, 2 * ec.first_hop_tokens, chunks_per_step)
 
     return cls(
         cfg,
@@ -241,3 +242,31 @@ def build_engine(
 def _warm_voice(n_mels: int, spk_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _, fv = noise_voice(25, n_mels=n_mels, spk_dim=spk_dim, seed=1)
     return fv.prompt_token, fv.prompt_feat, fv.embedding
+
+
+def _capture_first_chunks(runner: Runner, book: VoiceBook, default: FlowVoice, n_tokens: int, max_batch: int) -> None:
+    """Capture (start-up) the token2wav graphs of the first ``n_tokens`` speech tokens for the
+    prompt length of every other voice the engine knows: a voice's first chunk is graphed per
+    prompt length, and a voice of a length start-up did not capture paid the capture in its
+    first utterance (0.5 to 0.9 s of first audio on an H200). One capture per distinct length."""
+    lengths = {int(default.prompt_token.numel())}
+    t0 = time.perf_counter()
+    captured: list[str] = []
+    for name in book.names():
+        try:
+            voice = book.resolve(name)
+        except Exception:  # noqa: BLE001 - an unusable voice fails the request that names it
+            continue
+        flow = voice.flow
+        if not isinstance(flow, FlowVoice) or int(flow.prompt_token.numel()) in lengths:
+            continue
+        lengths.add(int(flow.prompt_token.numel()))
+        runner.precapture(flow, n_tokens, max_batch=max_batch, batch_tokens=n_tokens)
+        captured.append(name)
+    if captured:
+        log.info(
+            "engine: first-chunk graphs captured for %d more prompt lengths (voices %s) in %.1f s",
+            len(captured),
+            ", ".join(repr(n) for n in captured),
+            time.perf_counter() - t0,
+        )
