@@ -58,6 +58,7 @@ def test_config_env_var_names_file(tmp_path: Path) -> None:
         (["engine.max_ahead_s=0"], "engine.max_ahead_s = 0.0 is invalid"),
         (["engine.max_chunks_per_step=0"], "engine.max_chunks_per_step = 0 is invalid"),
         (["engine.first_chunk_lane_max_playing=-1"], "engine.first_chunk_lane_max_playing = -1 is invalid"),
+        (["engine.capture_voice_tokens=-5"], "engine.capture_voice_tokens = -5 is invalid: expected a number of"),
         (["server.auth_token=short"], "at least 8 characters"),
         (["server.nope=1"], "unknown key(s) in [server]: nope"),
         (["server.frame_ms=15"], "server.frame_ms = 15 is invalid: expected 10 or 20"),

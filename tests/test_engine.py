@@ -38,7 +38,7 @@ from voice_out.engine.request import SAMPLES_PER_TOKEN, LlmInputKind, LlmStep, V
 from voice_out.engine.runner import Runner, noise_voice
 from voice_out.engine.scheduler import Admit, ForcedTokens, LlmWork, NextGuess, StepPlan, VocodeWork
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
-from voice_out.model.token2wav import Token2WavStream
+from voice_out.model.token2wav import Token2Wav, Token2WavStream
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*RANDOM WEIGHTS")
 
@@ -804,13 +804,20 @@ def test_a_warm_engine_s_first_utterances_import_nothing(tmp_path: Path) -> None
 
 
 @pytest.mark.requires_cuda
-def test_a_start_captures_every_voice_s_first_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A voice whose prompt length differs from the default voice's has its first chunk's
-    graphs captured at start-up, so its first utterance captures none (the capture was 0.5 to
-    0.9 s of that utterance's first audio on an H200)."""
+@pytest.mark.parametrize(
+    ("voice_tokens", "text"),
+    [(0, "Hello there."), (100, "Hello there, and a bit more.")],  # 36 and 84 speech tokens
+)
+def test_a_start_captures_every_voice_s_first_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, voice_tokens: int, text: str
+) -> None:
+    """A voice whose prompt length differs from the default voice's has its token2wav graphs
+    captured at start-up (``engine.capture_voice_tokens``; its first chunk's whatever the
+    setting), so its first utterance captures none (the capture was 0.5 to 0.9 s of that
+    utterance's first audio on an H200)."""
     from voice_out.model.cuda_graphs import GraphedFn
 
-    ec = EngineConfig(max_streams=2, capture_tokens=100, capture_batch_tokens=60)
+    ec = EngineConfig(max_streams=2, capture_tokens=100, capture_batch_tokens=60, capture_voice_tokens=voice_tokens)
     cfg = Config(server=ServerConfig(voices_dir=str(tmp_path / "no-voices")), engine=ec)
     eng = Engine.load(
         cfg, model="random:tiny", device="cuda", forced=FORCED_3, text_normalizer="none", noise_prompt_tokens=50
@@ -825,14 +832,26 @@ def test_a_start_captures_every_voice_s_first_chunk(tmp_path: Path, monkeypatch:
         monkeypatch.setattr(
             GraphedFn,
             "_capture",
-            lambda self, key, *a, **kw: captured.append(key) or real(self, key, *a, **kw),
+            lambda self, key, *a, **kw: captured.append(key) or real(self, key, *a, **kw),  # type: ignore[func-returns-value]
         )
+        eager: list[int] = []  # non-final chunks with no graph (token2wav runs them eagerly)
+        real_single = Token2Wav._single_graph
+
+        def single(self: Token2Wav, stream: Token2WavStream, plan: ChunkPlan, token: torch.Tensor) -> object:
+            graph = real_single(self, stream, plan, token)
+            if graph is None:
+                eager.append(plan.token_len)
+            return graph
+
+        monkeypatch.setattr(Token2Wav, "_single_graph", single)
         for voice in ("n25", "n75", "n25"):
             stream = eng.open_stream(voice)
-            stream.push_text("Hello there.")  # a first chunk and a final one: 36 speech tokens
+            stream.push_text(text)
             stream.end_text()
             assert sum(len(c.pcm) for c in stream) > 0
         assert captured == []
+        if voice_tokens:  # the chunks after the first too: graphed
+            assert eager == []
     finally:
         eng.close()
 

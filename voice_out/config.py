@@ -166,6 +166,13 @@ class EngineConfig:
     #: replays each stream's own graph. They are the costliest to capture (up to 8 rows of a
     #: whole utterance each), and streams rarely meet at the same length late in an utterance.
     capture_batch_tokens: int = 500
+    #: CUDA graphs: for the prompt length of every other voice the engine knows at start-up
+    #: (one capture per distinct length), its single-chunk and final-chunk graphs of an
+    #: utterance's first this many speech tokens (capture_tokens where that is fewer; the
+    #: first chunk is always captured): ~2.6 s of start-up a length for 500 on an H200.
+    #: Uncaptured, a voice's first chunk was captured in its first utterance (0.5 to 0.9 s on
+    #: an H200) and its later chunks ran eagerly (a 12 s utterance: 0.7 to 0.85 s against 0.4).
+    capture_voice_tokens: int = 500
     #: Plan LLM steps one ahead while a step feeds at most this many streams (light load; 0:
     #: never; a stream counts once, whatever its input rows): the next step of every stream
     #: likely to go on (its input the token being sampled, on the device; after a forced FILL,
@@ -244,6 +251,13 @@ class EngineConfig:
             "capture_batch_tokens",
             self.capture_batch_tokens,
             f"a number of speech tokens in 0..capture_tokens ({self.capture_tokens})",
+        )
+        _check(
+            0 <= self.capture_voice_tokens <= 6000,
+            s,
+            "capture_voice_tokens",
+            self.capture_voice_tokens,
+            "a number of speech tokens in 0..6000",
         )
         _check(
             self.first_chunk_lane_max_playing >= 0,

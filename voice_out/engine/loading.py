@@ -225,7 +225,9 @@ def build_engine(
                     chunks_per_step,
                     time.perf_counter() - t0,
                 )
-                _capture_first_chunks(runner, book, default_voice.flow, 2 * ec.first_hop_tokens, chunks_per_step)
+                first = 2 * ec.first_hop_tokens  # the first chunk's shapes, whatever the setting
+                n_voice = max(first, min(ec.capture_voice_tokens, ec.capture_tokens))
+                _capture_other_voices(runner, book, default_voice.flow, n_voice, first, chunks_per_step)
 
     return cls(
         cfg,
@@ -244,11 +246,15 @@ def _warm_voice(n_mels: int, spk_dim: int) -> tuple[torch.Tensor, torch.Tensor, 
     return fv.prompt_token, fv.prompt_feat, fv.embedding
 
 
-def _capture_first_chunks(runner: Runner, book: VoiceBook, default: FlowVoice, n_tokens: int, max_batch: int) -> None:
-    """Capture (start-up) the token2wav graphs of the first ``n_tokens`` speech tokens for the
-    prompt length of every other voice the engine knows: a voice's first chunk is graphed per
-    prompt length, and a voice of a length start-up did not capture paid the capture in its
-    first utterance (0.5 to 0.9 s of first audio on an H200). One capture per distinct length."""
+def _capture_other_voices(
+    runner: Runner, book: VoiceBook, default: FlowVoice, n_tokens: int, batch_tokens: int, max_batch: int
+) -> None:
+    """Capture (start-up) the token2wav graphs of the first ``n_tokens`` speech tokens (the
+    batched ones within ``batch_tokens``) for the prompt length of every other voice the
+    engine knows, one capture per distinct length (``engine.capture_voice_tokens``): token2wav
+    graphs are shaped by the prompt's length, and a voice of a length start-up did not
+    capture paid its first chunk's capture in its first utterance (0.5 to 0.9 s of first
+    audio on an H200) and ran its later chunks eagerly."""
     lengths = {int(default.prompt_token.numel())}
     t0 = time.perf_counter()
     captured: list[str] = []
@@ -261,11 +267,12 @@ def _capture_first_chunks(runner: Runner, book: VoiceBook, default: FlowVoice, n
         if not isinstance(flow, FlowVoice) or int(flow.prompt_token.numel()) in lengths:
             continue
         lengths.add(int(flow.prompt_token.numel()))
-        runner.precapture(flow, n_tokens, max_batch=max_batch, batch_tokens=n_tokens)
+        runner.precapture(flow, n_tokens, max_batch=max_batch, batch_tokens=batch_tokens)
         captured.append(name)
     if captured:
         log.info(
-            "engine: first-chunk graphs captured for %d more prompt lengths (voices %s) in %.1f s",
+            "engine: token2wav graphs of the first %d tokens captured for %d more prompt lengths (voices %s) in %.1f s",
+            n_tokens,
             len(captured),
             ", ".join(repr(n) for n in captured),
             time.perf_counter() - t0,
