@@ -808,7 +808,7 @@ def test_a_warm_engine_s_first_utterances_import_nothing(tmp_path: Path) -> None
     ("voice_tokens", "text"),
     [(0, "Hello there."), (100, "Hello there, and a bit more.")],  # 36 and 84 speech tokens
 )
-def test_a_start_captures_every_voice_s_first_chunk(
+def test_a_start_captures_every_voice_s_prompt_length(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, voice_tokens: int, text: str
 ) -> None:
     """A voice whose prompt length differs from the default voice's has its token2wav graphs

@@ -147,8 +147,9 @@ def test_a_start_and_its_first_utterances_launch_no_kernel_its_dry_runs_missed(m
     its dry runs' launches: nothing is left to compile one after another during the captures,
     nor during a listener's first sentence (a missed sampler specialisation once cost a
     server's first utterance ~1.6 s on an H200); and every one the utterances launch was
-    launched during the start already (its first launch loads it). A 150-token prompt (the benchmark's) with the
-    25-token warm-up voice: the long chunks captured reach the tall tile tier."""
+    launched during the start already (its first launch loads it). A 150-token prompt (the
+    benchmark's) with the 25-token warm-up voice: the long chunks captured reach the tall
+    tile tier."""
     import dataclasses
 
     from voice_out.config import EngineConfig

@@ -116,8 +116,8 @@ def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
     """The Triton launches of a re-run chunk, a batched chunk and a final chunk (graphed and
     eager) of the flow for ``voice``'s prompt length, each at the chunk ends of
     :func:`dry_run_ends`, of a vocoder call, of a decode step and of a prefilled row's draw,
-    recorded (not run: nothing
-    they compute is kept, and nothing is written to any stream's state)."""
+    recorded (not run: nothing they compute is kept, and nothing is written to any stream's
+    state)."""
     flow = runner.t2w.flow
     if not isinstance(flow, Flow):
         return []

@@ -525,8 +525,9 @@ class GraphedLLM:
         return self.sample(hidden, unpack_decode_rows(packed))
 
     def sample_eagerly(self, rows: int = 1) -> Tensor:
-        """:meth:`sample_packed` on ``rows`` idle rows and zero hidden states: for a start-up
-        dry run of its kernels (``voice_out.model.launch.recording``). Returns its ids."""
+        """:meth:`sample_packed` on ``rows`` idle rows and zero hidden states, for start-up: a
+        dry run of its kernels (``voice_out.model.launch.recording``), then the warm-up's real
+        launch, which loads them. Returns its ids (of idle rows: meaningless)."""
         hidden = torch.zeros(rows, self.lm.dims.hidden_size, device=self.device, dtype=self.lm.llm_decoder.weight.dtype)
         return self.sample_packed(hidden, self._idle_rows(rows))
 
