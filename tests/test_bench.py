@@ -194,6 +194,11 @@ def test_webrtc_mode_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert {n for _, n in v} == {1}
     # the client hears the first audio after the server put it on the track
     assert v[("e2e.ttfa.p50", 1)] >= v[("e2e.server_ttfa.p50", 1)] > 0
+    # --quick: no warm-up, so the session's first utterance is the one measured
+    assert (v[("e2e.first_ttfa", 1)], v[("e2e.first_server_ttfa", 1)]) == (
+        v[("e2e.ttfa.p50", 1)],
+        v[("e2e.server_ttfa.p50", 1)],
+    )
     assert v[("e2e.barge_in.p50", 1)] < 1000
     assert 0 <= v[("server.late_frames.over_20ms", 1)] <= v[("server.late_frames", 1)]
     assert v[("server.late_frames.warmup", 1)] == 0  # --quick: no warm-up utterance
@@ -219,7 +224,10 @@ def test_webrtc_mode_chromium_client(tmp_path: Path, capsys: pytest.CaptureFixtu
     v = by_key(doc)
     names = ("ttfa", "server_ttfa", "barge_in", "jitter_buffer", "barge_in_over_jitter_buffer", "rtp_jitter")
     late = {f"server.late_frames{k}" for k in ("", ".over_20ms", ".warmup", ".utterance.max")}
-    assert {n for n, _ in v} == {f"e2e.chromium.{n}.{q}" for n in names for q in ("p50", "p95", "p99")} | late
+    first = {"e2e.chromium.first_ttfa", "e2e.chromium.first_server_ttfa"}
+    assert {n for n, _ in v} == {f"e2e.chromium.{n}.{q}" for n in names for q in ("p50", "p95", "p99")} | late | first
+    # the session's first utterance (no warm-up with --quick: the first of the two measured)
+    assert v[("e2e.chromium.first_ttfa", 1)] > v[("e2e.chromium.first_server_ttfa", 1)] + 20
     assert 0 <= v[("server.late_frames.over_20ms", 1)] <= v[("server.late_frames", 1)]
     for name in names[:4]:
         check_quantiles(v, f"e2e.chromium.{name}", 1)

@@ -431,6 +431,11 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
     report.add_quantiles(f"{prefix}.ttfa", [r.ttfa_ms for r in results], "ms", 1, QUANTILES)
     report.add_quantiles(f"{prefix}.server_ttfa", [r.server_ttfa_ms for r in results], "ms", 1, QUANTILES)
     report.add_quantiles(f"{prefix}.barge_in", [r.barge_in_ms for r in results], "ms", 1, QUANTILES)
+    # the session's first utterance (the first warm-up): what a fresh server's first listener
+    # waits, first-use costs included, which the quantiles leave out
+    first = (warm or results)[0]
+    report.add(f"{prefix}.first_ttfa", first.ttfa_ms, "ms", 1)
+    report.add(f"{prefix}.first_server_ttfa", first.server_ttfa_ms, "ms", 1)
     buffered = [(r.barge_in_ms, r.jitter_buffer_ms) for r in results if r.jitter_buffer_ms is not None]
     report.add_quantiles(f"{prefix}.jitter_buffer", [jb for _, jb in buffered], "ms", 1, QUANTILES)
     over = [barge_in - jb for barge_in, jb in buffered]
