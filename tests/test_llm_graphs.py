@@ -98,6 +98,19 @@ def test_pack_decode_rows_layout() -> None:
     assert run[:, COL_KIND].tolist() == [1, 1] and run[:, COL_OFFSET].tolist() == [0, 1]
 
 
+def test_the_unpacked_window_is_aligned_as_the_sampler_is_compiled() -> None:
+    """A prefilled row's draw samples from views of the packed rows: its window must be 16-byte
+    aligned, like the decode step's, or Triton compiles the sampler a second time (in a fresh
+    server's first request: ~1.6 s on an H200) and loads it on its first launch."""
+    u = counter_uniforms([5, 6], [0, 3])
+    for n in (1, 2):
+        packed = torch.empty(n, decode_cols(4), dtype=torch.int64)  # an allocator's block
+        packed.copy_(torch.from_numpy(pack_decode_rows([2] * n, [17] * n, [True] * n, u[:n], [[1]] * n, 4)))
+        rows = unpack_decode_rows(packed)
+        assert rows.history.data_ptr() % 16 == 0
+        assert rows.history.tolist() == [[NO_TOKEN] * 3 + [1]] * n
+
+
 def test_check_runs() -> None:
     a = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
     assert check_runs(a(0, 3, 3, 3, 1), a(0, 0, 1, 2, 0)) is None

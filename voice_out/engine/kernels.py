@@ -115,9 +115,8 @@ def dry_run_ends(flow: Flow, n_prompt: int) -> list[int]:
 def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
     """The Triton launches of a re-run chunk, a batched chunk and a final chunk (graphed and
     eager) of the flow for ``voice``'s prompt length, each at the chunk ends of
-    :func:`dry_run_ends`, of a vocoder call, of a decode step and of a prefilled row's draw,
-    recorded (not run: nothing they compute is kept, and nothing is written to any stream's
-    state)."""
+    :func:`dry_run_ends`, of a vocoder call and of a decode step, recorded (not run: nothing
+    they compute is kept, and nothing is written to any stream's state)."""
     flow = runner.t2w.flow
     if not isinstance(flow, Flow):
         return []
@@ -157,9 +156,6 @@ def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
                     runs.append(b)
             for b in runs:
                 runner.graphed.decode_eagerly(b)
-            # a prefilled row's draw: the sampler on views of packed host rows (another
-            # alignment, so another compile: ~1.6 s in a server's first utterance when missed)
-            runner.graphed.sample_eagerly(1)
     return launches
 
 

@@ -34,7 +34,7 @@ from voice_out.engine.request import LlmInputKind
 from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
 from voice_out.model.chunk_schedule import HopPolicy
 from voice_out.model.cuda_graphs import family_stream
-from voice_out.model.llm_graphs import GraphedLLM, PendingIds, pack_decode_rows
+from voice_out.model.llm_graphs import GraphedLLM, PendingIds, pack_decode_rows, unpack_decode_rows
 from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT, KVCache, SpeechLM
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, ras_sample_batch
 from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2Wav, Token2WavStream
@@ -471,10 +471,6 @@ class Runner:
             history = torch.full((2, self.sampling.win_size), NO_TOKEN, dtype=torch.long, device=self.device)
             uniforms = to_device(torch.from_numpy(counter_uniforms([0, 1], [0, 0])), self.device, torch.float32)
             ras_sample_batch(logp, history, uniforms, self.sampling).tolist()
-            # a prefilled row's draw, the sampler's own specialisation (GraphedLLM.sample_packed):
-            # compiling a kernel ahead does not load it, and its first launch also builds its
-            # launcher (~70 ms on an H200), which the first request would otherwise pay
-            self.graphed.sample_eagerly(1).tolist()
             token, feat, emb, prepared = self._voice(voice)
             stream = self.t2w.open_stream(
                 token,
@@ -760,7 +756,7 @@ class Runner:
         ``[N]`` on the device (no sync), as the decode step samples (``GraphedLLM.sample``);
         the sampling inputs reach the device in one packed copy. Takes each item's draw."""
         packed = self._pack([self._draw_run(w, self._rows(w)[-1:]) for w in items])
-        return self.graphed.sample_packed(hidden, to_device(torch.from_numpy(packed), self.device))
+        return self.graphed.sample(hidden, unpack_decode_rows(to_device(torch.from_numpy(packed), self.device)))
 
     # ---- token2wav ---------------------------------------------------------------------------
 

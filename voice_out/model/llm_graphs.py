@@ -72,7 +72,12 @@ DEFAULT_DECODE_WINDOWS = (256, 512, 1024, 2048)
 
 #: Columns of a packed decode row (:func:`pack_decode_rows`); the repetition window follows.
 COL_ACTIVE, COL_TOKEN, COL_KIND, COL_SLOT, COL_OFFSET, COL_MASKED, COL_UNIFORMS, COL_FEED = 0, 1, 2, 3, 4, 5, 6, 8
-COL_HISTORY = 9
+#: An even column (column 9 is padding, 0), so that the window's view of a packed tensor is
+#: 16-byte aligned like the decode step's own window: Triton specialises the sampler on its
+#: pointers' alignment, and an odd column made a prefilled row's draw (which samples straight
+#: from the packed rows) a second compile of the sampler, first made in a fresh server's first
+#: request (~1.6 s on an H200), and a second first launch (~70 ms).
+COL_PAD, COL_HISTORY = 9, 10
 
 
 def decode_cols(win_size: int) -> int:
@@ -110,6 +115,7 @@ def pack_decode_rows(
     rows[:, COL_MASKED] = eos_masked
     rows[:, COL_UNIFORMS : COL_UNIFORMS + 2] = np.ascontiguousarray(uniforms, dtype=np.float64).view(np.int64)
     rows[:, COL_FEED] = 0 if feed is None else feed
+    rows[:, COL_PAD] = 0
     rows[:, COL_HISTORY:] = NO_TOKEN
     for i, recent in enumerate(history):
         tail = list(recent)[-win:]
@@ -515,21 +521,6 @@ class GraphedLLM:
         args = (where[0:1], where[1:2], where[2:3], padded.to(self.lm.llm_decoder.weight.dtype))
         out: Tensor = self._prefill[window](bucket, *args)
         return out
-
-    def sample_packed(self, hidden: Tensor, packed: Tensor) -> Tensor:
-        """:meth:`sample` with the sampling inputs of packed rows (:func:`pack_decode_rows`,
-        int64 ``[N, decode_cols]`` on the device): how prefilled rows are sampled. Their inputs
-        are views into ``packed``, whose alignment Triton specialises the sampler on, unlike
-        the decode step's, which its prologue writes: :meth:`sample_eagerly` dry-runs this
-        path at start-up, so the first prefilled row does not compile the sampler anew."""
-        return self.sample(hidden, unpack_decode_rows(packed))
-
-    def sample_eagerly(self, rows: int = 1) -> Tensor:
-        """:meth:`sample_packed` on ``rows`` idle rows and zero hidden states, for start-up: a
-        dry run of its kernels (``voice_out.model.launch.recording``), then the warm-up's real
-        launch, which loads them. Returns its ids (of idle rows: meaningless)."""
-        hidden = torch.zeros(rows, self.lm.dims.hidden_size, device=self.device, dtype=self.lm.llm_decoder.weight.dtype)
-        return self.sample_packed(hidden, self._idle_rows(rows))
 
     def decode_eagerly(self, batch: int = 1) -> Tensor:
         """Run the decode step once without a graph, every row idle (nothing is appended): for a
