@@ -235,8 +235,7 @@ class OpusFrameEncoder:
     """
 
     def __init__(self, rate: int, frame_ms: int, bitrate: int = 64000) -> None:
-        if frame_ms not in FRAME_MS_CHOICES:
-            raise ValueError(f"frame_ms must be one of {FRAME_MS_CHOICES}, not {frame_ms}")
+        _check_frame_ms(frame_ms)
         self.rate = rate
         self.frame_samples = rate * frame_ms // 1000
         self.time_base = fractions.Fraction(1, rate)
@@ -265,6 +264,11 @@ class OpusFrameEncoder:
         packet.pts = frame.pts
         packet.time_base = self.time_base
         return packet
+
+
+def _check_frame_ms(frame_ms: int) -> None:
+    if frame_ms not in FRAME_MS_CHOICES:
+        raise ValueError(f"frame_ms must be one of {FRAME_MS_CHOICES}, not {frame_ms}")
 
 
 def s16_frame(samples: np.ndarray, rate: int, pts: int) -> AudioFrame:
@@ -310,8 +314,7 @@ class UtteranceTrack(MediaStreamTrack):
         encode: bool = False,
     ) -> None:
         super().__init__()
-        if frame_ms not in FRAME_MS_CHOICES:
-            raise ValueError(f"frame_ms must be one of {FRAME_MS_CHOICES}, not {frame_ms}")
+        _check_frame_ms(frame_ms)
         self.sample_rate = sample_rate
         self.frame_ms = frame_ms
         self.frame_samples = sample_rate * frame_ms // 1000
