@@ -910,14 +910,15 @@ def test_step_after_guesses_the_next_step_and_changes_nothing() -> None:
 
 def test_the_plan_guesses_each_stream_s_next_step() -> None:
     """``LlmWork.guess`` (engine.step_ahead_rows): one speech row of the token being picked, the
-    next text group after a forced FILL, nothing before a forced stop, near the back-pressure
-    limit, or in a step feeding more streams than ``step_ahead_rows``."""
+    next text group after a forced FILL, nothing before a forced stop, before a first chunk the
+    next plan holds the steps for, near the back-pressure limit, or in a step feeding more
+    streams than ``step_ahead_rows``."""
     sched = create_scheduler(max_ahead_s=60.0)
     (rid,) = create_requests(sched, 1, text="abcdefghij")
     plan = sched.plan()
     (w,) = plan.llm
     assert w.guess is not None and w.guess.inputs is None and w.guess.allow_eos is False
-    fills = 0
+    fills = held = 0
     for _ in range(60):
         (w,) = plan.llm
         if w.step.force == FILL_TOKEN:
@@ -931,10 +932,16 @@ def test_the_plan_guesses_each_stream_s_next_step() -> None:
         if w.step.force == EOS_TOKEN:
             assert w.guess is None
             break
-        assert w.guess is not None and w.guess.inputs is None and w.guess.allow_eos == w.step.allow_eos
         sched.update(plan, fake_result(plan))
+        if w.guess is None:  # the token readied the first chunk: the next plan holds the LLM for it
+            held += 1
+            plan = sched.plan()
+            assert not plan.llm and [v.chunk.index for v in plan.vocode] == [0] and plan.wait_vocode
+            sched.update(plan, fake_result(plan))
+        else:
+            assert w.guess.inputs is None and w.guess.allow_eos == w.step.allow_eos
         plan = sched.plan()
-    assert fills >= 1 and w.step.force == EOS_TOKEN
+    assert fills >= 1 and held == 1 and w.step.force == EOS_TOKEN
 
     tight = create_scheduler(max_ahead_s=SAMPLES_PER_TOKEN * 2.5 / SAMPLE_RATE)  # 2.5 tokens ahead
     create_requests(tight, 1, text="abcdefghij")
@@ -953,3 +960,51 @@ def test_the_plan_guesses_each_stream_s_next_step() -> None:
         busy = create_scheduler(max_streams=5, step_ahead_rows=limit)
         create_requests(busy, 5, text="abc")
         assert [w.guess is not None for w in busy.plan().llm] == [guessed] * 5
+
+
+def first_chunk_plans(sched: Scheduler, max_steps: int = 500) -> list[tuple[StepPlan, StepPlan, StepPlan]]:
+    """Step until idle; (the plan before, the plan, the plan after) for each plan that chose a
+    first chunk."""
+    plans: list[StepPlan] = []
+    for _ in range(max_steps):
+        plan, _outs = step(sched)
+        plans.append(plan)
+        if plan.empty:
+            break
+    else:
+        raise AssertionError("scheduler did not go idle")
+    return [
+        (plans[i - 1], p, plans[i + 1]) for i, p in enumerate(plans) if any(v.chunk.index == 0 for v in p.vocode)
+    ]
+
+
+def test_at_light_load_a_stream_s_steps_pause_for_its_first_chunk() -> None:
+    """A plan that chooses a first chunk while every stream that would decode is one whose first
+    chunk it chooses holds their LLM steps (the chunk has the GPU to itself) and waits for it;
+    the plan before launches no guess that would run beside it. The steps go on after."""
+    sched = create_scheduler(max_streams=2)
+    create_requests(sched, 2, text="abcdefghij" * 3)  # both start together: their chunks go as one
+    ((before, plan, after),) = first_chunk_plans(sched)
+    assert {v.request_id for v in plan.vocode} == {"r0", "r1"}
+    assert not plan.llm and plan.wait_vocode
+    assert {w.request_id for w in before.llm} == {"r0", "r1"} and all(w.guess is None for w in before.llm)
+    assert {w.request_id for w in after.llm} == {"r0", "r1"}
+
+
+@pytest.mark.parametrize("case", ["playing", "wait_rows_0"])
+def test_a_first_chunk_holds_no_steps_another_stream_or_the_config_needs(case: str) -> None:
+    """No hold while a stream that already plays decodes beside the new one (its listener's
+    tokens go on), nor with ``first_chunk_wait_rows`` 0: those plans keep their LLM work, and
+    the plan before them its guesses."""
+    sched = create_scheduler(max_streams=2)
+    if case == "wait_rows_0":
+        sched.first_chunk_wait_rows = 0
+    (old,) = create_requests(sched, 1, text="abcdefghij" * 6, prefix="old")
+    while sched.requests[old].chunks_produced < 1:
+        step(sched)
+    create_requests(sched, 1, text="abcdefghij" * 3, prefix="new")
+    ((before, plan, _after),) = first_chunk_plans(sched)
+    assert [(v.request_id, v.chunk.index) for v in plan.vocode if v.chunk.index == 0] == [("new0", 0)]
+    expected = {"old0", "new0"} if case == "playing" else {"new0"}
+    assert {w.request_id for w in plan.llm} >= expected
+    assert any(w.guess is not None for w in before.llm)

@@ -555,7 +555,9 @@ class Runner:
                 result.failed[w.request_id] = _describe(e)
         # queued in this order: the prefilled items' draws (they set their slots' last ids),
         # this step's rows with the confirmed items' guesses, then the other items' guesses
-        prefill_ids = self._sample(prefilled, torch.stack(hidden)) if prefilled else None
+        # on their way to the host before the launches below: waiting for them then waits for
+        # the draws alone, not for the decode step queued behind them on the same stream
+        prefill_ids = PendingIds(self._sample(prefilled, torch.stack(hidden))) if prefilled else None
         runs = [self._commit_run(w, rows) for w, rows in batched]
         launched = self._launch([*runs, *self._guess_runs([w for w, _ in confirmed], room)])
         self._launch(self._guess_runs([*prefilled, *(w for w, _ in batched)], self.batched_input_rows))
@@ -563,7 +565,7 @@ class Runner:
         for w, done in confirmed:
             picked[w.request_id] = done.pending.ids()[done.index]
         if prefill_ids is not None:
-            picked.update(zip((w.request_id for w in prefilled), prefill_ids.tolist(), strict=True))
+            picked.update(zip((w.request_id for w in prefilled), prefill_ids.ids(), strict=True))
         if launched is not None and runs:  # this step's rows come first in the launch
             ids = launched.ids()
             picked.update((r.request_id, ids[i]) for r, i in zip(runs, self._last_rows(runs), strict=True))

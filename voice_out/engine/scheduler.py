@@ -435,24 +435,6 @@ class Scheduler:
             self._slot_owner[slot] = rid
             admits.append(Admit(rid, slot, req.seed, req.voice, req.schedule.fast_first))
 
-        steps: list[tuple[Request, LlmStep]] = []
-        for req in self._ordered(r for r in self.requests.values() if r.status.holds_slot):
-            if req.llm_done or not self._can_decode(req):
-                continue
-            step = req.feed.next_step()
-            if step is None:
-                continue  # waiting for text: the others go on
-            if self.forced is not None and step.force is None:
-                step = self._force(req, step)
-            steps.append((req, step))
-        win = self.config.ras_win_size
-        ahead = len(steps) <= self.config.step_ahead_rows  # light load: launch the next steps ahead
-        llm: list[LlmWork] = []
-        for req, step in steps:
-            assert req.slot is not None
-            guess = self._guess(req, step) if ahead else None
-            llm.append(LlmWork(req.request_id, req.slot, step, tuple(req.history[-win:]), guess))
-
         ready: list[tuple[Request, ChunkPlan]] = []
         in_flight = [r.vocode_inflight for r in self.requests.values() if r.vocode_inflight is not None]
         lanes = self.first_chunk_lane
@@ -503,12 +485,44 @@ class Scheduler:
             req.vocode_inflight = chunk
             if chunk.index == 0:
                 req.first_chunk_plan_time = now
+        decoding = [
+            r
+            for r in self._ordered(r for r in self.requests.values() if r.status.holds_slot)
+            if not r.llm_done and self._can_decode(r)
+        ]
+        firsts = {r.request_id for r, c in chosen if c.index == 0}
+        # light load, and every stream that would decode has its first chunk planned now: their
+        # LLM steps pause until it is back, so the chunk has the GPU to itself (an LLM step
+        # beside it slows it by about its own length, and brings the stream nothing it needs
+        # before its first chunk has played for a second)
+        hold = bool(firsts) and len(decoding) <= self.first_chunk_wait_rows
+        hold = hold and all(r.request_id in firsts for r in decoding)
+        steps: list[tuple[Request, LlmStep]] = []
+        for req in [] if hold else decoding:
+            step = req.feed.next_step()
+            if step is None:
+                continue  # waiting for text: the others go on
+            if self.forced is not None and step.force is None:
+                step = self._force(req, step)
+            steps.append((req, step))
+        win = self.config.ras_win_size
+        ahead = len(steps) <= self.config.step_ahead_rows  # light load: launch the next steps ahead
+        # no guess where every stream's token now readies its first chunk at light load: the
+        # next plan holds their steps for that chunk (``hold``), and a guess would run beside it
+        ahead = ahead and not (
+            len(steps) <= self.first_chunk_wait_rows and all(self._readies_first_chunk(r, st) for r, st in steps)
+        )
+        llm: list[LlmWork] = []
+        for req, step in steps:
+            assert req.slot is not None
+            guess = self._guess(req, step) if ahead else None
+            llm.append(LlmWork(req.request_id, req.slot, step, tuple(req.history[-win:]), guess))
+
         vocode = tuple(VocodeWork(r.request_id, c, r.speech_tokens) for r, c in chosen)
         wait = bool(in_flight) and not (releases or admits or llm)
         if any(c.index == 0 for _, c in chosen) and len(llm) <= self.first_chunk_wait_rows:
             # light load: wait for the first chunk, unless a stream in the LLM batch still
             # needs steps for its own first audio (the wait would delay that)
-            firsts = {r.request_id for r, c in chosen if c.index == 0}
             wait = wait or not any(
                 self.requests[w.request_id].first_audio_time is None and w.request_id not in firsts for w in llm
             )
@@ -522,6 +536,14 @@ class Scheduler:
             return False
         playing = sum(1 for r in self.requests.values() if r.first_audio_time is not None and not r.status.terminal)
         return playing > limit
+
+    def _readies_first_chunk(self, req: Request, step: LlmStep) -> bool:
+        """Whether the speech token ``step`` draws completes the tokens of ``req``'s first chunk
+        (not planned yet): the plan after it may hold the request's steps for that chunk."""
+        if req.first_chunk_plan_time is not None or (step.force is not None and step.force >= SPEECH_VOCAB):
+            return False
+        chunk = req.schedule.ready(len(req.speech_tokens) + 1, False)
+        return chunk is not None and chunk.index == 0
 
     def _guess(self, req: Request, step: LlmStep) -> NextGuess | None:
         """The request's likely next step after ``step`` (``LlmWork.guess``), or None when it is
