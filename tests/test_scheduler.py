@@ -973,9 +973,7 @@ def first_chunk_plans(sched: Scheduler, max_steps: int = 500) -> list[tuple[Step
             break
     else:
         raise AssertionError("scheduler did not go idle")
-    return [
-        (plans[i - 1], p, plans[i + 1]) for i, p in enumerate(plans) if any(v.chunk.index == 0 for v in p.vocode)
-    ]
+    return [(plans[i - 1], p, plans[i + 1]) for i, p in enumerate(plans) if any(v.chunk.index == 0 for v in p.vocode)]
 
 
 def test_at_light_load_a_stream_s_steps_pause_for_its_first_chunk() -> None:
