@@ -433,3 +433,14 @@ def test_ras_sample_equals_torch(params: SamplingParams) -> None:
     first_draws = ras_sample_batch(logp, torch.full_like(history, NO_TOKEN), uniforms, params)
     assert int((want != first_draws).sum()) > 10  # the fallback really ran
     assert not bool((got[masked] == eos).any())
+    # each row's vocabulary ranked in slices by several programs, the last one drawing: the
+    # same ids, launch after launch (each leaves the arrival counters at zero for the next)
+    ws = decode_kernels.SampleWorkspace.allocate(dev, rows, params.top_k, splits=16)
+    for splits, warps in ((2, 8), (8, 4), (16, 2), (8, 4)):
+        split = decode_kernels.ras_sample(
+            view, packed[:, 5:], uniforms, masked, eos, params, workspace=ws, splits=splits, num_warps=warps
+        )
+        assert split.tolist() == want.tolist(), (splits, warps)
+        assert int(ws.counters.count_nonzero()) == 0
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_kernels.ras_sample(view, history, uniforms, masked, eos, params, workspace=ws, splits=32)

@@ -81,6 +81,14 @@ MAX_GROUP = 64
 ID_BITS = 13
 MAX_VOCAB = 1 << ID_BITS
 MAX_TOP_K = 64
+#: ``ras_sample`` with a :class:`SampleWorkspace`: programs per row (each ranks one slice of
+#: the vocabulary) and warps per program, for draws of at most ``SAMPLE_MAX_ROWS`` rows.
+#: Measured on an H200 (``scripts/bench_sampler.py --head``: the head GEMM and the draw, graph
+#: replays): at 1 row 28.6 -> 20.0 us, at 16 rows 29.1 -> 21.3 us; at 64 rows, without the
+#: head, one program per row was the faster (19.0 against 29.1 us): taller steps keep it.
+SAMPLE_SPLITS = 8
+SAMPLE_WARPS = 4
+SAMPLE_MAX_ROWS = 16
 
 
 def available(device: torch.device | str, dtype: torch.dtype, head_dim: int, group: int) -> bool:
@@ -472,6 +480,19 @@ if triton is not None:
             _add_residual(acc, r_ptr, out_ptr, rows, cols, ok, stride_r, stride_out)
 
     @triton.jit
+    def _top_keys(keys, kk, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
+        # the TOP_K largest keys in order (-1 past them), and each one's predecessor (an
+        # exclusive scan: item i - 1 at i, -1 at 0)
+        top = tl.full([BLOCK_K], -1, tl.int64)
+        before = tl.full([BLOCK_K], -1, tl.int64)
+        for i in tl.static_range(TOP_K):
+            best = tl.max(keys, axis=0)
+            top = tl.where(kk == i, best, top)
+            before = tl.where(kk == i + 1, best, before)
+            keys = tl.where(keys == best, -1, keys)
+        return top, before
+
+    @triton.jit
     def _ras_sample_kernel(  # type: ignore[no-untyped-def]
         logits_ptr,
         stride_logits,
@@ -480,11 +501,14 @@ if triton is not None:
         uniforms_ptr,
         masked_ptr,
         out_ptr,
+        cand_ptr,
+        counter_ptr,
         eos,
         top_p,
         repeat_threshold,
         V: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        SPLITS: tl.constexpr,
         TOP_K: tl.constexpr,
         BLOCK_K: tl.constexpr,
         W: tl.constexpr,
@@ -493,46 +517,70 @@ if triton is not None:
         ID_BITS: tl.constexpr,
         PDL: tl.constexpr,
     ):
+        """Row ``pid(0)``. SPLITS > 1: program ``pid(1)`` ranks the vocabulary's ``pid(1)``-th
+        slice alone (its TOP_K keys to ``cand[row, pid(1)]``) and counts itself in at the
+        row's ``counter``; the last to arrive ranks the SPLITS x TOP_K candidates (in slice
+        order: the same keys whichever program is last), draws, and sets the counter back to
+        0 for the next launch. Every program computes the whole row's softmax maximum and sum
+        the same way, so each slice's probabilities are those of one softmax."""
         r = tl.program_id(0)
         await_previous(PDL)
         col = tl.arange(0, BLOCK_V)
         in_vocab = col < V
+        masked = tl.load(masked_ptr + r) != 0
         x = tl.load(logits_ptr + r * stride_logits + col, mask=in_vocab, other=float("-inf")).to(tl.float32)
-        x = tl.where((col == eos) & (tl.load(masked_ptr + r) != 0), float("-inf"), x)
-        e = tl.exp(x - tl.max(x, axis=0))
-        probs = e / tl.sum(e, axis=0)  # 0 outside the vocabulary
-
-        # stable top-k: probability bits (monotone for p >= 0) above, (MAX - id) below
+        x = tl.where((col == eos) & masked, float("-inf"), x)
+        x_max = tl.max(x, axis=0)
+        total = tl.sum(tl.exp(x - x_max), axis=0)
         id_mask: tl.constexpr = (1 << ID_BITS) - 1
-        keys = (probs.to(tl.int32, bitcast=True).to(tl.int64) << ID_BITS) | (id_mask - col)
-        keys = tl.where(in_vocab, keys, -1)
         kk = tl.arange(0, BLOCK_K)
-        top = tl.full([BLOCK_K], -1, tl.int64)
-        before = tl.full([BLOCK_K], -1, tl.int64)  # item i - 1 at i: an exclusive scan below
-        for i in tl.static_range(TOP_K):
-            best = tl.max(keys, axis=0)
-            top = tl.where(kk == i, best, top)
-            before = tl.where(kk == i + 1, best, before)
-            keys = tl.where(keys == best, -1, keys)
-        top_ok = kk < TOP_K
-        top_id = tl.where(top_ok, id_mask - (top & id_mask), 0)
-        top_prob = tl.where(top_ok, (top >> ID_BITS).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-        prev_prob = tl.where(before >= 0, (before >> ID_BITS).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-        # nucleus: item i is kept while the items before it sum to < top_p (float32, as eager)
-        kept_before = tl.cumsum(prev_prob, axis=0)
-        weights = tl.where(top_ok & (kept_before < top_p), top_prob, 0.0)
-        first = _inverse_cdf_pick(weights, tl.load(uniforms_ptr + r * 2), kk, top_id)
+        # stable top-k: probability bits (monotone for p >= 0) above, (MAX - id) below
+        if SPLITS == 1:
+            probs = tl.exp(x - x_max) / total  # 0 outside the vocabulary
+            keys = (probs.to(tl.int32, bitcast=True).to(tl.int64) << ID_BITS) | (id_mask - col)
+            top, before = _top_keys(tl.where(in_vocab, keys, -1), kk, TOP_K, BLOCK_K)
+            last = True
+        else:
+            SLICE: tl.constexpr = BLOCK_V // SPLITS
+            sc = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
+            s_ok = sc < V
+            xs = tl.load(logits_ptr + r * stride_logits + sc, mask=s_ok, other=float("-inf")).to(tl.float32)
+            xs = tl.where((sc == eos) & masked, float("-inf"), xs)
+            ps = tl.exp(xs - x_max) / total  # the same float32 values as the whole row's
+            keys = (ps.to(tl.int32, bitcast=True).to(tl.int64) << ID_BITS) | (id_mask - sc)
+            mine, _ = _top_keys(tl.where(s_ok, keys, -1), kk, TOP_K, BLOCK_K)
+            row_cand = cand_ptr + r * SPLITS * BLOCK_K
+            tl.store(row_cand + tl.program_id(1) * BLOCK_K + kk, mine)
+            # every thread's store issued before the count (then released at GPU scope)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter_ptr + r, 1, sem="acq_rel")
+            last = arrived == SPLITS - 1
+            top = tl.full([BLOCK_K], -1, tl.int64)
+            before = tl.full([BLOCK_K], -1, tl.int64)
+            if last:
+                # past L1: the other slices' keys were written by other SMs
+                cand = tl.load(row_cand + tl.arange(0, SPLITS * BLOCK_K), cache_modifier=".cg")
+                top, before = _top_keys(cand, kk, TOP_K, BLOCK_K)
+                tl.atomic_xchg(counter_ptr + r, 0)
+        if last:
+            top_ok = kk < TOP_K
+            top_id = tl.where(top_ok, id_mask - (top & id_mask), 0)
+            top_prob = tl.where(top_ok, (top >> ID_BITS).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+            prev_prob = tl.where(before >= 0, (before >> ID_BITS).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+            # nucleus: item i is kept while the items before it sum to < top_p (float32, as eager)
+            kept_before = tl.cumsum(prev_prob, axis=0)
+            weights = tl.where(top_ok & (kept_before < top_p), top_prob, 0.0)
+            first = _inverse_cdf_pick(weights, tl.load(uniforms_ptr + r * 2), kk, top_id)
 
-        w = tl.arange(0, BLOCK_W)  # the last WIN columns of the history row
-        hist = tl.load(history_ptr + r * stride_history + (W - WIN) + w, mask=w < WIN, other=-1)
-        repeats = tl.sum(tl.where(hist == first, 1.0, 0.0), axis=0)
-        picked = first.to(tl.int64)
-        if repeats >= repeat_threshold:
-            # fallback: the full distribution without the first draw, only when it is taken
-            # (its float64 scan over the vocabulary: ~4.5 of a draw's ~27 us on an H100)
-            full = tl.where(col == first, 0.0, probs)
-            picked = _inverse_cdf_pick(full, tl.load(uniforms_ptr + r * 2 + 1), col, col).to(tl.int64)
-        tl.store(out_ptr + r, picked)
+            w = tl.arange(0, BLOCK_W)  # the last WIN columns of the history row
+            hist = tl.load(history_ptr + r * stride_history + (W - WIN) + w, mask=w < WIN, other=-1)
+            repeats = tl.sum(tl.where(hist == first, 1.0, 0.0), axis=0)
+            picked = first.to(tl.int64)
+            if repeats >= repeat_threshold:
+                # fallback: the full distribution without the first draw, only when it is taken
+                full = tl.where(col == first, 0.0, tl.exp(x - x_max) / total)
+                picked = _inverse_cdf_pick(full, tl.load(uniforms_ptr + r * 2 + 1), col, col).to(tl.int64)
+            tl.store(out_ptr + r, picked)
 
     @triton.jit
     def _inverse_cdf_pick(weights, u, index, ids):  # type: ignore[no-untyped-def]
@@ -888,6 +936,24 @@ class SplitWorkspace:
         return cls(partials, torch.zeros(max_n, device=device, dtype=torch.int32))
 
 
+@dataclass(frozen=True)
+class SampleWorkspace:
+    """What :func:`ras_sample` with split rows needs between a row's programs: their top-k
+    keys ``[rows, splits, block_k]`` and one int32 arrival counter per row, zero between
+    launches (each launch leaves them so). One launch at a time may use a workspace."""
+
+    candidates: Tensor
+    counters: Tensor
+
+    @classmethod
+    def allocate(cls, device: torch.device | str, max_rows: int, top_k: int, splits: int = 0) -> SampleWorkspace:
+        """For up to ``max_rows`` rows, top-k ``top_k``, ``splits`` slices (0: :data:`SAMPLE_SPLITS`)."""
+        splits = splits or SAMPLE_SPLITS
+        block_k = max(16, 1 << max(0, top_k - 1).bit_length())
+        candidates = torch.empty(max_rows * splits * block_k, device=device, dtype=torch.int64)
+        return cls(candidates, torch.zeros(max_rows, device=device, dtype=torch.int32))
+
+
 def _rows_fit(name: str, a: Tensor, weight: Tensor) -> None:
     if a.dim() != 2 or a.shape[0] > LINEAR_MAX_ROWS or weight.shape[1] != a.shape[1]:
         raise ValueError(f"{name}: rows {tuple(a.shape)} and weight {tuple(weight.shape)} do not fit")
@@ -1021,6 +1087,9 @@ def ras_sample(
     eos_token: int,
     params: SamplingParams,
     pdl: bool = False,
+    workspace: SampleWorkspace | None = None,
+    splits: int | None = None,
+    num_warps: int | None = None,
 ) -> Tensor:
     """One RAS draw per row, one kernel: ``voice_out.model.sampling.ras_sample_batch`` of
     ``mask_eos_(log_softmax(logits))`` with ``params``.
@@ -1031,17 +1100,32 @@ def ras_sample(
     ``[B, 2]`` contiguous, ``eos_masked`` bool ``[B]``; ``pdl``: launch it programmatically
     dependent (``voice_out.model.launch``). Returns int64 ``[B]``. No host sync; CUDA with
     Triton (:func:`sampler_available`).
+
+    With a ``workspace`` (:class:`SampleWorkspace`), each row's vocabulary is ranked in
+    ``splits`` slices by as many programs (None: :data:`SAMPLE_SPLITS`), the last of which
+    ranks their candidates and draws: the same ids as one program per row, in a fraction of
+    its time. ``num_warps``: per program (None: :data:`SAMPLE_WARPS` for the splits used).
     """
     rows, vocab = logits.shape
     width = history.shape[1]
     win = min(params.win_size, width)
     if logits.stride(1) != 1 or history.stride(1) != 1 or not uniforms.is_contiguous():
         raise ValueError("ras_sample: logits and history rows, and uniforms, must be contiguous")
+    block_v = triton.next_power_of_2(vocab)
+    block_k = max(16, triton.next_power_of_2(params.top_k))
+    if workspace is None:
+        splits = 1
+    else:
+        splits = SAMPLE_SPLITS if splits is None else splits
+        if splits < 1 or block_v % splits or block_v // splits < block_k:
+            raise ValueError(f"ras_sample: {splits} splits do not divide a {block_v}-wide row into top-k slices")
+        if workspace.candidates.numel() < rows * splits * block_k or workspace.counters.numel() < rows:
+            raise ValueError(f"ras_sample: the workspace does not fit {rows} rows x {splits} splits")
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     kernel: Any = _ras_sample_kernel
     launch(
         kernel,
-        (rows,),
+        (rows, splits),
         logits,
         logits.stride(0),
         history,
@@ -1049,18 +1133,21 @@ def ras_sample(
         uniforms,
         eos_masked,
         out,
+        workspace.candidates if workspace is not None else out,
+        workspace.counters if workspace is not None else out,
         eos_token,
         params.top_p,
         params.repeat_threshold,
         V=vocab,
-        BLOCK_V=triton.next_power_of_2(vocab),
+        BLOCK_V=block_v,
+        SPLITS=splits,
         TOP_K=min(params.top_k, vocab),
-        BLOCK_K=max(16, triton.next_power_of_2(params.top_k)),
+        BLOCK_K=block_k,
         W=width,
         WIN=win,
         BLOCK_W=max(16, triton.next_power_of_2(win)),
         ID_BITS=ID_BITS,
-        num_warps=8,
+        num_warps=(SAMPLE_WARPS if splits > 1 else 8) if num_warps is None else num_warps,
         **pdl_options(pdl),
     )
     return out

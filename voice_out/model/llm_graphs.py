@@ -301,6 +301,14 @@ class GraphedLLM:
             if self.fused
             else None
         )
+        #: With :attr:`fused`: the sampler's candidates and counters for draws of at most
+        #: ``decode_kernels.SAMPLE_MAX_ROWS`` rows (each row's vocabulary ranked in slices),
+        #: shared as the above: the prefilled rows' draws run on the same stream.
+        self._sample_ws = (
+            decode_kernels.SampleWorkspace.allocate(self.device, decode_kernels.SAMPLE_MAX_ROWS, sampling.top_k)
+            if self.fused
+            else None
+        )
         if self.fused:
             # The head as a GEMM of a whole number of 64-row tiles (6564 outputs ran a slow
             # 2-aligned kernel: 12 us of a 1.5 ms step); the sampler reads the first V columns.
@@ -424,8 +432,16 @@ class GraphedLLM:
         if self.fused:
             # the bias in the GEMM's epilogue (addmm would first copy it into the output)
             logits = F.linear(hidden, self._head_weight, self._head_bias)[:, : self.lm.dims.speech_vocab_size]
+            few = logits.shape[0] <= decode_kernels.SAMPLE_MAX_ROWS
             ids = decode_kernels.ras_sample(
-                logits, rows.history, rows.uniforms, rows.masked, eos, self.sampling, pdl=self.pdl
+                logits,
+                rows.history,
+                rows.uniforms,
+                rows.masked,
+                eos,
+                self.sampling,
+                pdl=self.pdl,
+                workspace=self._sample_ws if few else None,
             )
         else:
             logp = mask_eos_(self.lm.logprobs(hidden), rows.masked, eos)
