@@ -296,3 +296,35 @@ def test_decode_step_with_runs_equals_prefill_and_decode_cpu() -> None:
         n = int(ref.lengths[s])
         torch.testing.assert_close(fast.k[:, s, :, :n], ref.k[:, s, :, :n], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(fast.v[:, s, :, :n], ref.v[:, s, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def _run_draws(device: str, dtype: torch.dtype) -> None:
+    """``GraphedLLM.draw`` (prefilled rows' draws from packed host rows: graphed per row count
+    where captured, eager otherwise) gives the ids and per-slot last ids of ``sample`` over
+    the same rows unpacked on the device, draw after draw of one row count."""
+    lm, _, fast = _setup(device, dtype)
+    g = GraphedLLM(lm, fast, SamplingParams(), decode_buckets=(1, 2), decode_windows=(32,), prefill_buckets=(8,))
+    g.capture_all()
+    if device == "cuda":
+        assert sorted(g._draw.captured_keys) == list(range(1, 5))  # type: ignore[type-var]
+    win = SamplingParams().win_size
+    gen = torch.Generator().manual_seed(4)
+    for step, n in enumerate([1, 2, 1, 5]):  # 5 rows: no graph, eager
+        hidden = torch.randn(n, lm.dims.hidden_size, generator=gen).to(device, dtype)
+        slots = list(range(n))
+        history = [[int(t) for t in torch.randint(0, 50, (win,), generator=gen)] for _ in range(n)]
+        rows = pack_decode_rows(slots, [0] * n, [step % 2 == 0] * n, counter_uniforms(slots, [step] * n), history, win)
+        got = g.draw(hidden, rows).tolist()
+        got_last = g.last_ids[:n].tolist()
+        g.last_ids.zero_()
+        want = g.sample(hidden, unpack_decode_rows(torch.from_numpy(rows).to(device))).tolist()
+        assert got == want and got_last == g.last_ids[:n].tolist() == want, (step, n)
+
+
+def test_draws_of_prefilled_rows_equal_sample_cpu() -> None:
+    _run_draws("cpu", torch.float32)
+
+
+@pytest.mark.requires_cuda
+def test_draws_of_prefilled_rows_equal_sample_cuda() -> None:
+    _run_draws("cuda", torch.bfloat16)  # graphed for 1 to 4 rows, the fused sampler where Triton runs

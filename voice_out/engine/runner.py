@@ -34,7 +34,7 @@ from voice_out.engine.request import LlmInputKind
 from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
 from voice_out.model.chunk_schedule import HopPolicy
 from voice_out.model.cuda_graphs import family_stream
-from voice_out.model.llm_graphs import GraphedLLM, PendingIds, pack_decode_rows, unpack_decode_rows
+from voice_out.model.llm_graphs import GraphedLLM, PendingIds, pack_decode_rows
 from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT, KVCache, SpeechLM
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, ras_sample_batch
 from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2Wav, Token2WavStream
@@ -757,8 +757,7 @@ class Runner:
         """The head and RAS for prefilled items' final-norm hidden states ``[N, H]``: int64 ids
         ``[N]`` on the device (no sync), as the decode step samples (``GraphedLLM.sample``);
         the sampling inputs reach the device in one packed copy. Takes each item's draw."""
-        packed = self._pack([self._draw_run(w, self._rows(w)[-1:]) for w in items])
-        return self.graphed.sample(hidden, unpack_decode_rows(to_device(torch.from_numpy(packed), self.device)))
+        return self.graphed.draw(hidden, self._pack([self._draw_run(w, self._rows(w)[-1:]) for w in items]))
 
     # ---- token2wav ---------------------------------------------------------------------------
 

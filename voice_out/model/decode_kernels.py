@@ -34,8 +34,9 @@ MLP's gate in one kernel instead of two.
   ``voice_out.model.sampling.ras_sample_batch`` (stable top-k, top-p, inverse-CDF draw, the
   repetition check and its fallback draw) in one kernel per step: one program per row, the
   vocabulary in registers; a draw of few rows splits each row's ranking over several
-  programs (:class:`SampleWorkspace`), the last of which ranks their candidates and draws. The eager form is ~60 kernels (a radix sort of the vocabulary, scans,
-  searches), ~0.2 ms of a step. Ties keep id order, as the stable sort does: each probability
+  programs (:class:`SampleWorkspace`), the last of which ranks their candidates and draws.
+  The eager form is ~60 kernels (a radix sort of the vocabulary, scans, searches), ~0.2 ms
+  of a step. Ties keep id order, as the stable sort does: each probability
   is packed with its id into one int64 key, so the k largest keys are the sort's first k.
 
 The step's wrappers (all but ``silu_mul`` and ``decode_prologue``, which runs first) take

@@ -63,6 +63,9 @@ from voice_out.model.transfer import to_device
 #: The ``GraphedFn`` family of the LLM graphs: they replay alongside token2wav's (family
 #: "token2wav"), so they are captured on a stream of their own (``voice_out.model.cuda_graphs``).
 GRAPH_FAMILY = "llm"
+#: Row counts of prefilled rows' draws (:meth:`GraphedLLM.draw`) captured at start-up: streams
+#: that start in the same step, their first input a whole voice prefix.
+DRAW_GRAPH_ROWS = 4
 DEFAULT_DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 #: Attention windows of the decode graphs (positions; the cache's own length is always added):
@@ -374,6 +377,10 @@ class GraphedLLM:
             )
             for w in self.decode_windows
         }
+        #: Prefilled rows' draws (:meth:`draw`), one graph per row count up to
+        #: :data:`DRAW_GRAPH_ROWS`: eager, the head, the sampler and the row unpacking are ~15
+        #: launches, ~0.5 ms of host time on the way to a stream's first audio
+        self._draw = GraphedFn(self._draw_fn, enabled=self.enabled, pool=pool, name="llm.draw", family=GRAPH_FAMILY)
 
     @property
     def fused_linear(self) -> bool:
@@ -451,6 +458,25 @@ class GraphedLLM:
         last[:-1] = rows.offsets[1:] == 0
         self.last_ids.index_copy_(0, torch.where(last, rows.slots, self.scratch_slot), ids)
         return ids
+
+    def _draw_fn(self, hidden: Tensor, packed: Tensor) -> Tensor:
+        return self.sample(hidden, unpack_decode_rows(packed))
+
+    def draw(self, hidden: Tensor, rows: np.ndarray) -> Tensor:
+        """:meth:`sample` for prefilled rows: final-norm hidden states ``[N, H]`` and their
+        sampling inputs as packed host rows (:func:`pack_decode_rows`, int64 ``[N, cols]``) ->
+        int64 ids ``[N]`` on the device, no sync. Replays the graph of N rows where
+        :meth:`capture_all` made one (the ids are then its static output: read them, or copy
+        them, before the next draw of N rows); eager otherwise. GPU worker thread only."""
+        n = len(rows)
+        host = torch.empty(rows.shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        host.numpy()[:] = rows
+        bufs = self._draw.static_inputs(n) if self.enabled else None
+        if bufs is not None and bufs[0].shape == hidden.shape and bufs[0].dtype == hidden.dtype:
+            bufs[1].copy_(host, non_blocking=True)
+            ids: Tensor = self._draw(n, hidden, bufs[1])
+            return ids
+        return self._draw_fn(hidden, host.to(self.device, non_blocking=True))
 
     def _resolve_fed(self, rows: DecodeInputs) -> DecodeInputs:
         """Fed rows (``rows.feed``) take their slot's last sampled id as their input id and
@@ -564,5 +590,7 @@ class GraphedLLM:
                 torch.ones(1, dtype=torch.long, device=self.device),
                 torch.zeros(n, hid, device=self.device, dtype=dtype),
             )
+        for n in range(1, DRAW_GRAPH_ROWS + 1):  # idle rows: their draws go to the scratch slot
+            self._draw.capture(n, torch.zeros(n, hid, device=self.device, dtype=dtype), self._idle_rows(n))
         self.cache.reset(self.scratch_slot)
         torch.cuda.synchronize(self.device)
