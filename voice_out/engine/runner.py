@@ -755,8 +755,9 @@ class Runner:
 
     def _sample(self, items: Sequence[LlmWork], hidden: Tensor) -> Tensor:
         """The head and RAS for prefilled items' final-norm hidden states ``[N, H]``: int64 ids
-        ``[N]`` on the device (no sync), as the decode step samples (``GraphedLLM.sample``);
-        the sampling inputs reach the device in one packed copy. Takes each item's draw."""
+        ``[N]`` on the device (no sync), as the decode step samples (``GraphedLLM.draw``: its
+        ``sample`` replayed from a graph of N rows); the sampling inputs reach the device in
+        one packed copy. Takes each item's draw."""
         return self.graphed.draw(hidden, self._pack([self._draw_run(w, self._rows(w)[-1:]) for w in items]))
 
     # ---- token2wav ---------------------------------------------------------------------------
