@@ -951,9 +951,13 @@ class SampleWorkspace:
     def allocate(cls, device: torch.device | str, max_rows: int, top_k: int, splits: int = 0) -> SampleWorkspace:
         """For up to ``max_rows`` rows, top-k ``top_k``, ``splits`` slices (0: :data:`SAMPLE_SPLITS`)."""
         splits = splits or SAMPLE_SPLITS
-        block_k = max(16, 1 << max(0, top_k - 1).bit_length())
-        candidates = torch.empty(max_rows * splits * block_k, device=device, dtype=torch.int64)
+        candidates = torch.empty(max_rows * splits * _top_k_block(top_k), device=device, dtype=torch.int64)
         return cls(candidates, torch.zeros(max_rows, device=device, dtype=torch.int32))
+
+
+def _top_k_block(top_k: int) -> int:
+    """The sampler's top-k register row: a power of two of at least 16 (``tl.arange``)."""
+    return max(16, 1 << max(0, top_k - 1).bit_length())
 
 
 def _rows_fit(name: str, a: Tensor, weight: Tensor) -> None:
@@ -1104,9 +1108,10 @@ def ras_sample(
     Triton (:func:`sampler_available`).
 
     With a ``workspace`` (:class:`SampleWorkspace`), each row's vocabulary is ranked in
-    ``splits`` slices by as many programs (None: :data:`SAMPLE_SPLITS`), the last of which
-    ranks their candidates and draws: the same ids as one program per row, in a fraction of
-    its time. ``num_warps``: per program (None: :data:`SAMPLE_WARPS` for the splits used).
+    ``splits`` slices by as many programs (None: :data:`SAMPLE_SPLITS` for a draw of at most
+    :data:`SAMPLE_MAX_ROWS` rows, else one program per row), the last of which ranks their
+    candidates and draws: the same ids as one program per row, in a fraction of its time.
+    ``num_warps``: per program (None: :data:`SAMPLE_WARPS` for the splits used).
     """
     rows, vocab = logits.shape
     width = history.shape[1]
@@ -1114,14 +1119,15 @@ def ras_sample(
     if logits.stride(1) != 1 or history.stride(1) != 1 or not uniforms.is_contiguous():
         raise ValueError("ras_sample: logits and history rows, and uniforms, must be contiguous")
     block_v = triton.next_power_of_2(vocab)
-    block_k = max(16, triton.next_power_of_2(params.top_k))
+    block_k = _top_k_block(params.top_k)
     if workspace is None:
         splits = 1
     else:
-        splits = SAMPLE_SPLITS if splits is None else splits
+        if splits is None:
+            splits = SAMPLE_SPLITS if rows <= SAMPLE_MAX_ROWS else 1
         if splits < 1 or block_v % splits or block_v // splits < block_k:
             raise ValueError(f"ras_sample: {splits} splits do not divide a {block_v}-wide row into top-k slices")
-        if workspace.candidates.numel() < rows * splits * block_k or workspace.counters.numel() < rows:
+        if splits > 1 and (workspace.candidates.numel() < rows * splits * block_k or workspace.counters.numel() < rows):
             raise ValueError(f"ras_sample: the workspace does not fit {rows} rows x {splits} splits")
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     kernel: Any = _ras_sample_kernel
@@ -1135,8 +1141,8 @@ def ras_sample(
         uniforms,
         eos_masked,
         out,
-        workspace.candidates if workspace is not None else out,
-        workspace.counters if workspace is not None else out,
+        workspace.candidates if splits > 1 and workspace is not None else out,
+        workspace.counters if splits > 1 and workspace is not None else out,
         eos_token,
         params.top_p,
         params.repeat_threshold,

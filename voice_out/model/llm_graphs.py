@@ -439,7 +439,6 @@ class GraphedLLM:
         if self.fused:
             # the bias in the GEMM's epilogue (addmm would first copy it into the output)
             logits = F.linear(hidden, self._head_weight, self._head_bias)[:, : self.lm.dims.speech_vocab_size]
-            few = logits.shape[0] <= decode_kernels.SAMPLE_MAX_ROWS
             ids = decode_kernels.ras_sample(
                 logits,
                 rows.history,
@@ -448,7 +447,7 @@ class GraphedLLM:
                 eos,
                 self.sampling,
                 pdl=self.pdl,
-                workspace=self._sample_ws if few else None,
+                workspace=self._sample_ws,
             )
         else:
             logp = mask_eos_(self.lm.logprobs(hidden), rows.masked, eos)
@@ -469,14 +468,23 @@ class GraphedLLM:
         :meth:`capture_all` made one (the ids are then its static output: read them, or copy
         them, before the next draw of N rows); eager otherwise. GPU worker thread only."""
         n = len(rows)
-        host = torch.empty(rows.shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        host.numpy()[:] = rows
-        bufs = self._draw.static_inputs(n) if self.enabled else None
-        if bufs is not None and bufs[0].shape == hidden.shape and bufs[0].dtype == hidden.dtype:
+        host = self._host_rows(rows, n)
+        bufs = self._draw.static_inputs(n)
+        if bufs is not None:
             bufs[1].copy_(host, non_blocking=True)
             ids: Tensor = self._draw(n, hidden, bufs[1])
             return ids
         return self._draw_fn(hidden, host.to(self.device, non_blocking=True))
+
+    def _host_rows(self, rows: np.ndarray, n_rows: int) -> Tensor:
+        """Packed ``rows`` in a host buffer of ``n_rows`` rows, the rest idle rows; pinned on
+        CUDA, from torch's caching host allocator (one per launch: a block is reused only once
+        the copies queued from it have run)."""
+        host = torch.empty((n_rows, self._cols), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        host_rows = host.numpy()
+        host_rows[: len(rows)] = rows
+        host_rows[len(rows) :] = self._idle
+        return host
 
     def _resolve_fed(self, rows: DecodeInputs) -> DecodeInputs:
         """Fed rows (``rows.feed``) take their slot's last sampled id as their input id and
@@ -535,12 +543,7 @@ class GraphedLLM:
             bucket = n
         graph = self._decode[window] if self.enabled and bucket in self.decode_buckets else None
         bufs = graph.static_inputs(bucket) if graph is not None else None
-        # pinned memory from torch's caching host allocator: a block is reused only once the
-        # copies queued from it have run
-        host = torch.empty((bucket, self._cols), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        host_rows = host.numpy()
-        host_rows[:n] = rows
-        host_rows[n:] = self._idle
+        host = self._host_rows(rows, bucket)
         out: Tensor
         if graph is not None and bufs is not None:
             bufs[0].copy_(host, non_blocking=True)
