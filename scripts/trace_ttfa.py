@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench import engine_bench as eb  # noqa: E402
-from voice_out.bench.timing import save_out  # noqa: E402
+from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
 from voice_out.model.cuda_graphs import GraphedFn  # noqa: E402
@@ -45,8 +45,9 @@ from voice_out.model.llm_graphs import PendingIds  # noqa: E402
 from voice_out.model.token2wav import Token2Wav  # noqa: E402
 
 MARK = "ttfa_request"
-#: Host calls the untraced timeline records: (class, method, label). GraphedFn calls are
-#: labelled by the wrapper's name (which graph was replayed).
+#: Host calls the untraced timeline records (``time_method``, no synchronisation: the GPU
+#: keeps its own pace): (class, method, label). GraphedFn calls are labelled by the
+#: wrapper's name (which graph was replayed).
 HOST_CALLS: list[tuple[type, str, str]] = [
     (Runner, "execute", "step"),
     (Runner, "_admit", "admit"),
@@ -69,23 +70,6 @@ def extra_calls(specs: list[str]) -> list[tuple[type, str, str]]:
         cls_name, _, method = qual.rpartition(".")
         out.append((getattr(importlib.import_module(module), cls_name), method, qual))
     return out
-
-
-def record_host_calls(calls: list[tuple[type, str, str]]) -> None:
-    """Wrap ``calls`` so that every call appends (start, duration, label), perf_counter
-    seconds, to ``TIMELINE``; no synchronisation (the GPU keeps its own pace)."""
-    for cls, name, label in calls:
-        fn = getattr(cls, name)
-
-        def timed(*args: Any, _fn: Any = fn, _label: str = label, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return _fn(*args, **kw)
-            finally:
-                tag = f"{_label}:{args[0].name}" if _label == "graph" else _label
-                TIMELINE.append((t0, time.perf_counter() - t0, tag))
-
-        setattr(cls, name, timed)
 
 
 def host_timeline(t_start: float, t_end: float, min_s: float) -> list[str]:
@@ -193,7 +177,9 @@ def main() -> None:
         async def run() -> tuple[float, dict[str, Any]]:
             for _ in range(12):  # warm (the first captures this prompt length's graphs); printed
                 warm.append(1e3 * await eb.first_chunk_s(engine, 0, [text], 0.0, timeout_s=120.0))
-            record_host_calls(HOST_CALLS + extra_calls(args.wrap))
+            for cls, name, label in HOST_CALLS + extra_calls(args.wrap):
+                tag = (lambda g, *_a, **_k: f"graph:{g.name}") if cls is GraphedFn else label
+                time_method(cls, name, tag, {}, sync=False, timeline=TIMELINE)
             t_start = time.perf_counter()
             host_ms = 1e3 * await eb.first_chunk_s(engine, 0, [text], 0.0, timeout_s=120.0)
             timeline = host_timeline(t_start, t_start + host_ms / 1e3, args.min_us * 1e-6)

@@ -13,6 +13,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -345,6 +346,19 @@ def test_component_timers_time_each_call_and_keep_results() -> None:
     time_method(Box, "missing", "never", times)  # no such method: left alone
     assert Box().double(3) == 6 and Box().double(3) == 6 and Box().double(4) == 8
     assert sorted((k, len(v)) for k, v in times.items()) == [("x=3", 2), ("x=4", 1)]
+
+    class Slow:
+        def wait(self) -> None:
+            time.sleep(0.002)
+
+    timeline: list[tuple[float, float, str]] = []
+    t0 = time.perf_counter()
+    time_method(Slow, "wait", "wait", {}, sync=False, timeline=timeline)
+    Slow().wait()
+    Slow().wait()
+    assert [tag for _, _, tag in timeline] == ["wait", "wait"]
+    (s1, d1, _), (s2, _, _) = timeline
+    assert t0 <= s1 and d1 >= 0.002 and s2 >= s1 + d1  # starts and durations in perf_counter seconds
 
 
 def test_late_frames_are_read_from_the_servers_histogram() -> None:

@@ -5,7 +5,8 @@
 * :func:`graph_us`: microseconds per call of ``fn`` replayed from one CUDA graph of many calls
   (host launch cost left out, as the engine's graphs leave it out);
 * :func:`time_method`: wrap a method of a class so that every call records its duration under a
-  label (optionally synchronising the GPU around it, so a call's own GPU work is in its time);
+  label, and optionally its start on a timeline (optionally synchronising the GPU around it,
+  so a call's own GPU work is in its time);
 * :func:`save_out`: write a script's result as JSON under ``$OUT``, when set.
 """
 
@@ -71,12 +72,19 @@ def graph_us(fn: Callable[[], Any], calls: int = 20, reps: int = 20) -> float:
 
 
 def time_method(
-    cls: object, name: str, label: str | Callable[..., str], times: dict[str, list[float]], *, sync: bool = True
+    cls: object,
+    name: str,
+    label: str | Callable[..., str],
+    times: dict[str, list[float]],
+    *,
+    sync: bool = True,
+    timeline: list[tuple[float, float, str]] | None = None,
 ) -> None:
     """Replace ``cls.name`` (a class's or a module's function) by a wrapper that appends each
-    call's milliseconds to ``times[label]`` (``label(*args, **kwargs)`` when callable). With
-    ``sync`` (and CUDA) the GPU is synchronised before and after the call. A missing method is
-    left alone."""
+    call's milliseconds to ``times[label]`` (``label(*args, **kwargs)`` when callable), and
+    with ``timeline`` (start, duration, label) in perf_counter seconds as well. With ``sync``
+    (and CUDA) the GPU is synchronised before and after the call. A missing method is left
+    alone."""
     fn = getattr(cls, name, None)
     if fn is None:
         return
@@ -89,8 +97,11 @@ def time_method(
         out = fn(*args, **kw)
         if cuda:
             torch.cuda.synchronize()
+        dur = time.perf_counter() - t0
         key = label(*args, **kw) if callable(label) else label
-        times.setdefault(key, []).append((time.perf_counter() - t0) * 1e3)
+        times.setdefault(key, []).append(dur * 1e3)
+        if timeline is not None:
+            timeline.append((t0, dur, key))
         return out
 
     setattr(cls, name, timed)
