@@ -803,6 +803,52 @@ def test_a_warm_engine_s_first_utterances_import_nothing(tmp_path: Path) -> None
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
+def test_first_chunks_come_from_the_voices_prompt_prefixes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warmed-up engine keeps the prompt prefixes of its default voice and its other voices
+    up to ``engine.first_chunk_prefix_voices`` (here 2 of 3: the third re-runs its prompt),
+    and a first chunk of a voice with one is computed from it: the same audio as an engine
+    that keeps none (0), within float rounding."""
+    calls: list[int] = []
+    real = Token2Wav._prefix_chunk
+
+    def spy(self: Token2Wav, stream: Token2WavStream, plan: ChunkPlan, token: torch.Tensor) -> torch.Tensor:
+        calls.append(int(stream.prompt_token.shape[1]))
+        return real(self, stream, plan, token)
+
+    monkeypatch.setattr(Token2Wav, "_prefix_chunk", spy)
+
+    def run(n_voices: int) -> tuple[int, list[np.ndarray]]:
+        ec = EngineConfig(max_streams=2, first_chunk_prefix_voices=n_voices)
+        cfg = Config(server=ServerConfig(voices_dir=str(tmp_path / "no-voices")), engine=ec)
+        eng = Engine.load(
+            cfg, model="random:tiny", device="cpu", forced=FORCED_3, text_normalizer="none", noise_prompt_tokens=60
+        )
+        for p in (40, 75):
+            ids, fv = noise_voice(p, seed=p)
+            eng.voices.builtin[f"n{p}"] = VoicePrompt(f"n{p}", tuple(range(p // 3)), tuple(ids), p, fv)
+        eng.start(timeout=300)
+        try:
+            kept = len(engine_runner(eng)._first_prefixes)
+            audio = []
+            for voice in (None, "n40", "n75"):
+                stream = eng.open_stream(voice, seed=3)
+                stream.push_text("Hello there, and a bit more.")
+                stream.end_text()
+                audio.append(np.concatenate([c.pcm for c in stream]))
+        finally:
+            eng.close()
+        return kept, audio
+
+    kept, want = run(0)
+    assert (kept, calls) == (0, [])
+    kept, got = run(2)
+    assert kept == 2
+    assert calls == [60, 40]  # the default voice and the first other one (names in order)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+
+
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize(
     ("voice_tokens", "text"),

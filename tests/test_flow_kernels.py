@@ -105,6 +105,67 @@ def test_attention_equals_sdpa(chunk: int, padded: bool, b: int) -> None:
 
 
 @pytest.mark.requires_cuda
+@pytest.mark.parametrize(("start", "cap"), [(250, 300), (100, 100), (75, 90)])
+def test_attention_after_a_prefix_equals_sdpa(start: int, cap: int) -> None:
+    """Frames ``start ..`` attending over a read-only prefix (its keys and values in [B, H,
+    cap, D] buffers, as a state keeps them) and their own keys, chunk-causally counted from
+    frame 0: SDPA over the concatenated keys with the same mask. 75 is no chunk multiple (the
+    mask then hides part of the prefix from nothing but later chunks' keys)."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(start)
+    b, t, heads, d, chunk = 2, 106, 8, 64, 50
+    qkv = torch.randn(b * t, 3 * heads * d, generator=gen, device=dev).to(dt)
+    pk = torch.randn(b, heads, cap, d, generator=gen, device=dev).to(dt)
+    pv = torch.randn(b, heads, cap, d, generator=gen, device=dev).to(dt)
+    q, k, v = qkv.view(b, t, 3, heads, d).permute(2, 0, 3, 1, 4)
+    keys, vals = torch.cat([pk[:, :, :start], k], dim=2), torch.cat([pv[:, :, :start], v], dim=2)
+    allowed = chunk_mask(start, t, start + t, chunk, dev)
+    mask = attention_bias(allowed, dt) if allowed is not None else None
+    want = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask).transpose(1, 2).reshape(b * t, heads * d)
+    got = flow_kernels.attention(qkv, b, heads, d, chunk, None, prefix=(pk, pv), start=start)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="prefix keys"):
+        flow_kernels.attention(qkv, b, heads, d, chunk, None, prefix=(pk[:, :, :10], pv), start=start)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("b", [2, 16])
+def test_resblock_kernels_after_a_context_equal_the_plain_block(b: int) -> None:
+    """The two conv kernels of a ResBlock and a plain causal conv reading a stream's left
+    context (the previous two input frames, [B, C, 2]) instead of zeros, against the plain
+    modules fed the same context; the context is only read."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(1)
+    c_in, c, t = 320, 256, 53
+    block = ResBlock(c_in, c, 1024).to(dev)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.05)
+        block.block1.norm.weight.add_(1.0)
+        block.block2.norm.weight.add_(1.0)
+    block = block.to(dt)
+    block.block1.conv.fuse_()
+    block.block2.conv.fuse_()
+    x = torch.randn(b, t, c_in, device=dev).to(dt)
+    ctx1 = torch.randn(b, c_in, 2, device=dev).to(dt)
+    ctx2 = torch.randn(b, c, 2, device=dev).to(dt)
+    tproj = torch.randn(b, c, device=dev).to(dt)
+    kept = (ctx1.clone(), ctx2.clone())
+    with torch.inference_mode():
+        zeros = torch.zeros(b, 2, c_in, device=dev, dtype=dt)
+        scratch = torch.zeros(b, 2 + t, c, device=dev, dtype=dt)
+        want = block(pad_left(x, ctx1.clone(), zeros), tproj, ctx2.clone(), scratch)
+        got = block.forward_kernels(x, tproj, ctx1, ctx2)
+        assert _rel(got, want) < 1e-2
+        conv = block.block2.conv
+        want = conv(pad_left(got, ctx2.clone(), zeros)).view(b, t, c)
+        assert _rel(conv.forward_kernels(got, ctx2), want) < 1e-2
+    assert torch.equal(ctx1, kept[0]) and torch.equal(ctx2, kept[1])
+    with pytest.raises(ValueError, match="ctx"):
+        conv.forward_kernels(got, ctx1)
+
+
+@pytest.mark.requires_cuda
 @pytest.mark.parametrize("b", [2, 16])
 def test_resblock_kernels_equal_the_plain_block(b: int) -> None:
     """Two conv kernels (conv + LayerNorm + Mish + time add; conv + LayerNorm + Mish + 1x1
@@ -195,3 +256,36 @@ def test_graphed_first_chunk_with_kernels_equals_eager() -> None:
         got = graphed("k").clone()
         got = graphed("k").clone()
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("dims", [TINY, FULL], ids=["tiny", "0.5b"])
+def test_first_chunk_from_a_prefix_with_kernels_is_as_close_as_plain_bf16(dims: Path) -> None:
+    """A first chunk computed from the voice's prompt prefix with the fused kernels (the prefix
+    only read: its keys, values and conv contexts at every Euler step) is within bf16 error of
+    the float32 re-run, no further off than the plain bf16 re-run; the prefix is unchanged, and
+    the call replayed from a CUDA graph equals it run eagerly. A 150-token prompt (prefix 125)
+    for the 0.5B shape, as the engine's voices."""
+    ref, plain, fused = _flow_pair(dims)
+    n_prompt = 150 if dims == FULL else 40
+    token, prompt_token, feat, emb = _first_chunk_inputs(ref, n_prompt)
+    with torch.inference_mode():
+        want = ref.inference(token, prompt_token, feat, emb, streaming=True, finalize=False)
+        e_plain = _rel(plain.inference(token, prompt_token, feat, emb, streaming=True, finalize=False), want)
+        prompt = fused.prepare_prompt(prompt_token, feat, emb)
+        assert prompt.n_prefix > 0
+        kept = prompt.prefix.est_v.clone()
+        ids, e, cond = fused.prefix_inputs(token, prompt)
+        mel = fused.prefix_core(ids, e, cond, prompt.prefix)
+        new = mel[:, :, mel.shape[2] - want.shape[2] :]
+        e_fused = _rel(new, want)
+        assert e_fused < 5e-2 and e_fused < 1.5 * e_plain + 5e-3, (e_fused, e_plain)
+        assert torch.equal(prompt.prefix.est_v, kept)
+
+        def first() -> torch.Tensor:
+            return fused.prefix_core(ids, e, cond, prompt.prefix)
+
+        graphed = GraphedFn(first, name="prefix")
+        graphed("k")
+        got = graphed("k").clone()
+    torch.testing.assert_close(got, mel, atol=0, rtol=0)

@@ -266,3 +266,29 @@ def test_other_chunk_geometry_and_bfloat16() -> None:
     err = float((low_head - single[:, :, :head]).abs().max())
     print(f"bfloat16 cached stream vs float32 single pass: max abs {err:.3g} (mel std {float(single.std()):.3g})")
     assert err < 0.25 * float(single.std())
+
+
+@pytest.mark.parametrize(("n_prompt", "n_tokens"), [(17, 6), (17, 16), (10, 13)])
+def test_prefix_core_equals_the_rerun_after_the_prefix(flow: Flow, n_prompt: int, n_tokens: int) -> None:
+    """A first chunk from the voice's prompt prefix (the plain estimator: the prefix copied into
+    a state of the call's size) gives the re-run's frames from the prefix's end on; the prefix
+    itself is left as it was. Prompts of 17 tokens (prefix 10: a tail of 7 prompt tokens goes
+    through with the chunk) and 10 (prefix 5), chunks ending 1 and 3 flow chunks later."""
+    d = flow.dims
+    token, prompt_token, prompt_feat, embedding = inputs(flow, n_prompt, n_tokens, seed=n_tokens)
+    with torch.no_grad():
+        prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
+        assert prompt.n_prefix > 0
+        before = (prompt.prefix.est_k.clone(), [c.clone() for c in prompt.prefix.est_ctx])
+        ref = flow.inference(token, prompt_token, prompt_feat, embedding, streaming=True, finalize=False)
+        ids, emb, cond = flow.prefix_inputs(token, prompt)
+        mel = flow.prefix_core(ids, emb, cond, prompt.prefix)
+    f0 = d.token_mel_ratio * (prompt.n_prefix - n_prompt)  # negative: the prompt tail's frames
+    assert mel.shape == (1, d.n_mels, d.token_mel_ratio * (n_prompt + n_tokens - 3 - prompt.n_prefix))
+    assert float((mel[:, :, -f0:] - ref).abs().max()) <= TOL
+    assert torch.equal(prompt.prefix.est_k, before[0])
+    assert all(torch.equal(a, b) for a, b in zip(prompt.prefix.est_ctx, before[1], strict=True))
+    with pytest.raises(ValueError, match="chunk boundary"):
+        flow.prefix_inputs(token[:, :-1], prompt)
+    with pytest.raises(ValueError, match="fused kernels"):
+        flow.solve(mel[:, :, :4], prompt.spk, mel[:, :, :4], True, 10, prefix=prompt.prefix)

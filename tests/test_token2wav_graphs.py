@@ -57,6 +57,63 @@ def test_graphed_token2wav_equals_eager(flow_path: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# First chunks from the voice's prompt prefix (Token2Wav.prepare_prefix)
+
+
+def _prefix_stream_all(
+    t2w: Token2Wav, n_prompt: int, seed: int, device: str, *, prefix: bool, fast_first: int = 0
+) -> tuple[list[torch.Tensor], Any]:
+    token, feat, emb = random_voice(n_prompt, device, seed)
+    first_prefix = t2w.prepare_prefix(token, feat, emb) if prefix else None
+    stream = t2w.open_stream(token, feat, emb, first_prefix=first_prefix, fast_first=fast_first)
+    speech = random_speech(120, seed=seed + 100)
+    return [c.clone() for c in t2w.stream_all(stream, speech)], first_prefix
+
+
+@pytest.mark.parametrize("n_prompt", [50, 60, 78])
+def test_first_chunk_from_the_prompt_prefix_equals_the_rerun(cpu_t2w: Token2Wav, n_prompt: int) -> None:
+    """A stream whose first chunk comes from its voice's prompt prefix (25, 50 and 75 tokens
+    of these prompts) gives the audio of one that re-runs the prompt, chunk for chunk (the
+    plain estimator on the CPU: the prefix copied into a state of the call's size)."""
+    want, _ = _prefix_stream_all(cpu_t2w, n_prompt, 3, "cpu", prefix=False)
+    got, prompt = _prefix_stream_all(cpu_t2w, n_prompt, 3, "cpu", prefix=True)
+    assert prompt is not None and prompt.n_prefix == 25 * ((n_prompt - 3) // 25)
+    assert [len(c) for c in got] == [len(c) for c in want]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_no_prefix_for_a_short_prompt_and_none_for_a_fast_first_chunk(cpu_t2w: Token2Wav) -> None:
+    """A prompt with no whole chunk before its last 3 tokens has no prefix; a fast first chunk
+    (ending off a chunk boundary) re-runs the prompt even when the stream has one."""
+    assert cpu_t2w.prepare_prefix(*random_voice(27, "cpu", 4)) is None
+    assert cpu_t2w.prepare_prefix(*random_voice(28, "cpu", 4)) is not None
+    want, _ = _prefix_stream_all(cpu_t2w, 60, 5, "cpu", prefix=False, fast_first=12)
+    got, _ = _prefix_stream_all(cpu_t2w, 60, 5, "cpu", prefix=True, fast_first=12)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.requires_cuda
+def test_graphed_first_chunks_from_prefixes_equal_eager_across_voices() -> None:
+    """Under CUDA graphs a first chunk from a prefix replays its prefix length's graph, whose
+    buffers take each voice's prefix in turn: voices A, B (same prompt length) and A again each
+    give their own eager audio; a voice of another length has a slot of its own."""
+    flow = random_flow(TINY, "cuda", torch.bfloat16)
+    assert flow.use_kernels(True)
+    t2w = Token2Wav(flow, random_hift(TINY, "cuda"))
+    voices = [(60, 11), (60, 12), (60, 11), (80, 13)]
+    want = [_prefix_stream_all(t2w, n, seed, "cuda", prefix=True)[0] for n, seed in voices]
+    t2w.use_cuda_graphs(True, first_lane=True)
+    for (n, seed), ref in zip(voices, want, strict=True):
+        got, _ = _prefix_stream_all(t2w, n, seed, "cuda", prefix=True)
+        assert [len(c) for c in got] == [len(c) for c in ref]
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
+    assert sorted(t2w._prefix_slots) == [50, 75]
+    assert all(slot.graph.captured_keys for slot in t2w._prefix_slots.values())
+
+
+# --------------------------------------------------------------------------------------------
 # Grouped batched chunks (Token2Wav.use_batch_buckets): one pass per T, padded to a bucket
 
 

@@ -173,6 +173,14 @@ class EngineConfig:
     #: Uncaptured, a voice's first chunk was captured in its first utterance (0.5 to 0.9 s on
     #: an H200) and its later chunks ran eagerly (a 12 s utterance: 0.7 to 0.85 s against 0.4).
     capture_voice_tokens: int = 500
+    #: A first chunk computed from its voice's prompt prefix for up to this many voices known
+    #: at start-up (the default voice first; 0: off): the flow's 10 estimator calls then run
+    #: the prompt's tail and the new tokens only, reading the prefix's keys, values and conv
+    #: contexts (exact: chunk-causal; docs/token2wav.md), where they re-ran the whole prompt.
+    #: Each voice keeps its prefix on the device (~0.6 GB for a 150-token prompt at full size
+    #: in bf16), plus one buffer of that size per prefix length; a voice beyond the limit, or
+    #: added after start-up, re-runs its prompt.
+    first_chunk_prefix_voices: int = 4
     #: Plan LLM steps one ahead while a step feeds at most this many streams (light load; 0:
     #: never; a stream counts once, whatever its input rows): the next step of every stream
     #: likely to go on (its input the token being sampled, on the device; after a forced FILL,
@@ -258,6 +266,13 @@ class EngineConfig:
             "capture_voice_tokens",
             self.capture_voice_tokens,
             "a number of speech tokens in 0..6000",
+        )
+        _check(
+            0 <= self.first_chunk_prefix_voices <= 64,
+            s,
+            "first_chunk_prefix_voices",
+            self.first_chunk_prefix_voices,
+            "a number of voices in 0..64",
         )
         _check(
             self.first_chunk_lane_max_playing >= 0,

@@ -115,7 +115,8 @@ def dry_run_ends(flow: Flow, n_prompt: int) -> list[int]:
 def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
     """The Triton launches of a re-run chunk, a batched chunk and a final chunk (graphed and
     eager) of the flow for ``voice``'s prompt length, each at the chunk ends of
-    :func:`dry_run_ends`, of a vocoder call and of a decode step, recorded (not run: nothing
+    :func:`dry_run_ends`, of a first chunk from a prompt prefix (when the runner keeps
+    prefixes), of a vocoder call and of a decode step, recorded (not run: nothing
     they compute is kept, and nothing is written to any stream's state)."""
     flow = runner.t2w.flow
     if not isinstance(flow, Flow):
@@ -140,6 +141,14 @@ def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
             # a final chunk of a length start-up did not capture runs eagerly: full attention,
             # no key padding (another specialisation of the attention kernel)
             flow.inference(final, prompt, feat, emb, streaming=False, finalize=True)
+        if runner.prefix_voices and flow.estimator.kernels:
+            # a first chunk from a prompt prefix (its attention and convs read the prefix's
+            # keys and conv contexts: other specialisations); a stand-in prefix of one chunk
+            prefix = flow.allocate_stream_cache(d.enc_chunk)
+            prefix.n_done = d.enc_chunk
+            ids = torch.ones(1, 2 * d.enc_chunk + d.pre_lookahead, dtype=torch.int32, device=dev)
+            cond = torch.zeros(1, d.n_mels, d.token_mel_ratio * d.enc_chunk, device=dev, dtype=flow.dtype)
+            flow.prefix_core(ids, emb, cond, prefix)
         # the vocoder's Snake kernels (a compile per channel count; lengths are not specialised)
         runner.t2w.hift(torch.zeros(1, d.n_mels, 8, device=dev))
         if runner.graphed.fused:

@@ -192,6 +192,7 @@ def build_engine(
             fused_linear=ec.fused_linear,
             dependent_launch=ec.dependent_launch,
             batched_input_rows=ec.batched_input_rows,
+            prefix_voices=ec.first_chunk_prefix_voices,
         )
         if ec.fused_decode and device.type == "cuda" and not runner.graphed.fused:
             log.info("engine: fused decode kernels unavailable here (need Triton and bf16/fp16): plain-torch decode")
@@ -205,6 +206,7 @@ def build_engine(
             if n:
                 log.info("engine: %d Triton kernels compiled ahead in %.1f s", n, seconds)
         runner.warmup(voice)
+        _prepare_prefixes(runner, book, ec.first_chunk_prefix_voices)
         if graphs:  # the token2wav graphs of the default voice's prompt length, before any stream
             try:
                 default_voice = book.resolve(None)
@@ -244,6 +246,32 @@ def build_engine(
 def _warm_voice(n_mels: int, spk_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _, fv = noise_voice(25, n_mels=n_mels, spk_dim=spk_dim, seed=1)
     return fv.prompt_token, fv.prompt_feat, fv.embedding
+
+
+def _prepare_prefixes(runner: Runner, book: VoiceBook, limit: int) -> None:
+    """Keep the prompt prefixes of the default voice and then the others the engine knows, up
+    to ``limit`` voices (``engine.first_chunk_prefix_voices``), for first chunks from them
+    (``Runner.prepare_first_prefix``); before the graph captures, which capture their graphs."""
+    if limit <= 0:
+        return
+    t0 = time.perf_counter()
+    names: list[str | None] = [None, *book.names()]
+    prepared: list[str] = []
+    for name in names:
+        if len(prepared) >= limit:
+            break
+        try:
+            voice = book.resolve(name)
+        except Exception:  # noqa: BLE001 - an unusable voice fails the request that names it
+            continue
+        if isinstance(voice.flow, FlowVoice) and voice.name not in prepared and runner.prepare_first_prefix(voice.flow):
+            prepared.append(voice.name)
+    if prepared:
+        log.info(
+            "engine: first chunks from the prompt prefix for voices %s (prepared in %.1f s)",
+            ", ".join(repr(n) for n in prepared),
+            time.perf_counter() - t0,
+        )
 
 
 def _capture_other_voices(

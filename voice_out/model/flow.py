@@ -451,6 +451,7 @@ class Flow(nn.Module):
         start: int = 0,
         cache: FlowStreamCache | None = None,
         key_frames: Tensor | None = None,
+        prefix: FlowStreamCache | None = None,
     ) -> Tensor:
         """CFM Euler solve for frames ``start .. start + L`` -> float32 ``[B, n_mels, L]``.
 
@@ -459,7 +460,9 @@ class Flow(nn.Module):
         step extends its own estimator state. The estimator sees the CFG batch as
         ``[cond rows (B), uncond rows (B)]``. ``key_frames`` ``[B]`` int64 (start = 0, no
         cache): row b's real frames are its first ``key_frames[b]``; attention reads no key
-        past them (right padding, see :meth:`final_core`).
+        past them (right padding, see :meth:`final_core`). ``prefix`` (B = 1, the fused
+        estimator kernels; instead of ``cache``): a voice's prompt prefix of exactly ``start``
+        frames (``FlowPrompt.prefix``), only read (:meth:`prefix_core`).
 
         Upstream's loop (spec 3.3) with its per-step constants made once: the time values and
         their embeddings (:meth:`Estimator.prepare`: one batched time MLP for all steps, the
@@ -471,7 +474,7 @@ class Flow(nn.Module):
         d = self.dims
         if start + n > d.noise_frames:
             raise ValueError(f"{start + n} mel frames exceed the flow's {d.noise_frames}-frame noise buffer")
-        if cache is not None and b != 1:
+        if (cache is not None or prefix is not None) and b != 1:
             raise ValueError("a cached solve runs one stream (batch 1)")
         # Upstream's time values: the accumulated t (t_k = t_{k-1} + dt_{k-1}, dt_k = tau_{k+1} - t_k),
         # made up front so every step's time embedding comes from ONE batched call.
@@ -499,8 +502,19 @@ class Flow(nn.Module):
         x_in = x.view(2 * b, -1, n)
         for step in range(d.n_timesteps):
             state = cache.estimator_state(step) if cache is not None else None
+            read = prefix.estimator_state(step) if prefix is not None else None
             v = self.estimator(
-                x_in, mu_in, spk_in, cond_in, t_steps[step].expand(2 * b), streaming, state, start, prep=prep, step=step
+                x_in,
+                mu_in,
+                spk_in,
+                cond_in,
+                t_steps[step].expand(2 * b),
+                streaming,
+                state,
+                start,
+                prep=prep,
+                step=step,
+                prefix=read,
             ).view(2, b, -1, n)
             x.addcmul_(v[:1], coef_cond[step])
             x.addcmul_(v[1:], coef_uncond[step])
@@ -731,6 +745,74 @@ class Flow(nn.Module):
         mu = self.encoder_proj(h).transpose(1, 2)
         cond = cond.to(self.device, self.dtype)
         return self.solve(mu, spk, cond, False, key_frames=n_valid * d.token_mel_ratio)
+
+    # -- a first chunk from the voice's prompt prefix -------------------------------------------
+
+    def prefix_inputs(self, token: Tensor, prompt: FlowPrompt) -> tuple[Tensor, Tensor, Tensor]:
+        """Host side of :meth:`prefix_core`: a non-final streaming call of ``token`` ``[1, N]``
+        (the tokens so far, the look-ahead tokens last) for the voice of ``prompt``.
+
+        Returns ``ids`` ``[1, P + N]`` int64 (prompt, tokens), ``embedding`` ``[1, spk_dim]``
+        and ``cond`` ``[1, n_mels, ratio (P + N - lookahead - n_prefix)]`` (flow dtype: the
+        prompt mel from the prefix's end, then zeros). The real tokens must end on a chunk
+        boundary (as in :meth:`inference_batch`), else ValueError. No device sync.
+        """
+        d = self.dims
+        p, n = prompt.n_prompt, int(token.shape[1])
+        if token.dim() != 2 or token.shape[0] != 1 or n <= d.pre_lookahead:
+            raise ValueError(f"token must be [1, N] with N > {d.pre_lookahead} (look-ahead), got {tuple(token.shape)}")
+        if not d.chunk_aligned(p + n - d.pre_lookahead):
+            raise ValueError(
+                f"prompt + real tokens = {p + n - d.pre_lookahead}: not on a {d.enc_chunk}-token chunk boundary"
+            )
+        ids = torch.cat([prompt.prompt_token.to(self.device).long(), token.to(self.device).long()], dim=1)
+        f0, f1 = d.token_mel_ratio * prompt.n_prefix, d.token_mel_ratio * (p + n - d.pre_lookahead)
+        return ids, prompt.embedding.to(self.device), self._cond(prompt.prompt_feat, f0, f1 - f0)
+
+    def prefix_core(self, ids: Tensor, embedding: Tensor, cond: Tensor, prefix: FlowStreamCache) -> Tensor:
+        """A non-final streaming call from a voice's prompt prefix (``FlowPrompt.prefix``):
+        the same mel as ``inference(..., streaming=True, finalize=False)`` for the frames from
+        the prefix's end on, without recomputing the prefix's frames in the 10 estimator calls.
+
+        ids ``[1, T + lookahead]`` (prompt, real tokens ending on a chunk boundary, look-ahead),
+        embedding ``[1, spk_dim]``, cond ``[1, n_mels, ratio (T - n_prefix)]``
+        (:meth:`prefix_inputs`) -> mel float32 ``[1, n_mels, ratio (T - n_prefix)]``: the
+        prompt's frames after the prefix, then the tokens'.
+
+        Why it is exact: every estimator dependency on earlier frames is chunk-causal attention
+        or a causal conv, and the prefix ends on a chunk boundary with its look-ahead inside the
+        prompt, so its keys, values and conv contexts at every Euler step do not depend on the
+        tokens (see "Why caching is exact" in docs/token2wav.md); the encoder runs over the
+        whole prompt + tokens (a few hundred kernels whatever their number) and its frames
+        from the prefix's end on are the ones this call needs.
+
+        With the fused estimator kernels the prefix is only read: fixed shapes, no host sync,
+        capturable as one CUDA graph per (prefix, T) whose prefix buffers stay where they were
+        captured. Without them (the plain estimator extends a state as it reads it) the
+        prefix is first copied into a state of this call's size.
+        """
+        d = self.dims
+        ratio = d.token_mel_ratio
+        b, t = ids.shape[0], ids.shape[1] - d.pre_lookahead
+        n_pre = prefix.n_done
+        if ids.dim() != 2 or b != 1 or t <= n_pre or tuple(embedding.shape) != (1, d.spk_embed_dim):
+            raise ValueError(
+                f"ids [1, T + {d.pre_lookahead}] with T past the prefix's {n_pre} tokens and embedding "
+                f"[1, {d.spk_embed_dim}] expected"
+            )
+        if tuple(cond.shape) != (1, d.n_mels, ratio * (t - n_pre)):
+            raise ValueError(f"cond must be [1, {d.n_mels}, {ratio * (t - n_pre)}], got {tuple(cond.shape)}")
+        spk = self.speaker(embedding)
+        x = self.embed_tokens(ids)
+        h = self.encoder(x[:, :t], x[:, t:], True)
+        f0 = ratio * n_pre
+        mu = self.encoder_proj(h).transpose(1, 2)[:, :, f0:]
+        cond = cond.to(self.device, self.dtype)
+        if self.estimator.kernels:
+            return self.solve(mu, spk, cond, True, f0, prefix=prefix)
+        state = self.allocate_stream_cache(t)
+        state.copy_prefix_(prefix, n_pre, ratio)
+        return self.solve(mu, spk, cond, True, f0, state)
 
     # -- cached streaming path ---------------------------------------------------------------
 

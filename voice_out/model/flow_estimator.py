@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import torch
 import torch.nn.functional as F
@@ -197,9 +198,10 @@ class CausalConv(nn.Conv1d):
         """The tap-major ``[Cout, k * Cin]`` weight (made by ``fuse_``, or now)."""
         return self.weight2d if self.weight2d.numel() else self._weight2d().contiguous()
 
-    def forward_kernels(self, x: Tensor) -> Tensor:
-        """Zero left context, one fused kernel: x ``[B, T, Cin]`` -> ``[B, T, Cout]``."""
-        return flow_kernels.conv(x, self.weight_taps(), _bias(self), self.kernel_size[0])
+    def forward_kernels(self, x: Tensor, ctx: Tensor | None = None) -> Tensor:
+        """One fused kernel: x ``[B, T, Cin]`` -> ``[B, T, Cout]``; left context zeros or
+        ``ctx`` ``[B, Cin, k-1]`` (only read)."""
+        return flow_kernels.conv(x, self.weight_taps(), _bias(self), self.kernel_size[0], ctx=ctx)
 
 
 def _bias(conv: nn.Conv1d) -> Tensor:
@@ -230,14 +232,19 @@ class CausalBlock(nn.Module):
         return F.mish(self.norm(self.conv(xp)))
 
     def forward_kernels(
-        self, x: Tensor, add: Tensor | None = None, res: tuple[Tensor, Tensor, Tensor] | None = None
+        self,
+        x: Tensor,
+        add: Tensor | None = None,
+        res: tuple[Tensor, Tensor, Tensor] | None = None,
+        ctx: Tensor | None = None,
     ) -> Tensor:
-        """Zero left context, one fused kernel: x ``[B, T, Cin]`` -> ``[B, T, Cout]``, plus
-        ``add`` ``[1 or B, Cout]`` on every frame, plus a 1x1 conv ``res`` = (input, weight,
-        bias) of the same frame (:func:`voice_out.model.flow_kernels.conv`)."""
+        """One fused kernel: x ``[B, T, Cin]`` -> ``[B, T, Cout]``, plus ``add`` ``[1 or B,
+        Cout]`` on every frame, plus a 1x1 conv ``res`` = (input, weight, bias) of the same
+        frame (:func:`voice_out.model.flow_kernels.conv`); left context zeros or ``ctx`` ``[B,
+        Cin, k-1]`` (only read)."""
         norm = (self.norm.weight, self.norm.bias, self.norm.eps)
         w, b = self.conv.weight_taps(), _bias(self.conv)
-        return flow_kernels.conv(x, w, b, CONV_KERNEL, norm=norm, add=add, res=res)
+        return flow_kernels.conv(x, w, b, CONV_KERNEL, norm=norm, add=add, res=res, ctx=ctx)
 
 
 class ResBlock(nn.Module):
@@ -269,12 +276,15 @@ class ResBlock(nn.Module):
         a = a + pointwise(self.res_conv, win[:, (k - 1) * c_in :])
         return a.view(b, t, -1)
 
-    def forward_kernels(self, x: Tensor, tproj: Tensor) -> Tensor:
-        """Zero left context, two fused kernels: x ``[B, T, Cin]`` (channels contiguous),
-        ``tproj`` ``[1 or B, Cout]`` -> ``[B, T, Cout]``."""
-        a = self.block1.forward_kernels(x, add=tproj)
+    def forward_kernels(
+        self, x: Tensor, tproj: Tensor, ctx1: Tensor | None = None, ctx2: Tensor | None = None
+    ) -> Tensor:
+        """Two fused kernels: x ``[B, T, Cin]`` (channels contiguous), ``tproj`` ``[1 or B,
+        Cout]`` -> ``[B, T, Cout]``; the two convs' left contexts zeros, or ``ctx1`` ``[B, Cin,
+        k-1]`` and ``ctx2`` ``[B, Cout, k-1]`` (only read)."""
+        a = self.block1.forward_kernels(x, add=tproj, ctx=ctx1)
         res = (x, self.res_conv.weight.view(self.res_conv.out_channels, -1), _bias(self.res_conv))
-        return self.block2.forward_kernels(a, res=res)
+        return self.block2.forward_kernels(a, res=res, ctx=ctx2)
 
 
 class TransformerBlock(nn.Module):
@@ -360,15 +370,23 @@ class TransformerBlock(nn.Module):
             x = x + self.ff_out(F.gelu(self.ff_in(h)))
         return x.view(b, t, c)
 
-    def forward_kernels(self, x: Tensor, chunk: int, key_frames: Tensor | None) -> Tensor:
-        """The stateless call in 5 fused kernels (norm + q/k/v, attention, out + residual,
-        norm + FF in + GELU, FF out + residual): x ``[B, T, C]`` with contiguous rows; the
-        mask as :func:`voice_out.model.flow_kernels.attention` takes it (``chunk`` frames, 0 =
-        none; ``key_frames`` ``[B]`` or None)."""
+    def forward_kernels(
+        self,
+        x: Tensor,
+        chunk: int,
+        key_frames: Tensor | None,
+        prefix: tuple[Tensor, Tensor] | None = None,
+        start: int = 0,
+    ) -> Tensor:
+        """The call in 5 fused kernels (norm + q/k/v, attention, out + residual, norm + FF in +
+        GELU, FF out + residual): x ``[B, T, C]`` with contiguous rows, frames ``start ..``;
+        the mask as :func:`voice_out.model.flow_kernels.attention` takes it (``chunk`` frames,
+        0 = none; ``key_frames`` ``[B]`` or None); the keys and values of frames ``0 ..
+        start`` from ``prefix`` (a state's ``[B, H, >= start, D]`` buffers, only read)."""
         b, t, c = x.shape
         xf = x.reshape(b * t, c)
         qkv = flow_kernels.ln_linear(xf, self.norm1.weight, self.norm1.bias, self.norm1.eps, self.stacked_qkv())
-        o = flow_kernels.attention(qkv, b, self.heads, self.head_dim, chunk, key_frames)
+        o = flow_kernels.attention(qkv, b, self.heads, self.head_dim, chunk, key_frames, prefix=prefix, start=start)
         x2 = flow_kernels.linear(o, self.to_out.weight, self.to_out.bias, residual=xf)
         n3 = self.norm3
         g = flow_kernels.ln_linear(x2, n3.weight, n3.bias, n3.eps, self.ff_in.weight, self.ff_in.bias, gelu=True)
@@ -593,11 +611,15 @@ class Estimator(nn.Module):
         *,
         prep: EstimatorPrep | None = None,
         step: int = 0,
+        prefix: EstimatorState | None = None,
     ) -> Tensor:
         """One velocity evaluation. ``start``: absolute frame index of ``x[..., 0]`` (cached calls).
 
         Without ``state`` the call covers frames 0..L-1 from zero left context. With it, the
         call continues a stream: it reads/extends the state's keys, values and conv contexts.
+        ``prefix`` (instead of ``state``; the fused kernels only): a state that holds frames
+        ``0 .. start`` (a voice's prompt prefix) and is only READ: the call continues it
+        without extending it, so one prefix serves any number of calls (and CUDA graphs).
 
         ``prep``: :meth:`prepare` of this call's mu, spks, cond, streaming and start, with the
         time grid of a whole solve (``t`` is then ``prep``'s time value ``step``; the arguments
@@ -607,6 +629,10 @@ class Estimator(nn.Module):
         if prep is None:
             prep = self.prepare(mu, spks, cond, t.reshape(1, -1), streaming, start)
             step = 0
+        if prefix is not None:
+            if not self.kernels or state is not None:
+                raise ValueError("a read-only prefix state needs the fused kernels and no stream state")
+            return self._forward_kernels(x, prep, step, prefix)
         if self.kernels and state is None and prep.start == 0:
             return self._forward_kernels(x, prep, step)
         k = CONV_KERNEL
@@ -645,32 +671,42 @@ class Estimator(nn.Module):
         out = pointwise(self.final_proj, h).view(b, n, -1)
         return out.transpose(1, 2)
 
-    def _forward_kernels(self, x: Tensor, prep: EstimatorPrep, step: int) -> Tensor:
-        """The stateless call with the fused kernels: ~5 kernels per transformer block, 2 per
-        ResBlock, 1 per causal conv (see :mod:`voice_out.model.flow_kernels`). Same contract as
-        :meth:`forward` without state."""
+    def _forward_kernels(
+        self, x: Tensor, prep: EstimatorPrep, step: int, prefix: EstimatorState | None = None
+    ) -> Tensor:
+        """The call with the fused kernels: ~5 kernels per transformer block, 2 per ResBlock, 1
+        per causal conv (see :mod:`voice_out.model.flow_kernels`). Same contract as
+        :meth:`forward` without state, or with a read-only ``prefix`` of frames ``0 ..
+        prep.start`` (its keys, values and conv contexts are read, never written)."""
         k = CONV_KERNEL
         b, n_x, n = x.shape
         xp = prep.inputs
         xp[:, k - 1 :, :n_x].copy_(x.transpose(1, 2))
         tproj = prep.tproj[step]  # [R, n_res, C]
+        start = prep.start if prefix is not None else 0
+        ctxs: Iterator[Tensor | None] = iter(prefix.conv_ctx) if prefix is not None else repeat(None)
+        kvs: Iterator[tuple[Tensor, Tensor] | None] = iter(prefix.kv) if prefix is not None else repeat(None)
 
         def attn(stage: nn.ModuleList, h: Tensor) -> Tensor:
             for blk in stage:
                 assert isinstance(blk, TransformerBlock)
-                h = blk.forward_kernels(h, prep.chunk, prep.key_frames)
+                h = blk.forward_kernels(h, prep.chunk, prep.key_frames, next(kvs), start)
             return h
 
-        h = self.down_res.forward_kernels(xp[:, k - 1 :], tproj[:, 0])
+        def res_block(res: ResBlock, h: Tensor, tp: Tensor) -> Tensor:
+            ctx1 = next(ctxs)
+            return res.forward_kernels(h, tp, ctx1, next(ctxs))
+
+        h = res_block(self.down_res, xp[:, k - 1 :], tproj[:, 0])
         h = attn(self.down_tbs, h)
         skip = h
-        h = self.down_conv.forward_kernels(h)
+        h = self.down_conv.forward_kernels(h, next(ctxs))
         for i, (res, stage) in enumerate(zip(self.mid_res, self.mid_tbs, strict=True)):
             assert isinstance(stage, nn.ModuleList) and isinstance(res, ResBlock)
-            h = attn(stage, res.forward_kernels(h, tproj[:, 1 + i]))
-        h = self.up_res.forward_kernels(torch.cat([h, skip], dim=2), tproj[:, -1])
+            h = attn(stage, res_block(res, h, tproj[:, 1 + i]))
+        h = res_block(self.up_res, torch.cat([h, skip], dim=2), tproj[:, -1])
         h = attn(self.up_tbs, h)
-        h = self.up_conv.forward_kernels(h)
-        h = self.final_block.forward_kernels(h)
+        h = self.up_conv.forward_kernels(h, next(ctxs))
+        h = self.final_block.forward_kernels(h, ctx=next(ctxs))
         out = pointwise(self.final_proj, h.view(b * n, -1)).view(b, n, -1)
         return out.transpose(1, 2)

@@ -213,19 +213,26 @@ if triton is not None:
             acc += tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit(do_not_specialize=["T"])
+    @triton.jit(do_not_specialize=["T", "start"])
     def _attention_kernel(  # type: ignore[no-untyped-def]
         qkv_ptr,
         stride_qkv,
         out_ptr,
         stride_out,
         kf_ptr,
+        pk_ptr,
+        pv_ptr,
+        stride_pb,
+        stride_ph,
+        stride_pt,
         T,
+        start,
         chunk,
         qk_scale,
         H: tl.constexpr,
         D: tl.constexpr,
         HAS_KF: tl.constexpr,
+        HAS_PREFIX: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -241,15 +248,36 @@ if triton is not None:
         n_keys = T
         if HAS_KF:
             n_keys = tl.load(kf_ptr + b).to(tl.int32)
-        # query i may see key j < chunk (i // chunk + 1); the block's last query bounds the loop
+        # query i (absolute frame start + i) may see key j (absolute) < chunk ((start + i) //
+        # chunk + 1); the block's last query bounds the loop. Limits are counted in this call's
+        # own keys (absolute - start); the prefix's keys, all before start, are seen whole
+        # whenever start is a chunk multiple (the callers' case), else as the mask says.
         limit = tl.full([BLOCK_M], 0, tl.int32) + n_keys
         hi = n_keys
         if chunk > 0:
-            limit = tl.minimum(limit, (i // chunk + 1) * chunk)
-            hi = tl.minimum(hi, ((pid_m * BLOCK_M + BLOCK_M - 1) // chunk + 1) * chunk)
+            limit = tl.minimum(limit, ((start + i) // chunk + 1) * chunk - start)
+            hi = tl.minimum(hi, ((start + pid_m * BLOCK_M + BLOCK_M - 1) // chunk + 1) * chunk - start)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
+        if HAS_PREFIX:
+            # the keys of frames 0 .. start - 1, from the prefix's buffers [B, H, >= start, D]
+            p_base = b * stride_pb + h * stride_ph
+            for j0 in range(0, start, BLOCK_N):
+                j = j0 + tl.arange(0, BLOCK_N)
+                j_ok = j < start
+                at = p_base + j[:, None] * stride_pt + d[None, :]
+                keys = tl.load(pk_ptr + at, mask=j_ok[:, None], other=0.0)
+                vals = tl.load(pv_ptr + at, mask=j_ok[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(keys)) * qk_scale
+                s = tl.where(j_ok[None, :] & ((j - start)[None, :] < limit[:, None]), s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m - m_safe)
+                p = tl.exp2(s - m_safe[:, None])
+                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
+                m = m_new
         for j0 in range(0, hi, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             j_ok = j < n_keys
@@ -287,6 +315,10 @@ if triton is not None:
         rw_ptr,
         stride_rw,
         rb_ptr,
+        ctx_ptr,
+        stride_cb,
+        stride_cc,
+        stride_ct,
         out_ptr,
         stride_ob,
         stride_ot,
@@ -302,6 +334,7 @@ if triton is not None:
         NORM: tl.constexpr,
         HAS_ADD: tl.constexpr,
         HAS_RES: tl.constexpr,
+        HAS_CTX: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -312,14 +345,22 @@ if triton is not None:
         c_ok = cols < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for tap in tl.static_range(TAPS):
-            # tap j reads frame t + j - (TAPS - 1); frames before 0 are the zero left context
+            # tap j reads frame t + j - (TAPS - 1); frames before 0 are the left context: zeros,
+            # or (HAS_CTX) ctx [B, C_IN, TAPS - 1], the previous frames in time order
             src = ti + tap - (TAPS - 1)
             s_ok = r_ok & (src >= 0)
             a_row = x_ptr + bi * stride_xb + src * stride_xt
+            c_row = ctx_ptr + bi * stride_cb + (src + TAPS - 1) * stride_ct
+            in_ctx = r_ok & (src < 0)
             for k0 in range(0, C_IN, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_ok = ks < C_IN
                 a = tl.load(a_row[:, None] + ks[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
+                if HAS_CTX:
+                    a_ctx = tl.load(
+                        c_row[:, None] + ks[None, :] * stride_cc, mask=in_ctx[:, None] & k_ok[None, :], other=0.0
+                    )
+                    a = tl.where(in_ctx[:, None], a_ctx, a)
                 w_at = w_ptr + cols[None, :] * stride_w + tap * C_IN + ks[:, None]
                 w = tl.load(w_at, mask=c_ok[None, :] & k_ok[:, None], other=0.0)
                 acc = tl.dot(a, w, acc)
@@ -448,18 +489,51 @@ def linear(
     return out
 
 
-def attention(qkv: Tensor, batch: int, heads: int, head_dim: int, chunk: int, key_frames: Tensor | None) -> Tensor:
+def attention(
+    qkv: Tensor,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    chunk: int,
+    key_frames: Tensor | None,
+    *,
+    prefix: tuple[Tensor, Tensor] | None = None,
+    start: int = 0,
+) -> Tensor:
     """Multi-head attention of the stacked projection ``qkv`` ``[B T, 3 H D]`` (q | k | v, each
     head-major; rows batch-major) -> ``[B T, H D]``, one kernel, scale 1/sqrt(D).
 
-    Query i (frame i, from 0) attends key j iff ``j < chunk (i // chunk + 1)`` (when ``chunk``
-    > 0: the estimator's chunk mask) and ``j < key_frames[b]`` (int ``[B]`` on the device, or
-    None: all T keys): :func:`voice_out.model.flow_estimator.chunk_mask` and ``valid_keys``."""
+    The T frames are absolute frames ``start ..``. Query i (frame start + i) attends key j
+    (absolute) iff ``j < chunk ((start + i) // chunk + 1)`` (when ``chunk`` > 0: the
+    estimator's chunk mask) and ``j - start < key_frames[b]`` (int ``[B]`` on the device, or
+    None: all T keys): :func:`voice_out.model.flow_estimator.chunk_mask` and ``valid_keys``.
+    Keys before ``start`` come from ``prefix`` = (k, v), each ``[B, H, >= start, D]`` (D
+    contiguous; an estimator state's buffers, only read), or there are none (``start`` then
+    only offsets the chunk mask)."""
     _rows(qkv, "attention")
     rows, width = qkv.shape
     t = rows // batch
     if rows != batch * t or width != 3 * heads * head_dim:
         raise ValueError(f"attention: qkv {tuple(qkv.shape)} is not [{batch} T, 3 x {heads} x {head_dim}]")
+    if start < 0:
+        raise ValueError(f"attention: start must be >= 0, got {start}")
+    if prefix is not None:
+        pk, pv = prefix
+        for buf, name in ((pk, "keys"), (pv, "values")):
+            if (
+                buf.dim() != 4
+                or tuple(buf.shape[:2]) != (batch, heads)
+                or buf.shape[2] < start
+                or buf.shape[3] != head_dim
+                or buf.stride(3) != 1
+                or buf.dtype != qkv.dtype
+            ):
+                raise ValueError(
+                    f"attention: prefix {name} must be [{batch}, {heads}, >= {start}, {head_dim}] "
+                    f"({qkv.dtype}, last dim contiguous), got {tuple(buf.shape)} {buf.dtype}"
+                )
+        if pk.stride() != pv.stride():
+            raise ValueError("attention: prefix keys and values must have the same strides")
     out = torch.empty(rows, heads * head_dim, device=qkv.device, dtype=qkv.dtype)
     block_m, block_n, warps = tier(rows)["attention"]
     kernel: Any = _attention_kernel
@@ -471,12 +545,19 @@ def attention(qkv: Tensor, batch: int, heads: int, head_dim: int, chunk: int, ke
         out,
         out.stride(0),
         key_frames if key_frames is not None else qkv,
+        prefix[0] if prefix is not None else qkv,
+        prefix[1] if prefix is not None else qkv,
+        prefix[0].stride(0) if prefix is not None else 0,
+        prefix[0].stride(1) if prefix is not None else 0,
+        prefix[0].stride(2) if prefix is not None else 0,
         t,
+        start,
         chunk,
         math.log2(math.e) / math.sqrt(head_dim),
         H=heads,
         D=head_dim,
         HAS_KF=key_frames is not None,
+        HAS_PREFIX=prefix is not None and start > 0,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=warps,
@@ -493,10 +574,13 @@ def conv(
     norm: tuple[Tensor, Tensor, float] | None = None,
     add: Tensor | None = None,
     res: tuple[Tensor, Tensor, Tensor] | None = None,
+    ctx: Tensor | None = None,
 ) -> Tensor:
-    """Causal conv with zero left context, time-major, one kernel: x ``[B, T, Cin]`` (channels
-    contiguous, any batch/time strides), ``weight2d`` ``[Cout, taps Cin]`` tap-major (column
-    j Cin + c = tap j, channel c; ``CausalConv.weight2d``), bias ``[Cout]`` -> ``[B, T, Cout]``.
+    """Causal conv, time-major, one kernel: x ``[B, T, Cin]`` (channels contiguous, any
+    batch/time strides), ``weight2d`` ``[Cout, taps Cin]`` tap-major (column j Cin + c = tap j,
+    channel c; ``CausalConv.weight2d``), bias ``[Cout]`` -> ``[B, T, Cout]``. The left context
+    is zeros, or ``ctx`` ``[B, Cin, taps - 1]`` (any strides): the ``taps - 1`` frames before
+    x's first, in time order (an estimator state's conv context, only read).
 
     Epilogue, in order: ``norm`` = (weight, bias, eps): LayerNorm over Cout, then Mish; ``add``
     ``[1 or B, Cout]``: added to every frame of its row; ``res`` = (weight ``[Cout, Cin]``, bias
@@ -516,6 +600,8 @@ def conv(
         tuple(res[0].shape[:2]) != (b, t) or res[0].stride(2) != 1 or tuple(res[1].shape) != (c_out, res[0].shape[2])
     ):
         raise ValueError(f"conv: residual input {tuple(res[0].shape)} and weight {tuple(res[1].shape)} do not fit")
+    if ctx is not None and (tuple(ctx.shape) != (b, c_in, taps - 1) or ctx.dtype != x.dtype):
+        raise ValueError(f"conv: ctx must be [{b}, {c_in}, {taps - 1}] {x.dtype}, got {tuple(ctx.shape)} {ctx.dtype}")
     block_n = _pow2(c_out)
     wide_m, narrow_m, block_k, warps = tier(b * t)["conv"]
     block_m = wide_m if block_n > 128 else narrow_m
@@ -540,6 +626,10 @@ def conv(
         res[1] if res is not None else weight2d,
         res[1].stride(0) if res is not None else 0,
         res[2] if res is not None else bias,
+        ctx if ctx is not None else x,
+        ctx.stride(0) if ctx is not None else 0,
+        ctx.stride(1) if ctx is not None else 0,
+        ctx.stride(2) if ctx is not None else 0,
         out,
         out.stride(0),
         out.stride(1),
@@ -555,6 +645,7 @@ def conv(
         NORM=norm is not None,
         HAS_ADD=add is not None,
         HAS_RES=res is not None,
+        HAS_CTX=ctx is not None,
         num_warps=warps,
     )
     return out

@@ -113,6 +113,19 @@ class _LaneGraphs:
     batch: GraphedFn | None = None  # several chunks' flow, key (bucket, T)
 
 
+@dataclass
+class _PrefixSlot:
+    """Where the graphs of first chunks from a prompt prefix of one length read the prefix:
+    buffers of that size (a flow stream cache, only its estimator state used), holding the
+    prefix of the voice last loaded (``voice``, compared by identity): a first chunk of another
+    voice copies its prefix in first (~0.6 GB for a 125-token prefix at full size, device to
+    device), one of the same voice copies nothing."""
+
+    state: Any
+    graph: GraphedFn
+    voice: Any = None
+
+
 class FlowInference(Protocol):
     """The flow's one-shot entry point (``voice_out.model.flow.Flow.inference``).
 
@@ -166,6 +179,20 @@ class BatchFlow(FlowInference, Protocol):
     ) -> tuple[Tensor, Tensor, Tensor, list[tuple[int, int]]]: ...
 
     def batch_core(self, ids: Tensor, embedding: Tensor, cond: Tensor) -> Tensor: ...
+
+
+class PrefixFlow(FlowInference, Protocol):
+    """A flow that computes a first chunk from a voice's prepared prompt prefix
+    (``voice_out.model.flow.Flow.prefix_core``): ``prepare_prompt`` once per voice, then
+    ``prefix_inputs`` (host side) and ``prefix_core`` (fixed shapes, the prefix only read)."""
+
+    def prepare_prompt(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> Any: ...
+
+    def allocate_stream_cache(self, capacity: int) -> Any: ...
+
+    def prefix_inputs(self, token: Tensor, prompt: Any) -> tuple[Tensor, Tensor, Tensor]: ...
+
+    def prefix_core(self, ids: Tensor, embedding: Tensor, cond: Tensor, prefix: Any) -> Tensor: ...
 
 
 class FinalFlow(FlowInference, Protocol):
@@ -251,6 +278,9 @@ class Token2WavStream:
     noise: torch.Generator | None = None
     flow_prompt: Any = None
     flow_cache: Any = None
+    #: The voice's prompt prefix for a first chunk from it (``Token2Wav.prepare_prefix``;
+    #: re-run path only), or None: the first chunk re-runs the whole prompt.
+    first_prefix: Any = None
     samples_emitted: int = 0
     chunk_log: list[ChunkPlan] = field(default_factory=list)
     #: Cached path: the first chunk's mel came from a re-run (graphed, or a fast first chunk that
@@ -281,11 +311,13 @@ class Token2WavStream:
         flow_path: FlowPath | None = None,
         noise: torch.Generator | None = None,
         flow_prompt: Any = None,
+        first_prefix: Any = None,
     ) -> None:
         """Reuse this state object for a new request (caches are kept allocated).
 
         ``flow_prompt``: the voice's ``Token2Wav.prepare_voice`` result (cached path), made on
-        demand when None.
+        demand when None. ``first_prefix``: the voice's ``Token2Wav.prepare_prefix`` result
+        (the first chunk from the prompt prefix), or None.
         """
         dev = self.model.device
         self.prompt_token, self.prompt_feat = prompt_token.to(dev), prompt_feat.to(dev)
@@ -296,6 +328,7 @@ class Token2WavStream:
             self.flow_path = flow_path
         self.noise = noise
         self.flow_prompt = flow_prompt
+        self.first_prefix = first_prefix
         self.samples_emitted = 0
         self.chunk_log.clear()
         self.flow_cache_behind = False
@@ -325,6 +358,8 @@ class Token2Wav:
         #: The first-chunk lane's graphs (``use_cuda_graphs(first_lane=True)``), or None: every
         #: chunk replays the graphs above.
         self._first_lane: _LaneGraphs | None = None
+        #: First chunks from a prompt prefix under graphs: a slot per prefix length (tokens).
+        self._prefix_slots: dict[int, _PrefixSlot] = {}
 
     def use_cuda_graphs(
         self,
@@ -345,6 +380,7 @@ class Token2Wav:
         them on a second CUDA stream while other chunks run (the engine's first-chunk lane).
         Without it, two token2wav calls must never run at once: their graphs share a pool."""
         self._first_lane = None
+        self._prefix_slots = {}
         if not enabled or self.device.type != "cuda":
             self._graph_flow = self._graph_hift = self._graph_hift_cached = self._graph_flow_final = None
             self._flow_pool = None
@@ -484,9 +520,11 @@ class Token2Wav:
         fast_first: int = 0,
         max_batch: int = 1,
         batch_tokens: int | None = None,
+        first_prefix: Any = None,
     ) -> int:
         """Capture now (start-up) the graphs a stream of this prompt length meets in its first
-        ``n_tokens`` speech tokens, instead of mid-stream: its single-chunk flow graphs, final
+        ``n_tokens`` speech tokens, instead of mid-stream: its single-chunk flow graphs (with
+        ``first_prefix``, a voice's :meth:`prepare_prefix`: the first chunk's from it too), final
         chunk graphs (:meth:`final_total`) and vocoder graphs, and (``max_batch`` >= 2, grouped
         batching on) the batched-chunk graphs of :meth:`batch_keys` for groups of up to
         ``max_batch`` chunks within the first ``batch_tokens`` (None: ``n_tokens``; a batched
@@ -496,7 +534,9 @@ class Token2Wav:
         if self._graph_flow is None:
             return 0
         self._capturing = True
-        stream = self.open_stream(prompt_token, prompt_feat, embedding, hops=hops, fast_first=fast_first)
+        stream = self.open_stream(
+            prompt_token, prompt_feat, embedding, hops=hops, fast_first=fast_first, first_prefix=first_prefix
+        )
         # placeholder speech ids; the extra chunk's worth covers a final chunk rounded up
         dummy = [(7 * i + 1) % 6561 for i in range(n_tokens + stream.schedule.chunk_size)]
         try:
@@ -544,6 +584,7 @@ class Token2Wav:
         ]
         if self._first_lane is not None:
             graphs += [self._first_lane.flow, self._first_lane.batch, self._first_lane.hift]
+        graphs += [slot.graph for slot in self._prefix_slots.values()]
         return sum(len(g.captured_keys) for g in graphs if g is not None)
 
     def _capture_final_vocoder(self, stream: Token2WavStream, hops: HopPolicy, fast_first: int) -> None:
@@ -585,13 +626,14 @@ class Token2Wav:
         flow_path: FlowPath = "rerun",
         noise: torch.Generator | None = None,
         flow_prompt: Any = None,
+        first_prefix: Any = None,
     ) -> Token2WavStream:
         """A new per-request state.
 
         ``fast_first``: tokens of a fast first chunk (0 = off; see ``chunk_schedule``).
         ``hops``: the hop policy, the same as the engine's own schedule for the request uses;
-        ``noise`` None = deterministic vocoder source; ``flow_prompt`` as in
-        :meth:`Token2WavStream.reset`.
+        ``noise`` None = deterministic vocoder source; ``flow_prompt`` and ``first_prefix`` as
+        in :meth:`Token2WavStream.reset`.
         """
         stream = Token2WavStream(
             model=self,
@@ -605,6 +647,7 @@ class Token2Wav:
             flow_path=flow_path,
             noise=noise,
             flow_prompt=flow_prompt,
+            first_prefix=first_prefix,
         )
         self.prepare_flow(stream)
         return stream
@@ -618,6 +661,22 @@ class Token2Wav:
     def prepare_voice(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> Any:
         """The flow state of a voice's prompt for the cached path; share it between requests."""
         return self._streaming_flow().prepare_prompt(prompt_token, prompt_feat, embedding)
+
+    @property
+    def has_prefix_path(self) -> bool:
+        """Whether the flow computes a first chunk from a prompt prefix (``PrefixFlow``)."""
+        return all(hasattr(self.flow, m) for m in ("prepare_prompt", "prefix_inputs", "prefix_core"))
+
+    @torch.inference_mode()
+    def prepare_prefix(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> Any:
+        """A voice's prompt prefix for first chunks from it (``Token2WavStream.first_prefix``;
+        share it between requests), or None where there is none to gain: a prompt too short
+        for a prefix, or a flow without the prefix path. Its flow state costs memory (~4.6 MB
+        a prefix token at full size in bf16) and an eager pass over the prefix (worker thread)."""
+        if not self.has_prefix_path:
+            return None
+        prompt = cast(PrefixFlow, self.flow).prepare_prompt(prompt_token, prompt_feat, embedding)
+        return prompt if prompt.n_prefix > 0 else None
 
     @torch.inference_mode()
     def prepare_flow(self, stream: Token2WavStream) -> None:
@@ -644,6 +703,8 @@ class Token2Wav:
             return torch.zeros(1, self.hift.dims.in_channels, 0, device=self.device)
         first = plan.index == 0 and not plan.finalize
         graphs_on = self._graph_flow is not None and token.is_cuda
+        if first and self._from_prefix(stream, plan):
+            return self._prefix_chunk(stream, plan, token)
         if not plan.finalize and (stream.flow_path == "rerun" or (first and (graphs_on or stream.schedule.fast_first))):
             mel = self._rerun_chunk(stream, plan, token)
             # a cached-path stream whose first chunk came from a re-run: its flow cache has taken
@@ -672,6 +733,64 @@ class Token2Wav:
             key = (int(stream.prompt_token.shape[1]), plan.token_len)
             return graph(key, *args)[:, :, start:].float().clone()  # the graph reuses its output
         return self.flow.inference(*args, streaming=True, finalize=False)[:, :, start:].float()
+
+    @staticmethod
+    def _from_prefix(stream: Token2WavStream, plan: ChunkPlan) -> bool:
+        """Whether ``plan`` (a non-final first chunk) is computed from the voice's prompt
+        prefix: the stream has one (re-run path) and the chunk ends on a flow chunk boundary
+        (not a fast first chunk)."""
+        sched = stream.schedule
+        return (
+            stream.first_prefix is not None
+            and stream.flow_path == "rerun"
+            and sched.flow_end(plan) % sched.chunk_size == 0
+        )
+
+    def _prefix_chunk(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor:
+        """A non-final first chunk from the voice's prompt prefix (``Flow.prefix_core``): its
+        new frames, float32 [1, 80, 2 * hop_tokens], as :meth:`_rerun_chunk` gives them but
+        without the prefix's frames in the estimator calls. Under CUDA graphs it replays a
+        graph per (prompt length, tokens so far) of its prefix length's slot (captured on first
+        use, as first chunks are), whose buffers take the voice's prefix first if another
+        voice's is there."""
+        flow = cast(PrefixFlow, self.flow)
+        prompt = stream.first_prefix
+        ids, emb, cond = flow.prefix_inputs(token[:, : plan.token_len], prompt)
+        # the prompt's frames after the prefix come first, then the tokens' (from token_offset)
+        start = MEL_FRAMES_PER_TOKEN * (prompt.n_prompt - prompt.n_prefix + plan.token_offset)
+        if self._graph_flow is None or not token.is_cuda:
+            return flow.prefix_core(ids, emb, cond, prompt.prefix)[:, :, start:].float()
+        slot = self._prefix_slot(prompt)
+        if slot.voice is not prompt:
+            slot.state.copy_prefix_(prompt.prefix, prompt.n_prefix, MEL_FRAMES_PER_TOKEN)
+            slot.state.n_done = prompt.n_prefix
+            slot.voice = prompt
+        key = (prompt.n_prompt, plan.token_len)
+        return slot.graph(key, ids, emb, cond)[:, :, start:].float().clone()  # the graph reuses its output
+
+    def _prefix_slot(self, prompt: Any) -> _PrefixSlot:
+        """The graphs and buffers of first chunks from prefixes of ``prompt``'s length (made on
+        first use: buffers of the prefix's size; the first-chunk lane's family and pool when
+        the lane is on, so they may replay beside the other token2wav graphs)."""
+        n_prefix = int(prompt.n_prefix)
+        slot = self._prefix_slots.get(n_prefix)
+        if slot is None:
+            flow = cast(PrefixFlow, self.flow)
+            state = flow.allocate_stream_cache(n_prefix)
+            lane = self._first_lane
+
+            def from_prefix(ids: Tensor, embedding: Tensor, cond: Tensor) -> Tensor:
+                return flow.prefix_core(ids, embedding, cond, state)
+
+            graph = GraphedFn(
+                from_prefix,
+                name=f"flow.prefix_first_chunk[{n_prefix}]",
+                warmup=1,
+                pool=lane.pool if lane is not None else self._flow_pool,
+                family=FIRST_GRAPH_FAMILY if lane is not None else GRAPH_FAMILY,
+            )
+            slot = self._prefix_slots[n_prefix] = _PrefixSlot(state=state, graph=graph)
+        return slot
 
     def _final_chunk(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor:
         """The final chunk (full attention over prompt + every token): its new frames, float32
