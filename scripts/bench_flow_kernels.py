@@ -35,8 +35,8 @@ CANDIDATES: dict[str, list[tuple[int, ...]]] = {
     "ln_linear": [(m, n, w) for m, n, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8))],
     "ln_linear_gelu": [(m, n, w) for m, n, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8))],
     "linear": [(m, n, k, w) for m, n, k, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (32, 64), (4, 8))],
-    "attention": [(m, n, w) for m, n, w in itertools.product((32, 64, 128), (32, 64), (4, 8))],
-    "conv": [(m, 32, k, w) for m, k, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8))],
+    "attention": [(m, n, w) for m, n, w in itertools.product((16, 32, 64, 128), (32, 64), (2, 4, 8))],
+    "conv": [(m, 32, k, w) for m, k, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (2, 4, 8))],
 }
 
 
@@ -44,6 +44,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frames", type=int, default=356, help="mel frames per row (prompt 150 + 28 tokens: 356)")
     ap.add_argument("--batch", type=int, default=1, help="chunks per call (a batched re-run: 2 CFG rows each)")
+    ap.add_argument(
+        "--prefix",
+        type=int,
+        default=0,
+        help="frames of a voice's prompt prefix before the call's (a first chunk from the prefix: attention over"
+        " its keys too, convs from its context; prompt 150: --frames 106 --prefix 250)",
+    )
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time every tile candidate of each kernel")
@@ -77,17 +84,24 @@ def main() -> None:
     scratch = torch.zeros(b, 2 + t, c, device=dev, dtype=dt)
     pad_c = torch.cat([zeros[:, :, :c], x], dim=1)
     n1, n3 = tb.norm1, tb.norm3
+    start = args.prefix
+    pk = torch.randn(b, tb.heads, max(start, 1), tb.head_dim, generator=gen, device=dev).to(dt)
+    pv = torch.randn_like(pk)
+    prefix = (pk, pv) if start else None
+    ctx = torch.randn(b, c, 2, generator=gen, device=dev).to(dt) if start else None
 
     kernels: dict[str, Callable[[], Any]] = {
         "ln_linear": lambda: flow_kernels.ln_linear(xf, n1.weight, n1.bias, n1.eps, tb.qkv_weight),
         "ln_linear_gelu": lambda: flow_kernels.ln_linear(
             xf, n3.weight, n3.bias, n3.eps, tb.ff_in.weight, tb.ff_in.bias, gelu=True
         ),
-        "attention": lambda: flow_kernels.attention(qkv, b, tb.heads, tb.head_dim, chunk, None),
+        "attention": lambda: flow_kernels.attention(
+            qkv, b, tb.heads, tb.head_dim, chunk, None, prefix=prefix, start=start
+        ),
         "linear_out": lambda: flow_kernels.linear(o, tb.to_out.weight, tb.to_out.bias, residual=xf),
         "linear_ff": lambda: flow_kernels.linear(g, tb.ff_out.weight, tb.ff_out.bias, residual=xf),
-        "conv_norm_add": lambda: res.block1.forward_kernels(x, add=tproj),
-        "conv_plain": lambda: est.down_conv.forward_kernels(x),
+        "conv_norm_add": lambda: res.block1.forward_kernels(x, add=tproj, ctx=ctx),
+        "conv_plain": lambda: est.down_conv.forward_kernels(x, ctx),
     }
     blocks: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         "TransformerBlock": (lambda: tb(x, mask, None, 0), lambda: tb.forward_kernels(x, chunk, None)),
@@ -101,7 +115,13 @@ def main() -> None:
         ),
     }
     gpu = torch.cuda.get_device_name(dev)
-    out: dict[str, Any] = {"gpu": gpu, "frames": t, "rows": b, "tiles": dict(flow_kernels.tier(b * t))}
+    out: dict[str, Any] = {
+        "gpu": gpu,
+        "frames": t,
+        "prefix": start,
+        "rows": b,
+        "tiles": dict(flow_kernels.tier(b * t)),
+    }
     with torch.inference_mode():
         print(f"{gpu}, bf16, {b} rows (CFG 2 x {args.batch} chunks) x {t} frames; us per call (graph replay)")
         print("| block | plain | fused |\n|---|---|---|")

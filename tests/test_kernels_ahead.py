@@ -95,16 +95,17 @@ def test_compiles_run_on_several_threads_and_a_failure_is_only_logged(caplog: py
 def test_the_dry_runs_reach_every_tile_tier_the_noise_buffer_allows(monkeypatch: pytest.MonkeyPatch) -> None:
     from voice_out.model import flow_kernels
 
-    monkeypatch.setattr(flow_kernels, "TILE_TIERS", ((0, {}), (1024, {})))
+    monkeypatch.setattr(flow_kernels, "TILE_TIERS", ((0, {}), (384, {}), (1024, {})))
     dims = SimpleNamespace(enc_chunk=25, token_mel_ratio=2, pre_lookahead=3, max_tokens=1500)
     flow: Any = SimpleNamespace(dims=dims)
-    # P = 25: the first chunk ends at 50 (2 x 2 x 50 = 200 rows); 275 is the first end with
-    # 2 x 2 x 275 = 1100 >= 1024 rows (256 tokens would do; ends are whole chunks)
-    assert dry_run_ends(flow, 25) == [50, 275]
-    assert dry_run_ends(flow, 150) == [175, 275]
+    # P = 25: the first chunk ends at 50 (2 x 2 x 50 = 200 rows); 100 is the first end with
+    # 400 >= 384 rows, 275 the first with 2 x 2 x 275 = 1100 >= 1024 rows (256 tokens would
+    # do; ends are whole chunks)
+    assert dry_run_ends(flow, 25) == [50, 100, 275]
+    assert dry_run_ends(flow, 150) == [175, 275]  # 700 rows: the middle tier already
     assert dry_run_ends(flow, 300) == [325]  # the first chunk is tall already
     dims.max_tokens = 200  # the noise buffer holds no tall chunk
-    assert dry_run_ends(flow, 25) == [50]
+    assert dry_run_ends(flow, 25) == [50, 100]
 
 
 @pytest.mark.requires_cuda

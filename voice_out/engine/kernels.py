@@ -97,19 +97,20 @@ def compile_ahead(launches: list[Launch], workers: int = COMPILE_WORKERS) -> int
 
 def dry_run_ends(flow: Flow, n_prompt: int) -> list[int]:
     """The chunk ends (prompt + tokens) the flow's dry runs take: the first chunk boundary
-    after the prompt, and, where the noise buffer allows, a later one whose every call has rows
-    enough for the tallest tile tier (:data:`voice_out.model.flow_kernels.TILE_TIERS`). The
-    kernels are compiled once per tier: start-up captures chunks of both (a long utterance's
-    re-run and final chunks are the tall ones), so a dry run of the first chunk alone left
-    their compiles for the captures, one after another."""
+    after the prompt, then, where the noise buffer allows, the first end whose every call has
+    rows enough for each taller tile tier (:data:`voice_out.model.flow_kernels.TILE_TIERS`)
+    than the ends before reach. The kernels are compiled once per tier: start-up captures
+    chunks of several (a long utterance's re-run and final chunks are the tall ones), so a dry
+    run of the first chunk alone left their compiles for the captures, one after another."""
     d = flow.dims
-    end = -(-(n_prompt + 1) // d.enc_chunk) * d.enc_chunk
-    tallest = max(start for start, _ in flow_kernels.TILE_TIERS)
-    # the shortest call of a chunk ending there: one row pair (CFG) of ratio x end frames
-    need = -(-tallest // (2 * d.token_mel_ratio))
-    tall = max(end, -(-need // d.enc_chunk) * d.enc_chunk)
-    fits = tall + d.pre_lookahead <= d.max_tokens
-    return [end, tall] if tall > end and fits else [end]
+    ends = [-(-(n_prompt + 1) // d.enc_chunk) * d.enc_chunk]
+    for start, _ in flow_kernels.TILE_TIERS[1:]:
+        # the shortest call of a chunk ending at e: one row pair (CFG) of ratio x e frames
+        need = -(-start // (2 * d.token_mel_ratio))
+        end = -(-need // d.enc_chunk) * d.enc_chunk
+        if end > ends[-1] and end + d.pre_lookahead <= d.max_tokens:
+            ends.append(end)
+    return ends
 
 
 def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:

@@ -60,11 +60,25 @@ MAX_ROW = 1024
 #: final pass are that tall too) taller ones, since every program re-reads its weight columns.
 #: A whole batched first chunk (``Flow.batch_core``, T = 175 tokens) with the first tier's
 #: tiles, then the second's: 25.7 / 30.1 ms at N = 1, 33.9 / 33.3 at 2, 50.5 / 43.6 at 4, 89.0 /
-#: 62.5 at 8. Two tiers only: each tile set is a Triton compile of every kernel variant at a
-#: fresh start (the best tiles at N = 2 and 4 were within a few percent of these).
+#: 62.5 at 8. Few tiers: each tile set is a Triton compile of every kernel variant at a fresh
+#: start (the best tiles at N = 2 and 4 were within a few percent of these). The first tier
+#: is for the short calls of a first chunk from a prompt prefix (``Flow.prefix_core``: 2 x 106
+#: frames for a 150-token prompt): ``--frames 106 --prefix 250 --sweep`` on an H200 found
+#: narrower linear tiles 25% faster there (the two linears of a transformer block 10.8 -> 8.0
+#: us); the other kernels' best tiles were within 0.3 us of the second tier's.
 TILE_TIERS: tuple[tuple[int, dict[str, tuple[int, ...]]], ...] = (
     (
         0,
+        {
+            "ln_linear": (32, 64, 4),
+            "ln_linear_gelu": (32, 64, 4),
+            "linear": (16, 32, 64, 4),
+            "attention": (64, 64, 4),
+            "conv": (16, 32, 64, 4),
+        },
+    ),
+    (
+        384,
         {
             "ln_linear": (32, 64, 4),
             "ln_linear_gelu": (32, 64, 4),
