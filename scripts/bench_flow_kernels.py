@@ -36,7 +36,7 @@ CANDIDATES: dict[str, list[tuple[int, ...]]] = {
     "ln_linear_gelu": [(m, n, w) for m, n, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8))],
     "linear": [(m, n, k, w) for m, n, k, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (32, 64), (4, 8))],
     "attention": [(m, n, w) for m, n, w in itertools.product((16, 32, 64, 128), (32, 64), (2, 4, 8))],
-    "conv": [(m, 32, k, w) for m, k, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (2, 4, 8))],
+    "conv": [(m, 32, 64, w, s) for m, w, s in itertools.product((16, 32), (4, 8), (1, 2, 3, 4, 6))],
 }
 
 
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time every tile candidate of each kernel")
+    ap.add_argument("--only", default="", help="comma-separated tile kinds to sweep (default: all), e.g. conv")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     flow = random_flow(FULL, dev, dt, seed=0)
@@ -89,6 +90,13 @@ def main() -> None:
     pv = torch.randn_like(pk)
     prefix = (pk, pv) if start else None
     ctx = torch.randn(b, c, 2, generator=gen, device=dev).to(dt) if start else None
+    # the largest split any candidate takes: the tiers' tables are changed per candidate
+    splits = max(cand[4] for cand in CANDIDATES["conv"])
+    conv_ws = (
+        torch.empty(2 * splits * b * t * c, device=dev),
+        torch.zeros(b * t, dtype=torch.int32, device=dev),
+    )
+    res_in = (x, res.res_conv.weight.view(c, -1), res.res_conv.bias)
 
     kernels: dict[str, Callable[[], Any]] = {
         "ln_linear": lambda: flow_kernels.ln_linear(xf, n1.weight, n1.bias, n1.eps, tb.qkv_weight),
@@ -100,8 +108,9 @@ def main() -> None:
         ),
         "linear_out": lambda: flow_kernels.linear(o, tb.to_out.weight, tb.to_out.bias, residual=xf),
         "linear_ff": lambda: flow_kernels.linear(g, tb.ff_out.weight, tb.ff_out.bias, residual=xf),
-        "conv_norm_add": lambda: res.block1.forward_kernels(x, add=tproj, ctx=ctx),
-        "conv_plain": lambda: est.down_conv.forward_kernels(x, ctx),
+        "conv_norm_add": lambda: res.block1.forward_kernels(x, add=tproj, ctx=ctx, ws=conv_ws),
+        "conv_res": lambda: res.block2.forward_kernels(x, res=res_in, ctx=ctx, ws=conv_ws),
+        "conv_plain": lambda: est.down_conv.forward_kernels(x, ctx, conv_ws),
     }
     blocks: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         "TransformerBlock": (lambda: tb(x, mask, None, 0), lambda: tb.forward_kernels(x, chunk, None)),
@@ -140,8 +149,10 @@ def main() -> None:
                 "ln_linear_gelu": ["ln_linear_gelu"],
                 "linear": ["linear_out", "linear_ff"],
                 "attention": ["attention"],
-                "conv": ["conv_norm_add", "conv_plain"],
+                "conv": ["conv_norm_add", "conv_res", "conv_plain"],
             }
+            if args.only:
+                groups = {k: v for k, v in groups.items() if k in args.only.split(",")}
             best: dict[str, Any] = {}
             table = flow_kernels.tier(b * t)  # the tier's own table: the kernels read it per call
             for tile, names in groups.items():

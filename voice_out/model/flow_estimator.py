@@ -198,10 +198,11 @@ class CausalConv(nn.Conv1d):
         """The tap-major ``[Cout, k * Cin]`` weight (made by ``fuse_``, or now)."""
         return self.weight2d if self.weight2d.numel() else self._weight2d().contiguous()
 
-    def forward_kernels(self, x: Tensor, ctx: Tensor | None = None) -> Tensor:
+    def forward_kernels(self, x: Tensor, ctx: Tensor | None = None, ws: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """One fused kernel: x ``[B, T, Cin]`` -> ``[B, T, Cout]``; left context zeros or
-        ``ctx`` ``[B, Cin, k-1]`` (only read)."""
-        return flow_kernels.conv(x, self.weight_taps(), _bias(self), self.kernel_size[0], ctx=ctx)
+        ``ctx`` ``[B, Cin, k-1]`` (only read); ``ws``: a split reduction's workspace
+        (:func:`voice_out.model.flow_kernels.conv_workspace`) or None."""
+        return flow_kernels.conv(x, self.weight_taps(), _bias(self), self.kernel_size[0], ctx=ctx, ws=ws)
 
 
 def _bias(conv: nn.Conv1d) -> Tensor:
@@ -237,14 +238,15 @@ class CausalBlock(nn.Module):
         add: Tensor | None = None,
         res: tuple[Tensor, Tensor, Tensor] | None = None,
         ctx: Tensor | None = None,
+        ws: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """One fused kernel: x ``[B, T, Cin]`` -> ``[B, T, Cout]``, plus ``add`` ``[1 or B,
         Cout]`` on every frame, plus a 1x1 conv ``res`` = (input, weight, bias) of the same
         frame (:func:`voice_out.model.flow_kernels.conv`); left context zeros or ``ctx`` ``[B,
-        Cin, k-1]`` (only read)."""
+        Cin, k-1]`` (only read); ``ws``: a split reduction's workspace or None."""
         norm = (self.norm.weight, self.norm.bias, self.norm.eps)
         w, b = self.conv.weight_taps(), _bias(self.conv)
-        return flow_kernels.conv(x, w, b, CONV_KERNEL, norm=norm, add=add, res=res, ctx=ctx)
+        return flow_kernels.conv(x, w, b, CONV_KERNEL, norm=norm, add=add, res=res, ctx=ctx, ws=ws)
 
 
 class ResBlock(nn.Module):
@@ -277,14 +279,20 @@ class ResBlock(nn.Module):
         return a.view(b, t, -1)
 
     def forward_kernels(
-        self, x: Tensor, tproj: Tensor, ctx1: Tensor | None = None, ctx2: Tensor | None = None
+        self,
+        x: Tensor,
+        tproj: Tensor,
+        ctx1: Tensor | None = None,
+        ctx2: Tensor | None = None,
+        ws: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """Two fused kernels: x ``[B, T, Cin]`` (channels contiguous), ``tproj`` ``[1 or B,
         Cout]`` -> ``[B, T, Cout]``; the two convs' left contexts zeros, or ``ctx1`` ``[B, Cin,
-        k-1]`` and ``ctx2`` ``[B, Cout, k-1]`` (only read)."""
-        a = self.block1.forward_kernels(x, add=tproj, ctx=ctx1)
+        k-1]`` and ``ctx2`` ``[B, Cout, k-1]`` (only read); ``ws``: their split reduction's
+        workspace or None."""
+        a = self.block1.forward_kernels(x, add=tproj, ctx=ctx1, ws=ws)
         res = (x, self.res_conv.weight.view(self.res_conv.out_channels, -1), _bias(self.res_conv))
-        return self.block2.forward_kernels(a, res=res, ctx=ctx2)
+        return self.block2.forward_kernels(a, res=res, ctx=ctx2, ws=ws)
 
 
 class TransformerBlock(nn.Module):
@@ -425,6 +433,9 @@ class EstimatorPrep:
     * ``start``: absolute frame of ``x[..., 0]``.
     * ``chunk``, ``key_frames``: the same mask as the fused kernels take it (chunk frames, 0
       when not streaming; the key-padding lengths ``[B]`` or None).
+    * ``conv_ws``: the fused convs' split-reduction workspace for ``B L`` rows
+      (:func:`voice_out.model.flow_kernels.conv_workspace`; empty where their tier does not
+      split), or None (no fused kernels). Scratch shared by the solve's calls, one at a time.
     """
 
     inputs: Tensor
@@ -435,6 +446,7 @@ class EstimatorPrep:
     start: int
     chunk: int = 0
     key_frames: Tensor | None = None
+    conv_ws: tuple[Tensor, Tensor] | None = None
 
 
 class Estimator(nn.Module):
@@ -596,6 +608,7 @@ class Estimator(nn.Module):
             start=start,
             chunk=self.chunk_frames if streaming else 0,
             key_frames=key_frames,
+            conv_ws=flow_kernels.conv_workspace(b * n, self.channels, mu.device) if self.kernels else None,
         )
 
     def forward(
@@ -693,20 +706,22 @@ class Estimator(nn.Module):
                 h = blk.forward_kernels(h, prep.chunk, prep.key_frames, next(kvs), start)
             return h
 
+        ws = prep.conv_ws if prep.conv_ws is not None and prep.conv_ws[0].numel() else None
+
         def res_block(res: ResBlock, h: Tensor, tp: Tensor) -> Tensor:
             ctx1 = next(ctxs)
-            return res.forward_kernels(h, tp, ctx1, next(ctxs))
+            return res.forward_kernels(h, tp, ctx1, next(ctxs), ws)
 
         h = res_block(self.down_res, xp[:, k - 1 :], tproj[:, 0])
         h = attn(self.down_tbs, h)
         skip = h
-        h = self.down_conv.forward_kernels(h, next(ctxs))
+        h = self.down_conv.forward_kernels(h, next(ctxs), ws)
         for i, (res, stage) in enumerate(zip(self.mid_res, self.mid_tbs, strict=True)):
             assert isinstance(stage, nn.ModuleList) and isinstance(res, ResBlock)
             h = attn(stage, res_block(res, h, tproj[:, 1 + i]))
         h = res_block(self.up_res, torch.cat([h, skip], dim=2), tproj[:, -1])
         h = attn(self.up_tbs, h)
-        h = self.up_conv.forward_kernels(h, next(ctxs))
-        h = self.final_block.forward_kernels(h, ctx=next(ctxs))
+        h = self.up_conv.forward_kernels(h, next(ctxs), ws)
+        h = self.final_block.forward_kernels(h, ctx=next(ctxs), ws=ws)
         out = pointwise(self.final_proj, h.view(b * n, -1)).view(b, n, -1)
         return out.transpose(1, 2)

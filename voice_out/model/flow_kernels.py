@@ -52,20 +52,22 @@ except ImportError:  # pragma: no cover - depends on the install
 MAX_ROW = 1024
 #: Tile sizes and warps per kernel, by the rows M of the call (batch x frames; CFG rows
 #: included): each tier holds from its threshold up to the next. ln_linear and ln_linear_gelu
-#: (rows, cols, warps); linear (rows, cols, depth, warps); attention (queries, keys, warps); conv
-#: (rows when Cout > 128, rows otherwise, depth, warps; the columns are the whole Cout, for the
-#: LayerNorm). Measured on an H100 with ``python scripts/bench_flow_kernels.py --sweep --batch
-#: N`` at 356 frames: N = 1 (one first chunk, M = 712) wants small tiles, many programs for a
-#: launch-bound call; N = 8 (a batch of re-run chunks, M = 5696; a long utterance's chunks and
-#: final pass are that tall too) taller ones, since every program re-reads its weight columns.
-#: A whole batched first chunk (``Flow.batch_core``, T = 175 tokens) with the first tier's
-#: tiles, then the second's: 25.7 / 30.1 ms at N = 1, 33.9 / 33.3 at 2, 50.5 / 43.6 at 4, 89.0 /
-#: 62.5 at 8. Few tiers: each tile set is a Triton compile of every kernel variant at a fresh
-#: start (the best tiles at N = 2 and 4 were within a few percent of these). The first tier
-#: is for the short calls of a first chunk from a prompt prefix (``Flow.prefix_core``: 2 x 106
-#: frames for a 150-token prompt): ``--frames 106 --prefix 250 --sweep`` on an H200 found
-#: narrower linear tiles 25% faster there (the two linears of a transformer block 10.8 -> 8.0
-#: us); the other kernels' best tiles were within 0.3 us of the second tier's.
+#: (rows, cols, warps); linear (rows, cols, depth, warps); attention (queries, keys, warps);
+#: conv (rows when Cout > 128, rows otherwise, depth, warps, splits; the columns are the whole
+#: Cout, for the LayerNorm; splits > 1: the reduction over taps x channels in that many programs
+#: per row tile, where a call passes a workspace, :func:`conv_workspace`). Measured on an H100
+#: with ``python scripts/bench_flow_kernels.py --sweep --batch N`` at 356 frames: N = 1 (one
+#: first chunk, M = 712) wants small tiles, many programs for a launch-bound call; N = 8 (a
+#: batch of re-run chunks, M = 5696; a long utterance's chunks and final pass are that tall too)
+#: taller ones, since every program re-reads its weight columns. A whole batched first chunk
+#: (``Flow.batch_core``, T = 175 tokens) with the tiles of the tiers from 384, then 1024 rows: 25.7 /
+#: 30.1 ms at N = 1, 33.9 / 33.3 at 2, 50.5 / 43.6 at 4, 89.0 / 62.5 at 8. Few tiers: each tile
+#: set is a Triton compile of every kernel variant at a fresh start (the best tiles at N = 2 and
+#: 4 were within a few percent of these). The first tier is for the short calls of a first chunk
+#: from a prompt prefix (``Flow.prefix_core``: 2 x 106 frames for a 150-token prompt):
+#: ``--frames 106 --prefix 250 --sweep`` on an H200 found narrower linear tiles 25% faster there
+#: (the two linears of a transformer block 10.8 -> 8.0 us); the other kernels' best tiles were
+#: within 0.3 us of the second tier's.
 TILE_TIERS: tuple[tuple[int, dict[str, tuple[int, ...]]], ...] = (
     (
         0,
@@ -74,7 +76,7 @@ TILE_TIERS: tuple[tuple[int, dict[str, tuple[int, ...]]], ...] = (
             "ln_linear_gelu": (32, 64, 4),
             "linear": (16, 32, 64, 4),
             "attention": (64, 64, 4),
-            "conv": (16, 32, 64, 4),
+            "conv": (16, 32, 64, 4, 4),
         },
     ),
     (
@@ -84,7 +86,7 @@ TILE_TIERS: tuple[tuple[int, dict[str, tuple[int, ...]]], ...] = (
             "ln_linear_gelu": (32, 64, 4),
             "linear": (32, 64, 64, 4),
             "attention": (64, 64, 4),
-            "conv": (16, 32, 64, 4),
+            "conv": (16, 32, 64, 4, 1),
         },
     ),
     (
@@ -94,7 +96,7 @@ TILE_TIERS: tuple[tuple[int, dict[str, tuple[int, ...]]], ...] = (
             "ln_linear_gelu": (64, 128, 4),
             "linear": (128, 128, 64, 8),
             "attention": (64, 64, 4),
-            "conv": (64, 32, 64, 8),
+            "conv": (64, 32, 64, 8, 1),
         },
     ),
 )
@@ -333,6 +335,8 @@ if triton is not None:
         stride_cb,
         stride_cc,
         stride_ct,
+        ws_ptr,
+        cnt_ptr,
         out_ptr,
         stride_ob,
         stride_ot,
@@ -349,8 +353,10 @@ if triton is not None:
         HAS_ADD: tl.constexpr,
         HAS_RES: tl.constexpr,
         HAS_CTX: tl.constexpr,
+        SPLITS: tl.constexpr,
     ):
         pid = tl.program_id(0)
+        sid = tl.program_id(1)  # this program's share of the reduction (SPLITS > 1)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         r_ok = rows < M
         bi = rows // T
@@ -358,52 +364,82 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_N)
         c_ok = cols < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for tap in tl.static_range(TAPS):
-            # tap j reads frame t + j - (TAPS - 1); frames before 0 are the left context: zeros,
-            # or (HAS_CTX) ctx [B, C_IN, TAPS - 1], the previous frames in time order
+        n_kb = tl.cdiv(C_IN, BLOCK_K)
+        # tap j reads frame t + j - (TAPS - 1); frames before 0 are the left context: zeros, or
+        # (HAS_CTX) ctx [B, C_IN, TAPS - 1], the previous frames in time order. The reduction is
+        # TAPS x n_kb steps (tap-major); a split takes a contiguous run of them.
+        for it in range(sid * TAPS * n_kb // SPLITS, (sid + 1) * TAPS * n_kb // SPLITS):
+            tap = it // n_kb
+            ks = (it % n_kb) * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = ks < C_IN
             src = ti + tap - (TAPS - 1)
             s_ok = r_ok & (src >= 0)
-            a_row = x_ptr + bi * stride_xb + src * stride_xt
-            c_row = ctx_ptr + bi * stride_cb + (src + TAPS - 1) * stride_ct
-            in_ctx = r_ok & (src < 0)
-            for k0 in range(0, C_IN, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < C_IN
-                a = tl.load(a_row[:, None] + ks[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
-                if HAS_CTX:
-                    a_ctx = tl.load(
-                        c_row[:, None] + ks[None, :] * stride_cc, mask=in_ctx[:, None] & k_ok[None, :], other=0.0
-                    )
-                    a = tl.where(in_ctx[:, None], a_ctx, a)
-                w_at = w_ptr + cols[None, :] * stride_w + tap * C_IN + ks[:, None]
-                w = tl.load(w_at, mask=c_ok[None, :] & k_ok[:, None], other=0.0)
-                acc = tl.dot(a, w, acc)
-        acc += tl.load(b_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-        if NORM:
-            mean = tl.sum(tl.where(c_ok[None, :], acc, 0.0), axis=1) / N
-            xc = tl.where(c_ok[None, :], acc - mean[:, None], 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-            lw = tl.load(lnw_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
-            lb = tl.load(lnb_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
-            acc = _mish(xc * rstd[:, None] * lw[None, :] + lb[None, :])
-        if HAS_ADD:
-            acc += tl.load(add_ptr + bi[:, None] * stride_add + cols[None, :], mask=c_ok[None, :], other=0.0).to(
-                tl.float32
+            a = tl.load(
+                x_ptr + (bi * stride_xb + src * stride_xt)[:, None] + ks[None, :],
+                mask=s_ok[:, None] & k_ok[None, :],
+                other=0.0,
             )
+            if HAS_CTX:
+                in_ctx = r_ok & (src < 0)
+                c_row = ctx_ptr + bi * stride_cb + (src + TAPS - 1) * stride_ct
+                c_ok_k = in_ctx[:, None] & k_ok[None, :]
+                a_ctx = tl.load(c_row[:, None] + ks[None, :] * stride_cc, mask=c_ok_k, other=0.0)
+                a = tl.where(in_ctx[:, None], a_ctx, a)
+            w_at = w_ptr + cols[None, :] * stride_w + tap * C_IN + ks[:, None]
+            w = tl.load(w_at, mask=c_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(a, w, acc)
+        res = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if HAS_RES:
-            # 1x1 conv of the residual input's same frame
-            res = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            a_row = rx_ptr + bi * stride_rxb + ti * stride_rxt
-            for k0 in range(0, C_RES, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
+            # 1x1 conv of the residual input's same frame (its reduction split the same way)
+            n_rb = tl.cdiv(C_RES, BLOCK_K)
+            r_row = rx_ptr + bi * stride_rxb + ti * stride_rxt
+            for rb in range(sid * n_rb // SPLITS, (sid + 1) * n_rb // SPLITS):
+                ks = rb * BLOCK_K + tl.arange(0, BLOCK_K)
                 k_ok = ks < C_RES
-                a = tl.load(a_row[:, None] + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(r_row[:, None] + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                 w_at = rw_ptr + cols[None, :] * stride_rw + ks[:, None]
                 w = tl.load(w_at, mask=c_ok[None, :] & k_ok[:, None], other=0.0)
                 res = tl.dot(a, w, res)
-            acc += res + tl.load(rb_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + (bi * stride_ob + ti * stride_ot)[:, None] + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+        ok = r_ok[:, None] & c_ok[None, :]
+        last = True
+        if SPLITS > 1:
+            # float32 products [2, SPLITS, M, BLOCK_N] (conv, residual); the last program of the
+            # row tile to arrive sums them in split order (the same result whichever is last)
+            mine = ws_ptr + (sid * M + rows)[:, None] * BLOCK_N + cols[None, :]
+            tl.store(mine, acc, mask=ok)
+            if HAS_RES:
+                tl.store(mine + SPLITS * M * BLOCK_N, res, mask=ok)
+            # every thread's store issued before the count (then released at GPU scope)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+            last = arrived == SPLITS - 1
+            if last:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                res = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for sp in tl.static_range(SPLITS):
+                    # past L1: the products were written by other SMs
+                    theirs = ws_ptr + (sp * M + rows)[:, None] * BLOCK_N + cols[None, :]
+                    acc += tl.load(theirs, mask=ok, other=0.0, cache_modifier=".cg")
+                    if HAS_RES:
+                        res += tl.load(theirs + SPLITS * M * BLOCK_N, mask=ok, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + pid, 0)
+        if last:
+            acc += tl.load(b_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            if NORM:
+                mean = tl.sum(tl.where(c_ok[None, :], acc, 0.0), axis=1) / N
+                xc = tl.where(c_ok[None, :], acc - mean[:, None], 0.0)
+                rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+                lw = tl.load(lnw_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+                lb = tl.load(lnb_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+                acc = _mish(xc * rstd[:, None] * lw[None, :] + lb[None, :])
+            if HAS_ADD:
+                acc += tl.load(add_ptr + bi[:, None] * stride_add + cols[None, :], mask=c_ok[None, :], other=0.0).to(
+                    tl.float32
+                )
+            if HAS_RES:
+                acc += res + tl.load(rb_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            out = out_ptr + (bi * stride_ob + ti * stride_ot)[:, None] + cols[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _rows(x: Tensor, name: str) -> Tensor:
@@ -589,12 +625,19 @@ def conv(
     add: Tensor | None = None,
     res: tuple[Tensor, Tensor, Tensor] | None = None,
     ctx: Tensor | None = None,
+    ws: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Causal conv, time-major, one kernel: x ``[B, T, Cin]`` (channels contiguous, any
     batch/time strides), ``weight2d`` ``[Cout, taps Cin]`` tap-major (column j Cin + c = tap j,
     channel c; ``CausalConv.weight2d``), bias ``[Cout]`` -> ``[B, T, Cout]``. The left context
     is zeros, or ``ctx`` ``[B, Cin, taps - 1]`` (any strides): the ``taps - 1`` frames before
     x's first, in time order (an estimator state's conv context, only read).
+
+    ``ws``: :func:`conv_workspace` of at least this call's rows and Cout: the reduction is then
+    split as the tier of its rows says (several programs per row tile, the last to arrive
+    summing their float32 products in a fixed order: the result does not depend on which is
+    last). Calls sharing a workspace must not run at once (one stream); every launch leaves
+    its counters at zero. Without it, one program per row tile.
 
     Epilogue, in order: ``norm`` = (weight, bias, eps): LayerNorm over Cout, then Mish; ``add``
     ``[1 or B, Cout]``: added to every frame of its row; ``res`` = (weight ``[Cout, Cin]``, bias
@@ -617,12 +660,17 @@ def conv(
     if ctx is not None and (tuple(ctx.shape) != (b, c_in, taps - 1) or ctx.dtype != x.dtype):
         raise ValueError(f"conv: ctx must be [{b}, {c_in}, {taps - 1}] {x.dtype}, got {tuple(ctx.shape)} {ctx.dtype}")
     block_n = _pow2(c_out)
-    wide_m, narrow_m, block_k, warps = tier(b * t)["conv"]
+    wide_m, narrow_m, block_k, warps, splits = tier(b * t)["conv"]
     block_m = wide_m if block_n > 128 else narrow_m
+    row_tiles = triton.cdiv(b * t, block_m)
+    if ws is None or splits <= 1:
+        splits = 1
+    elif ws[0].numel() < 2 * splits * b * t * block_n or ws[1].numel() < row_tiles:
+        raise ValueError(f"conv: workspace too small for {b * t} rows x {c_out} channels in {splits} splits")
     kernel: Any = _conv_kernel
     launch(
         kernel,
-        (triton.cdiv(b * t, block_m),),
+        (row_tiles, splits),
         x,
         x.stride(0),
         x.stride(1),
@@ -644,6 +692,8 @@ def conv(
         ctx.stride(0) if ctx is not None else 0,
         ctx.stride(1) if ctx is not None else 0,
         ctx.stride(2) if ctx is not None else 0,
+        ws[0] if ws is not None else x,
+        ws[1] if ws is not None else x,
         out,
         out.stride(0),
         out.stride(1),
@@ -660,6 +710,19 @@ def conv(
         HAS_ADD=add is not None,
         HAS_RES=res is not None,
         HAS_CTX=ctx is not None,
+        SPLITS=splits,
         num_warps=warps,
     )
     return out
+
+
+def conv_workspace(rows: int, channels: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """What split :func:`conv` calls of up to ``rows`` rows (batch x frames) and ``channels``
+    output channels need between their programs: float32 products and an int32 arrival counter
+    per row tile (zeros; every launch leaves them so). Empty (no split) when the tier of
+    ``rows`` does not split its convs. One per estimator solve: its calls run one after another."""
+    wide_m, narrow_m, _, _, splits = tier(rows)["conv"]
+    if splits <= 1 or triton is None:
+        return torch.empty(0, device=device), torch.empty(0, dtype=torch.int32, device=device)
+    partials = torch.empty(2 * splits * rows * _pow2(channels), device=device, dtype=torch.float32)
+    return partials, torch.zeros(triton.cdiv(rows, min(wide_m, narrow_m)), dtype=torch.int32, device=device)
