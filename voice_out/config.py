@@ -179,7 +179,7 @@ class EngineConfig:
     #: contexts (exact: chunk-causal; docs/token2wav.md), where they re-ran the whole prompt.
     #: Each voice keeps its prefix on the device (~0.6 GB for a 150-token prompt at full size
     #: in bf16), plus one buffer of that size per prefix length; a voice beyond the limit, or
-    #: added after start-up, re-runs its prompt.
+    #: added after start-up, re-runs its prompt. On a GPU it needs ``fused_flow`` (off without it).
     first_chunk_prefix_voices: int = 4
     #: Plan LLM steps one ahead while a step feeds at most this many streams (light load; 0:
     #: never; a stream counts once, whatever its input rows): the next step of every stream

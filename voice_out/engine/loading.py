@@ -192,7 +192,9 @@ def build_engine(
             fused_linear=ec.fused_linear,
             dependent_launch=ec.dependent_launch,
             batched_input_rows=ec.batched_input_rows,
-            prefix_voices=ec.first_chunk_prefix_voices,
+            # on a GPU only with the fused kernels: the plain estimator would copy a voice's
+            # prefix (~0.6 GB) into a state of its own for every first chunk
+            prefix_voices=ec.first_chunk_prefix_voices if flow.estimator.kernels or device.type != "cuda" else 0,
         )
         if ec.fused_decode and device.type == "cuda" and not runner.graphed.fused:
             log.info("engine: fused decode kernels unavailable here (need Triton and bf16/fp16): plain-torch decode")

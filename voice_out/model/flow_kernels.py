@@ -18,13 +18,16 @@ carries what surrounds it:
 * :func:`conv`: a causal conv (stride 1, zero left context) as an implicit GEMM over the taps
   of the time-major input (no padded copy, no window copy), with LayerNorm + Mish, a per-row
   vector add (a ResBlock's time projection) and a 1x1 residual conv of the current frame (a
-  second GEMM) in its epilogue. A ResBlock is two of these.
+  second GEMM) in its epilogue. A ResBlock is two of these. Calls of few rows split the
+  reduction over several programs per row tile (:func:`conv_workspace`).
 
 A transformer block is then 5 kernels instead of 10, a ResBlock 2 instead of ~9. Every
 intermediate is rounded once to the compute dtype, where the plain path rounds after each op:
 the results agree within bf16 rounding (``tests/test_flow_kernels.py`` checks each kernel and
-the whole first chunk against ``flow_estimator.py``, which stays the reference). Only the
-stateless estimator call (the re-run and final-chunk paths the CUDA graphs replay) uses them.
+the whole first chunk against ``flow_estimator.py``, which stays the reference). The stateless
+estimator call (the re-run and final-chunk paths the CUDA graphs replay) uses them, and so does
+a first chunk from a voice's prompt prefix (``Flow.prefix_core``): its attention reads the
+prefix's keys and values and its convs the prefix's left context, never writing them.
 
 Needs Triton (it ships with PyTorch's CUDA builds); :func:`available` says whether they run for
 a device, dtype and shape. Tile sizes are fixed per row count (no autotuning at start-up):
