@@ -803,6 +803,25 @@ def test_a_warm_engine_s_first_utterances_import_nothing(tmp_path: Path) -> None
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
+def engine_with_voices(tmp: Path, ec: EngineConfig, device: str, default_tokens: int, others: Sequence[int]) -> Engine:
+    """A tiny random engine (not started, warmed up when started) whose default voice is a
+    noise voice of ``default_tokens`` flow prompt tokens, with built-in noise voices ``n<P>``
+    of each of ``others`` prompt lengths."""
+    cfg = Config(server=ServerConfig(voices_dir=str(tmp / "no-voices")), engine=ec)
+    eng = Engine.load(
+        cfg,
+        model="random:tiny",
+        device=device,
+        forced=FORCED_3,
+        text_normalizer="none",
+        noise_prompt_tokens=default_tokens,
+    )
+    for p in others:
+        ids, fv = noise_voice(p, seed=p)
+        eng.voices.builtin[f"n{p}"] = VoicePrompt(f"n{p}", tuple(range(p // 3)), tuple(ids), p, fv)
+    return eng
+
+
 def test_first_chunks_come_from_the_voices_prompt_prefixes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A warmed-up engine keeps the prompt prefixes of its default voice and its other voices
     up to ``engine.first_chunk_prefix_voices`` (here 2 of 3: the third re-runs its prompt),
@@ -819,13 +838,7 @@ def test_first_chunks_come_from_the_voices_prompt_prefixes(tmp_path: Path, monke
 
     def run(n_voices: int) -> tuple[int, list[np.ndarray]]:
         ec = EngineConfig(max_streams=2, first_chunk_prefix_voices=n_voices)
-        cfg = Config(server=ServerConfig(voices_dir=str(tmp_path / "no-voices")), engine=ec)
-        eng = Engine.load(
-            cfg, model="random:tiny", device="cpu", forced=FORCED_3, text_normalizer="none", noise_prompt_tokens=60
-        )
-        for p in (40, 75):
-            ids, fv = noise_voice(p, seed=p)
-            eng.voices.builtin[f"n{p}"] = VoicePrompt(f"n{p}", tuple(range(p // 3)), tuple(ids), p, fv)
+        eng = engine_with_voices(tmp_path, ec, "cpu", 60, (40, 75))
         eng.start(timeout=300)
         try:
             kept = len(engine_runner(eng)._first_prefixes)
@@ -864,13 +877,7 @@ def test_a_start_captures_every_voice_s_prompt_length(
     from voice_out.model.cuda_graphs import GraphedFn
 
     ec = EngineConfig(max_streams=2, capture_tokens=100, capture_batch_tokens=60, capture_voice_tokens=voice_tokens)
-    cfg = Config(server=ServerConfig(voices_dir=str(tmp_path / "no-voices")), engine=ec)
-    eng = Engine.load(
-        cfg, model="random:tiny", device="cuda", forced=FORCED_3, text_normalizer="none", noise_prompt_tokens=50
-    )
-    for p in (25, 75):
-        ids, fv = noise_voice(p, seed=p)
-        eng.voices.builtin[f"n{p}"] = VoicePrompt(f"n{p}", tuple(range(p // 3)), tuple(ids), p, fv)
+    eng = engine_with_voices(tmp_path, ec, "cuda", 50, (25, 75))
     eng.start(timeout=600)
     try:
         captured: list[object] = []

@@ -104,6 +104,21 @@ def test_attention_equals_sdpa(chunk: int, padded: bool, b: int) -> None:
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+def _res_block(c_in: int, c: int, seed: int) -> ResBlock:
+    """A bf16 ResBlock on the GPU with random weights (norms near 1), its convs fused."""
+    torch.manual_seed(seed)
+    block = ResBlock(c_in, c, 1024).to("cuda")
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.05)
+        block.block1.norm.weight.add_(1.0)
+        block.block2.norm.weight.add_(1.0)
+    block = block.to(torch.bfloat16)
+    block.block1.conv.fuse_()
+    block.block2.conv.fuse_()
+    return block
+
+
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize(("start", "cap"), [(250, 300), (100, 100), (75, 90)])
 def test_attention_after_a_prefix_equals_sdpa(start: int, cap: int) -> None:
@@ -136,17 +151,8 @@ def test_resblock_kernels_after_a_context_equal_the_plain_block(b: int) -> None:
     modules fed the same context; the context is only read. With a workspace, the rows of a
     tier that splits the reduction (106 and 318 rows) split it."""
     dev, dt = torch.device("cuda"), torch.bfloat16
-    torch.manual_seed(1)
     c_in, c, t = 320, 256, 53
-    block = ResBlock(c_in, c, 1024).to(dev)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, 0.05)
-        block.block1.norm.weight.add_(1.0)
-        block.block2.norm.weight.add_(1.0)
-    block = block.to(dt)
-    block.block1.conv.fuse_()
-    block.block2.conv.fuse_()
+    block = _res_block(c_in, c, seed=1)
     x = torch.randn(b, t, c_in, device=dev).to(dt)
     ctx1 = torch.randn(b, c_in, 2, device=dev).to(dt)
     ctx2 = torch.randn(b, c, 2, device=dev).to(dt)
@@ -184,17 +190,8 @@ def test_resblock_kernels_equal_the_plain_block(b: int) -> None:
     residual) against the plain ResBlock, on a strided input (the body of a padded buffer);
     2 and 16 rows of 181 frames: one call in each tile tier."""
     dev, dt = torch.device("cuda"), torch.bfloat16
-    torch.manual_seed(0)
     c_in, c, t = 320, 256, 181
-    block = ResBlock(c_in, c, 1024).to(dev)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, 0.05)
-        block.block1.norm.weight.add_(1.0)
-        block.block2.norm.weight.add_(1.0)
-    block = block.to(dt)
-    block.block1.conv.fuse_()
-    block.block2.conv.fuse_()
+    block = _res_block(c_in, c, seed=0)
     padded = torch.zeros(b, 2 + t, c_in, device=dev, dtype=dt)
     padded[:, 2:] = torch.randn(b, t, c_in, device=dev).to(dt)
     tproj = torch.randn(b, c, device=dev).to(dt)
