@@ -716,17 +716,55 @@ async def test_control_websocket_drives_the_browser_session(server: Server) -> N
 # -- serve -----------------------------------------------------------------------------------------
 
 SERVE_SCRIPT = """
-import sys
+import asyncio, sys
 from tests.fakes import FakeEngine, FakeVoiceStore
 import voice_out.server.app as app
 from voice_out.config import Config, ServerConfig
 
-engine = FakeEngine()
+class SlowEngine(FakeEngine):  # argv[2]: seconds the engine takes to stop
+    async def __aexit__(self, *exc):
+        await asyncio.sleep(float(sys.argv[2]))
+        await super().__aexit__(*exc)
+
+engine = SlowEngine()
 app.load_runtime = lambda cfg: (engine, FakeVoiceStore(engine))
 rc = app.serve(Config(server=ServerConfig(port=int(sys.argv[1]))))
 print(f"exit rc={rc} started={engine.started} stopped={engine.stopped} active={len(engine.active)}", flush=True)
 sys.exit(rc)
 """
+
+
+async def _serve_subprocess(port: int, stop_s: float) -> tuple[asyncio.subprocess.Process, str]:
+    """``voice-out serve`` over a fake engine that takes ``stop_s`` to stop, in a process of its
+    own, up and answering /healthz."""
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        SERVE_SCRIPT,
+        str(port),
+        str(stop_s),
+        cwd=REPO_ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as http:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                async with http.get(url + "/healthz") as r:
+                    if r.status == 200:
+                        break
+            except aiohttp.ClientConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                proc.kill()
+                await proc.wait()
+                raise AssertionError("the server did not come up")
+            await asyncio.sleep(0.1)
+    return proc, url
 
 
 def _free_port() -> int:
@@ -741,31 +779,10 @@ def _free_port() -> int:
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
 async def test_serve_shuts_down_gracefully_on_signals(signame: str) -> None:
     import signal
-    import sys
 
     port = _free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        SERVE_SCRIPT,
-        str(port),
-        cwd=REPO_ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
+    proc, url = await _serve_subprocess(port, stop_s=0.0)
     try:
-        async with aiohttp.ClientSession() as http:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    async with http.get(url + "/healthz") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                assert time.monotonic() < deadline, "the server did not come up"
-                await asyncio.sleep(0.1)
         client = await connect(url)
         client.send_text("u", "Talking while the server is stopped. ")
         await client.wait_for("audio.started", "u")
@@ -782,6 +799,33 @@ async def test_serve_shuts_down_gracefully_on_signals(signame: str) -> None:
     assert f"voice_out serving on http://127.0.0.1:{port}/" in text
     assert "exit rc=0 started=1 stopped=1 active=0" in text
     assert "Traceback" not in err.decode()
+
+
+@pytest.mark.asyncio
+async def test_a_second_signal_during_the_shutdown_exits_at_once() -> None:
+    """While the first SIGTERM's graceful shutdown waits (here on an engine that takes 30 s to
+    stop), a second one ends the process at once: one line on stderr, no traceback, exit
+    status 128 + SIGTERM."""
+    import signal
+
+    proc, _ = await _serve_subprocess(_free_port(), stop_s=30.0)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(1.0)  # the shutdown is under way: the engine is stopping
+        assert proc.returncode is None
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = await asyncio.wait_for(proc.communicate(), 10)
+        waited = time.monotonic() - t0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err.decode()[-2000:]
+    assert waited < 5
+    assert "SIGTERM again while shutting down: exiting now" in err.decode()
+    assert "Traceback" not in err.decode()
+    assert "exit rc=" not in out.decode()  # the engine's stop was not waited for
 
 
 def test_serve_without_engine_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,6 +27,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
+import signal
 import site
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -436,7 +438,8 @@ def serve(cfg: Config) -> int:
     """Load the engine and voice store, serve until SIGINT/SIGTERM, shut down cleanly.
 
     On a signal: new offers are refused, every session is closed (streams cancelled, tasks
-    awaited, peer connections closed), then the engine is stopped; returns 0.
+    awaited, peer connections closed), then the engine is stopped; returns 0. A second
+    SIGINT/SIGTERM while that runs exits the process at once (:func:`_exit_now`).
     """
     engine, store = load_runtime(cfg)
     loop = _new_loop()
@@ -445,9 +448,14 @@ def serve(cfg: Config) -> int:
     def announce(_: str) -> None:
         print(f"voice_out serving on http://{server.host}:{server.port}/ (Ctrl-C to stop)", flush=True)
 
+    app = create_app(cfg, engine, store)
+    # first of the shutdown hooks: from here on a signal no longer asks for a graceful exit
+    # (aiohttp's handler would raise GracefulExit inside the shutdown: a traceback, and the
+    # engine never stopped), it ends the process
+    app.on_shutdown.insert(0, _exit_on_next_signal)
     try:
         web.run_app(
-            create_app(cfg, engine, store),
+            app,
             host=server.host,
             port=server.port,
             print=announce,
@@ -461,6 +469,22 @@ def serve(cfg: Config) -> int:
         if not loop.is_closed():
             loop.close()
     return 0
+
+
+async def _exit_on_next_signal(app: web.Application) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # no loop signals here
+            loop.add_signal_handler(sig, _exit_now, sig)
+
+
+def _exit_now(sig: signal.Signals) -> None:
+    """A second SIGINT/SIGTERM while the first's graceful shutdown runs: the user wants the
+    process gone now. One line on stderr, exit status 128 + the signal's number; the OS frees
+    the GPU and the sockets (sessions get no goodbye)."""
+    print(f"voice_out: {sig.name} again while shutting down: exiting now", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(128 + int(sig))
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
