@@ -159,7 +159,7 @@ def test_resblock_kernels_after_a_context_equal_the_plain_block(b: int) -> None:
     tproj = torch.randn(b, c, device=dev).to(dt)
     kept = (ctx1.clone(), ctx2.clone())
     ws = flow_kernels.conv_workspace(b * t, c, dev)
-    assert flow_kernels.tier(b * t)["conv"][4] > 1 and ws[0].numel()  # these rows' tier splits
+    assert flow_kernels.tier(b * t)["conv"][4] > 1 and ws is not None  # these rows' tier splits
     with torch.inference_mode():
         zeros = torch.zeros(b, 2, c_in, device=dev, dtype=dt)
         scratch = torch.zeros(b, 2 + t, c, device=dev, dtype=dt)

@@ -434,8 +434,8 @@ class EstimatorPrep:
     * ``chunk``, ``key_frames``: the same mask as the fused kernels take it (chunk frames, 0
       when not streaming; the key-padding lengths ``[B]`` or None).
     * ``conv_ws``: the fused convs' split-reduction workspace for ``B L`` rows
-      (:func:`voice_out.model.flow_kernels.conv_workspace`; empty where their tier does not
-      split), or None (no fused kernels). Scratch shared by the solve's calls, one at a time.
+      (:func:`voice_out.model.flow_kernels.conv_workspace`), or None (no fused kernels, or a
+      tier that does not split). Scratch shared by the solve's calls, one at a time.
     """
 
     inputs: Tensor
@@ -706,7 +706,7 @@ class Estimator(nn.Module):
                 h = blk.forward_kernels(h, prep.chunk, prep.key_frames, next(kvs), start)
             return h
 
-        ws = prep.conv_ws if prep.conv_ws is not None and prep.conv_ws[0].numel() else None
+        ws = prep.conv_ws
 
         def res_block(res: ResBlock, h: Tensor, tp: Tensor) -> Tensor:
             ctx1 = next(ctxs)

@@ -667,7 +667,7 @@ def conv(
     block_m = wide_m if block_n > 128 else narrow_m
     row_tiles = triton.cdiv(b * t, block_m)
     if ws is None or splits <= 1:
-        splits = 1
+        splits, ws = 1, None  # an unsplit launch reads no workspace (one specialisation either way)
     elif ws[0].numel() < 2 * splits * b * t * block_n or ws[1].numel() < row_tiles:
         raise ValueError(f"conv: workspace too small for {b * t} rows x {c_out} channels in {splits} splits")
     kernel: Any = _conv_kernel
@@ -719,13 +719,13 @@ def conv(
     return out
 
 
-def conv_workspace(rows: int, channels: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
+def conv_workspace(rows: int, channels: int, device: torch.device | str) -> tuple[Tensor, Tensor] | None:
     """What split :func:`conv` calls of up to ``rows`` rows (batch x frames) and ``channels``
     output channels need between their programs: float32 products and an int32 arrival counter
-    per row tile (zeros; every launch leaves them so). Empty (no split) when the tier of
-    ``rows`` does not split its convs. One per estimator solve: its calls run one after another."""
+    per row tile (zeros; every launch leaves them so). None when the tier of ``rows`` does not
+    split its convs. One per estimator solve: its calls run one after another."""
     wide_m, narrow_m, _, _, splits = tier(rows)["conv"]
     if splits <= 1 or triton is None:
-        return torch.empty(0, device=device), torch.empty(0, dtype=torch.int32, device=device)
+        return None
     partials = torch.empty(2 * splits * rows * _pow2(channels), device=device, dtype=torch.float32)
     return partials, torch.zeros(triton.cdiv(rows, min(wide_m, narrow_m)), dtype=torch.int32, device=device)

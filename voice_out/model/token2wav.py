@@ -763,7 +763,6 @@ class Token2Wav:
         slot = self._prefix_slot(prompt)
         if slot.voice is not prompt:
             slot.state.copy_prefix_(prompt.prefix, prompt.n_prefix, MEL_FRAMES_PER_TOKEN)
-            slot.state.n_done = prompt.n_prefix
             slot.voice = prompt
         key = (prompt.n_prompt, plan.token_len)
         return slot.graph(key, ids, emb, cond)[:, :, start:].float().clone()  # the graph reuses its output
@@ -777,6 +776,7 @@ class Token2Wav:
         if slot is None:
             flow = cast(PrefixFlow, self.flow)
             state = flow.allocate_stream_cache(n_prefix)
+            state.n_done = n_prefix  # a whole prefix of this length, once a voice's is copied in
             lane = self._first_lane
 
             def from_prefix(ids: Tensor, embedding: Tensor, cond: Tensor) -> Tensor:
