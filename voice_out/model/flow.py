@@ -670,13 +670,17 @@ class Flow(nn.Module):
             raise ValueError(f"ids [B, T + {d.pre_lookahead}] and embedding [B, {d.spk_embed_dim}] expected")
         if tuple(cond.shape) != (b, d.n_mels, d.token_mel_ratio * t):
             raise ValueError(f"cond must be [{b}, {d.n_mels}, {d.token_mel_ratio * t}], got {tuple(cond.shape)}")
-        spk = self.speaker(embedding)  # [B, n_mels]
+        return self.solve(self._streaming_mu(ids), self.speaker(embedding), cond.to(self.device, self.dtype), True)
+
+    def _streaming_mu(self, ids: Tensor) -> Tensor:
+        """The encoder's chunk-causal pass over rows ``ids`` ``[B, T + lookahead]`` (the last
+        ``lookahead`` ids are context only): mu ``[B, n_mels, ratio T]``."""
+        t = ids.shape[1] - self.dims.pre_lookahead
         x = self.embed_tokens(ids)
         # The encoder concatenates x and the context again, so row i's conv input is exactly
         # [prompt, tokens, look-ahead, padding].
         h = self.encoder(x[:, :t], x[:, t:], True)
-        mu = self.encoder_proj(h).transpose(1, 2)
-        return self.solve(mu, spk, cond.to(self.device, self.dtype), True)
+        return self.encoder_proj(h).transpose(1, 2)
 
     def final_inputs(
         self, items: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]], total: int
@@ -803,10 +807,8 @@ class Flow(nn.Module):
         if tuple(cond.shape) != (1, d.n_mels, ratio * (t - n_pre)):
             raise ValueError(f"cond must be [1, {d.n_mels}, {ratio * (t - n_pre)}], got {tuple(cond.shape)}")
         spk = self.speaker(embedding)
-        x = self.embed_tokens(ids)
-        h = self.encoder(x[:, :t], x[:, t:], True)
         f0 = ratio * n_pre
-        mu = self.encoder_proj(h).transpose(1, 2)[:, :, f0:]
+        mu = self._streaming_mu(ids)[:, :, f0:]
         cond = cond.to(self.device, self.dtype)
         if self.estimator.kernels:
             return self.solve(mu, spk, cond, True, f0, prefix=prefix)
