@@ -452,6 +452,8 @@ class Flow(nn.Module):
         cache: FlowStreamCache | None = None,
         key_frames: Tensor | None = None,
         prefix: FlowStreamCache | None = None,
+        at: Tensor | None = None,
+        x0: Tensor | None = None,
     ) -> Tensor:
         """CFM Euler solve for frames ``start .. start + L`` -> float32 ``[B, n_mels, L]``.
 
@@ -462,7 +464,9 @@ class Flow(nn.Module):
         cache): row b's real frames are its first ``key_frames[b]``; attention reads no key
         past them (right padding, see :meth:`final_core`). ``prefix`` (B = 1, the fused
         estimator kernels; instead of ``cache``): a voice's prompt prefix of exactly ``start``
-        frames (``FlowPrompt.prefix``), only read (:meth:`prefix_core`).
+        frames (``FlowPrompt.prefix``), only read (:meth:`prefix_core`). ``at`` (with ``cache``,
+        the fused estimator kernels; start 0): the first frame as a device int ``[1]``, with
+        ``x0`` ``[1, n_mels, L]`` the noise of those frames (:meth:`state_core`).
 
         Upstream's loop (spec 3.3) with its per-step constants made once: the time values and
         their embeddings (:meth:`Estimator.prepare`: one batched time MLP for all steps, the
@@ -498,7 +502,8 @@ class Flow(nn.Module):
         prep = self.estimator.prepare(mu_in, spk_in, cond_in, t_steps.unsqueeze(1), streaming, start, cfg_frames)
         # The CFG batch's x: both halves hold the same float32 Euler state, updated together,
         # so the estimator input needs no concatenation. [2, B, n_mels, L]
-        x = self.noise[:, :, start : start + n].to(self.device, torch.float32).expand(2, b, -1, -1).clone()
+        noise = x0 if x0 is not None else self.noise[:, :, start : start + n]
+        x = noise.to(self.device, torch.float32).expand(2, b, -1, -1).clone()
         x_in = x.view(2 * b, -1, n)
         for step in range(d.n_timesteps):
             state = cache.estimator_state(step) if cache is not None else None
@@ -515,6 +520,7 @@ class Flow(nn.Module):
                 prep=prep,
                 step=step,
                 prefix=read,
+                at=at,
             ).view(2, b, -1, n)
             x.addcmul_(v[:1], coef_cond[step])
             x.addcmul_(v[1:], coef_uncond[step])
@@ -848,17 +854,23 @@ class Flow(nn.Module):
         """Run tokens ``n_done .. n_tokens`` of ``cache`` through the whole flow, chunk-causally,
         extending every layer's state; ``context`` ``[1, lookahead]`` ids or None (zeros).
         Returns their float32 mel ``[1, n_mels, ratio (n_tokens - n_done)]``."""
-        d = self.dims
+        mu, cond, f0 = self._encode_next(cache, context, prompt_feat)
+        mel = self.solve(mu, spk.to(self.device, self.dtype), cond, True, f0, cache)
+        cache.n_done = cache.n_tokens
+        return mel
+
+    def _encode_next(
+        self, cache: FlowStreamCache, context: Tensor | None, prompt_feat: Tensor
+    ) -> tuple[Tensor, Tensor, int]:
+        """The encoder's part of :meth:`_advance` (extends the cache's encoder state): mu and
+        cond ``[1, n_mels, ratio (n_tokens - n_done)]`` and the first frame, ratio n_done."""
         start, stop = cache.n_done, cache.n_tokens
         x = self.embed_tokens(cache.tokens[start:stop].unsqueeze(0))
         ctx = self.embed_tokens(context) if context is not None else None
         h = self.encoder(x, ctx, True, cache, start)
         mu = self.encoder_proj(h).transpose(1, 2)
-        f0 = start * d.token_mel_ratio
-        cond = self._cond(prompt_feat, f0, mu.shape[2])
-        mel = self.solve(mu, spk.to(self.device, self.dtype), cond, True, f0, cache)
-        cache.n_done = stop
-        return mel
+        f0 = start * self.dims.token_mel_ratio
+        return mu, self._cond(prompt_feat, f0, mu.shape[2]), f0
 
     def prepare_prompt(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> FlowPrompt:
         """Precompute a voice's prompt state (once per voice; reuse it for every request).
@@ -957,16 +969,9 @@ class Flow(nn.Module):
         if finalize:
             new, context = tokens, None
         else:
-            if tokens.shape[1] <= d.pre_lookahead:
-                raise ValueError(f"a non-final chunk needs new tokens plus {d.pre_lookahead} look-ahead tokens")
-            new, context = tokens[:, : -d.pre_lookahead], tokens[:, -d.pre_lookahead :]
+            new, context = self._split_chunk(cache, tokens)
         n_new = new.shape[1]
         stop = cache.n_tokens + n_new
-        if not finalize and not d.chunk_aligned(stop):
-            raise ValueError(
-                f"a non-final chunk must end on a {d.enc_chunk}-token chunk boundary counted from the "
-                f"prompt start; prompt + tokens = {stop}"
-            )
         self._grow(cache, stop)
         cache.tokens[cache.n_tokens : stop] = new[0]
         cache.n_tokens = stop
@@ -981,3 +986,70 @@ class Flow(nn.Module):
                 return mel[:, :, mel.shape[2] - ratio * n_new :]
         mel = self._advance(cache, context, prompt.spk, prompt.prompt_feat)
         return mel[:, :, mel.shape[2] - ratio * n_new :]
+
+    def _split_chunk(self, cache: FlowStreamCache, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """A non-final chunk's ``tokens`` ``[1, n_new + lookahead]`` as (new, look-ahead), checked:
+        the new tokens must end on a chunk boundary counted from the prompt start."""
+        d = self.dims
+        if tokens.shape[1] <= d.pre_lookahead:
+            raise ValueError(f"a non-final chunk needs new tokens plus {d.pre_lookahead} look-ahead tokens")
+        stop = cache.n_tokens + tokens.shape[1] - d.pre_lookahead
+        if not d.chunk_aligned(stop):
+            raise ValueError(
+                f"a non-final chunk must end on a {d.enc_chunk}-token chunk boundary counted from the "
+                f"prompt start; prompt + tokens = {stop}"
+            )
+        return tokens[:, : -d.pre_lookahead], tokens[:, -d.pre_lookahead :]
+
+    # -- a stream's own state under CUDA graphs ----------------------------------------------
+
+    def state_inputs(self, cache: FlowStreamCache, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Host side and encoder of :meth:`state_core`: the next non-final chunk of the stream
+        whose state is ``cache`` (reset to its prompt, :meth:`reset_stream_cache`).
+
+        ``tokens`` ``[1, n_new + lookahead]`` as :meth:`stream_chunk` takes them (the new
+        tokens must end on a chunk boundary). The cache is never grown (a graph holds its
+        buffers): ValueError when they do not fit its capacity. Appends the new tokens, runs
+        the encoder over them eagerly (its state extended: a few hundred small kernels,
+        whatever the length) and counts them as done, so :meth:`state_core` must run next, on
+        what this returns: mu ``[1, n_mels, L]``, spk ``[1, n_mels]``, cond ``[1, n_mels, L]``
+        (flow dtype), x0 ``[1, n_mels, L]`` (the fixed noise of those frames, float32) and at
+        ``[1]`` int64 (their first frame, on the device), L = ratio x (tokens since the last
+        boundary). No device sync.
+        """
+        d = self.dims
+        prompt = cache.prompt
+        if prompt is None or cache.finished:
+            raise ValueError("state_inputs needs a stream cache reset to a prompt and not finalized")
+        if tokens.dim() != 2 or tokens.shape[0] != 1:
+            raise ValueError(f"tokens must be [1, n], got {tuple(tokens.shape)}")
+        new, context = self._split_chunk(cache, tokens.to(self.device).long())
+        stop = cache.n_tokens + new.shape[1]
+        if stop > cache.capacity:
+            raise ValueError(f"{stop} tokens (prompt included) exceed the stream state's capacity of {cache.capacity}")
+        cache.tokens[cache.n_tokens : stop] = new[0]
+        cache.n_tokens = stop
+        mu, cond, f0 = self._encode_next(cache, context, prompt.prompt_feat)
+        n = mu.shape[2]
+        if f0 + n > d.noise_frames:
+            raise ValueError(f"{f0 + n} mel frames exceed the flow's {d.noise_frames}-frame noise buffer")
+        cache.n_done = stop
+        x0 = self.noise[:, :, f0 : f0 + n].to(self.device, torch.float32)
+        return mu, prompt.spk, cond, x0, to_device([f0], self.device, torch.long)
+
+    def state_core(
+        self, mu: Tensor, spk: Tensor, cond: Tensor, x0: Tensor, at: Tensor, cache: FlowStreamCache
+    ) -> Tensor:
+        """The 10 estimator calls of a stream's next non-final chunk (:meth:`state_inputs` made
+        its arguments), extending the estimator state of ``cache`` at frame ``at``: float32
+        ``[1, n_mels, L]``, the chunk's mel (as :meth:`stream_chunk` makes it).
+
+        With the fused estimator kernels the start is read on the device (the attention kernel
+        stores each call's keys and values, a copy after each conv its left context): fixed
+        shapes for a given L, no host sync, so one CUDA graph per (cache, L) serves every
+        chunk of that length, wherever it falls. Without them (the plain estimator, e.g. on
+        the CPU) the start is read on the host: the same result, not capturable.
+        """
+        if self.estimator.kernels:
+            return self.solve(mu, spk, cond, True, 0, cache, at=at, x0=x0)
+        return self.solve(mu, spk, cond, True, int(at.item()), cache, x0=x0)

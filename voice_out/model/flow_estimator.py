@@ -159,6 +159,14 @@ def load_context(xp: Tensor, ctx: Tensor | None) -> None:
         left.copy_(xp[:, xp.shape[1] - left.shape[1] :])
 
 
+def keep_context(ctx: Tensor | None, x: Tensor) -> None:
+    """A stream's conv context after a call that read it: ``ctx`` ``[B, C, k-1]`` = the last
+    k-1 frames of the call's input x ``[B, T >= k-1, C]`` (in place; a no-op without ``ctx``).
+    A separate copy, launched after the conv: every program of the conv reads the old one."""
+    if ctx is not None:
+        ctx.copy_(x[:, x.shape[1] - ctx.shape[2] :].transpose(1, 2))
+
+
 def windows(xp: Tensor, k: int) -> Tensor:
     """Tap-major k-frame windows ``[B * T, k * C]`` of ``xp`` ``[B, k-1 + T, C]`` (one copy):
     row (b, t) = ``[xp[b, t], xp[b, t + 1], .., xp[b, t + k - 1]]``."""
@@ -285,14 +293,19 @@ class ResBlock(nn.Module):
         ctx1: Tensor | None = None,
         ctx2: Tensor | None = None,
         ws: tuple[Tensor, Tensor] | None = None,
+        keep: bool = False,
     ) -> Tensor:
         """Two fused kernels: x ``[B, T, Cin]`` (channels contiguous), ``tproj`` ``[1 or B,
         Cout]`` -> ``[B, T, Cout]``; the two convs' left contexts zeros, or ``ctx1`` ``[B, Cin,
-        k-1]`` and ``ctx2`` ``[B, Cout, k-1]`` (only read); ``ws``: their split reduction's
-        workspace or None."""
+        k-1]`` and ``ctx2`` ``[B, Cout, k-1]`` (read; with ``keep`` then set to this call's
+        last frames, :func:`keep_context`); ``ws``: their split reduction's workspace or None."""
         a = self.block1.forward_kernels(x, add=tproj, ctx=ctx1, ws=ws)
         res = (x, self.res_conv.weight.view(self.res_conv.out_channels, -1), _bias(self.res_conv))
-        return self.block2.forward_kernels(a, res=res, ctx=ctx2, ws=ws)
+        out = self.block2.forward_kernels(a, res=res, ctx=ctx2, ws=ws)
+        if keep:
+            keep_context(ctx1, x)
+            keep_context(ctx2, a)
+        return out
 
 
 class TransformerBlock(nn.Module):
@@ -385,16 +398,21 @@ class TransformerBlock(nn.Module):
         key_frames: Tensor | None,
         prefix: tuple[Tensor, Tensor] | None = None,
         start: int = 0,
+        at: Tensor | None = None,
+        write: bool = False,
     ) -> Tensor:
         """The call in 5 fused kernels (norm + q/k/v, attention, out + residual, norm + FF in +
-        GELU, FF out + residual): x ``[B, T, C]`` with contiguous rows, frames ``start ..``;
-        the mask as :func:`voice_out.model.flow_kernels.attention` takes it (``chunk`` frames,
-        0 = none; ``key_frames`` ``[B]`` or None); the keys and values of frames ``0 ..
-        start`` from ``prefix`` (a state's ``[B, H, >= start, D]`` buffers, only read)."""
+        GELU, FF out + residual): x ``[B, T, C]`` with contiguous rows, frames ``start ..``
+        (or from ``at``, on the device); the mask as :func:`voice_out.model.flow_kernels.attention`
+        takes it (``chunk`` frames, 0 = none; ``key_frames`` ``[B]`` or None); the keys and
+        values of frames ``0 .. start`` from ``prefix`` (a state's ``[B, H, capacity, D]``
+        buffers; with ``write`` this call's are stored there too, at ``start ..``)."""
         b, t, c = x.shape
         xf = x.reshape(b * t, c)
         qkv = flow_kernels.ln_linear(xf, self.norm1.weight, self.norm1.bias, self.norm1.eps, self.stacked_qkv())
-        o = flow_kernels.attention(qkv, b, self.heads, self.head_dim, chunk, key_frames, prefix=prefix, start=start)
+        o = flow_kernels.attention(
+            qkv, b, self.heads, self.head_dim, chunk, key_frames, prefix=prefix, start=start, at=at, write=write
+        )
         x2 = flow_kernels.linear(o, self.to_out.weight, self.to_out.bias, residual=xf)
         n3 = self.norm3
         g = flow_kernels.ln_linear(x2, n3.weight, n3.bias, n3.eps, self.ff_in.weight, self.ff_in.bias, gelu=True)
@@ -625,6 +643,7 @@ class Estimator(nn.Module):
         prep: EstimatorPrep | None = None,
         step: int = 0,
         prefix: EstimatorState | None = None,
+        at: Tensor | None = None,
     ) -> Tensor:
         """One velocity evaluation. ``start``: absolute frame index of ``x[..., 0]`` (cached calls).
 
@@ -633,6 +652,10 @@ class Estimator(nn.Module):
         ``prefix`` (instead of ``state``; the fused kernels only): a state that holds frames
         ``0 .. start`` (a voice's prompt prefix) and is only READ: the call continues it
         without extending it, so one prefix serves any number of calls (and CUDA graphs).
+        ``at`` (with ``state``; the fused kernels only): the call's first frame as a device
+        int ``[1]`` instead of ``start`` (``prep`` then made with start 0): the call extends
+        the state at that frame, so one CUDA graph serves every chunk of a stream of this
+        length. The state's buffers must hold frames ``0 .. at + L`` (the caller checks).
 
         ``prep``: :meth:`prepare` of this call's mu, spks, cond, streaming and start, with the
         time grid of a whole solve (``t`` is then ``prep``'s time value ``step``; the arguments
@@ -643,9 +666,13 @@ class Estimator(nn.Module):
             prep = self.prepare(mu, spks, cond, t.reshape(1, -1), streaming, start)
             step = 0
         if prefix is not None:
-            if not self.kernels or state is not None:
+            if not self.kernels or state is not None or at is not None:
                 raise ValueError("a read-only prefix state needs the fused kernels and no stream state")
             return self._forward_kernels(x, prep, step, prefix)
+        if at is not None:
+            if not self.kernels or state is None or prep.start != 0:
+                raise ValueError("a device start needs the fused kernels, a stream state and prep made at start 0")
+            return self._forward_kernels(x, prep, step, state, at=at)
         if self.kernels and state is None and prep.start == 0:
             return self._forward_kernels(x, prep, step)
         k = CONV_KERNEL
@@ -685,43 +712,58 @@ class Estimator(nn.Module):
         return out.transpose(1, 2)
 
     def _forward_kernels(
-        self, x: Tensor, prep: EstimatorPrep, step: int, prefix: EstimatorState | None = None
+        self,
+        x: Tensor,
+        prep: EstimatorPrep,
+        step: int,
+        prefix: EstimatorState | None = None,
+        at: Tensor | None = None,
     ) -> Tensor:
         """The call with the fused kernels: ~5 kernels per transformer block, 2 per ResBlock, 1
         per causal conv (see :mod:`voice_out.model.flow_kernels`). Same contract as
         :meth:`forward` without state, or with a read-only ``prefix`` of frames ``0 ..
-        prep.start`` (its keys, values and conv contexts are read, never written)."""
+        prep.start`` (its keys, values and conv contexts are read, never written), or with
+        ``at``: ``prefix`` is a stream's state of frames ``0 .. at``, which the call extends
+        (the attention kernels store the keys and values, a copy after each conv its context)."""
         k = CONV_KERNEL
         b, n_x, n = x.shape
         xp = prep.inputs
         xp[:, k - 1 :, :n_x].copy_(x.transpose(1, 2))
         tproj = prep.tproj[step]  # [R, n_res, C]
         start = prep.start if prefix is not None else 0
+        write = at is not None
         ctxs: Iterator[Tensor | None] = iter(prefix.conv_ctx) if prefix is not None else repeat(None)
         kvs: Iterator[tuple[Tensor, Tensor] | None] = iter(prefix.kv) if prefix is not None else repeat(None)
 
         def attn(stage: nn.ModuleList, h: Tensor) -> Tensor:
             for blk in stage:
                 assert isinstance(blk, TransformerBlock)
-                h = blk.forward_kernels(h, prep.chunk, prep.key_frames, next(kvs), start)
+                h = blk.forward_kernels(h, prep.chunk, prep.key_frames, next(kvs), start, at, write)
             return h
 
         ws = prep.conv_ws
 
         def res_block(res: ResBlock, h: Tensor, tp: Tensor) -> Tensor:
             ctx1 = next(ctxs)
-            return res.forward_kernels(h, tp, ctx1, next(ctxs), ws)
+            return res.forward_kernels(h, tp, ctx1, next(ctxs), ws, keep=write)
+
+        def conv(c: CausalConv | CausalBlock, h: Tensor) -> Tensor:
+            ctx = next(ctxs)
+            out = c.forward_kernels(h, ctx=ctx, ws=ws)
+            if write:
+                keep_context(ctx, h)
+            return out
 
         h = res_block(self.down_res, xp[:, k - 1 :], tproj[:, 0])
         h = attn(self.down_tbs, h)
         skip = h
-        h = self.down_conv.forward_kernels(h, next(ctxs), ws)
+        h = conv(self.down_conv, h)
         for i, (res, stage) in enumerate(zip(self.mid_res, self.mid_tbs, strict=True)):
             assert isinstance(stage, nn.ModuleList) and isinstance(res, ResBlock)
             h = attn(stage, res_block(res, h, tproj[:, 1 + i]))
         h = res_block(self.up_res, torch.cat([h, skip], dim=2), tproj[:, -1])
         h = attn(self.up_tbs, h)
-        h = self.up_conv.forward_kernels(h, next(ctxs), ws)
-        h = self.final_block.forward_kernels(h, ctx=next(ctxs), ws=ws)
+        h = conv(self.up_conv, h)
+        h = conv(self.final_block, h)
         out = pointwise(self.final_proj, h.view(b * n, -1)).view(b, n, -1)
         return out.transpose(1, 2)

@@ -244,6 +244,7 @@ if triton is not None:
         stride_pb,
         stride_ph,
         stride_pt,
+        at_ptr,
         T,
         start,
         chunk,
@@ -252,6 +253,8 @@ if triton is not None:
         D: tl.constexpr,
         HAS_KF: tl.constexpr,
         HAS_PREFIX: tl.constexpr,
+        START_AT: tl.constexpr,
+        WRITE_KV: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -259,11 +262,21 @@ if triton is not None:
         bh = tl.program_id(1)
         b = bh // H
         h = bh % H
+        if START_AT:  # the frame of this call's first row, on the device (a graph replays any)
+            start = tl.load(at_ptr).to(tl.int32)
         i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, D)
         i_ok = i < T
         base = qkv_ptr + b * T * stride_qkv
         q = tl.load(base + i[:, None] * stride_qkv + h * D + d[None, :], mask=i_ok[:, None], other=0.0)
+        if WRITE_KV:
+            # this block's own keys and values go into the state at frames start + i. No
+            # program of this launch reads them there (the state is read before start only,
+            # this call's keys from qkv), so the state extends in the launch that reads it.
+            at = b * stride_pb + h * stride_ph + (start + i)[:, None] * stride_pt + d[None, :]
+            own = base + i[:, None] * stride_qkv + d[None, :]
+            tl.store(pk_ptr + at, tl.load(own + (H + h) * D, mask=i_ok[:, None], other=0.0), mask=i_ok[:, None])
+            tl.store(pv_ptr + at, tl.load(own + (2 * H + h) * D, mask=i_ok[:, None], other=0.0), mask=i_ok[:, None])
         n_keys = T
         if HAS_KF:
             n_keys = tl.load(kf_ptr + b).to(tl.int32)
@@ -552,6 +565,8 @@ def attention(
     *,
     prefix: tuple[Tensor, Tensor] | None = None,
     start: int = 0,
+    at: Tensor | None = None,
+    write: bool = False,
 ) -> Tensor:
     """Multi-head attention of the stacked projection ``qkv`` ``[B T, 3 H D]`` (q | k | v, each
     head-major; rows batch-major) -> ``[B T, H D]``, one kernel, scale 1/sqrt(D).
@@ -561,8 +576,14 @@ def attention(
     estimator's chunk mask) and ``j - start < key_frames[b]`` (int ``[B]`` on the device, or
     None: all T keys): :func:`voice_out.model.flow_estimator.chunk_mask` and ``valid_keys``.
     Keys before ``start`` come from ``prefix`` = (k, v), each ``[B, H, >= start, D]`` (D
-    contiguous; an estimator state's buffers, only read), or there are none (``start`` then
-    only offsets the chunk mask)."""
+    contiguous; an estimator state's buffers), or there are none (``start`` then only
+    offsets the chunk mask).
+
+    ``at``: ``start`` read on the device instead (int32/int64 ``[1]``; ``start`` is then not
+    read), so one CUDA graph serves every position of a stream. ``write`` (with ``prefix``):
+    the call's keys and values are also stored into the prefix's buffers at frames ``start ..
+    start + T`` (which must fit: the caller checks, the kernel cannot), extending a stream's
+    state; without it the prefix is only read."""
     _rows(qkv, "attention")
     rows, width = qkv.shape
     t = rows // batch
@@ -570,19 +591,24 @@ def attention(
         raise ValueError(f"attention: qkv {tuple(qkv.shape)} is not [{batch} T, 3 x {heads} x {head_dim}]")
     if start < 0:
         raise ValueError(f"attention: start must be >= 0, got {start}")
+    if (at is not None or write) and prefix is None:
+        raise ValueError("attention: a device start or a write needs a prefix state")
+    if at is not None and (at.numel() != 1 or at.dtype not in (torch.int32, torch.int64) or at.device != qkv.device):
+        raise ValueError(f"attention: at must be one int32/int64 value on {qkv.device}")
     if prefix is not None:
         pk, pv = prefix
         for buf, name in ((pk, "keys"), (pv, "values")):
             if (
                 buf.dim() != 4
                 or tuple(buf.shape[:2]) != (batch, heads)
-                or buf.shape[2] < start
+                or buf.shape[2] < (t if write else 0) + (start if at is None else 0)
                 or buf.shape[3] != head_dim
                 or buf.stride(3) != 1
                 or buf.dtype != qkv.dtype
             ):
+                need = (t if write else 0) + (start if at is None else 0)
                 raise ValueError(
-                    f"attention: prefix {name} must be [{batch}, {heads}, >= {start}, {head_dim}] "
+                    f"attention: prefix {name} must be [{batch}, {heads}, >= {need}, {head_dim}] "
                     f"({qkv.dtype}, last dim contiguous), got {tuple(buf.shape)} {buf.dtype}"
                 )
         if pk.stride() != pv.stride():
@@ -603,6 +629,7 @@ def attention(
         prefix[0].stride(0) if prefix is not None else 0,
         prefix[0].stride(1) if prefix is not None else 0,
         prefix[0].stride(2) if prefix is not None else 0,
+        at if at is not None else qkv,
         t,
         start,
         chunk,
@@ -610,7 +637,9 @@ def attention(
         H=heads,
         D=head_dim,
         HAS_KF=key_frames is not None,
-        HAS_PREFIX=prefix is not None and start > 0,
+        HAS_PREFIX=prefix is not None and (start > 0 or at is not None),
+        START_AT=at is not None,
+        WRITE_KV=write,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=warps,
