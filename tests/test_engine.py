@@ -862,6 +862,51 @@ def test_first_chunks_come_from_the_voices_prompt_prefixes(tmp_path: Path, monke
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
 
 
+def test_later_chunks_extend_a_flow_state_of_the_stream_s_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``engine.flow_state_streams`` = 1, one of two concurrent streams holds the engine's
+    one flow state and makes its later chunks on it (the other re-runs), and the next request
+    takes it again once given back; the audio is that of an engine with none (0), within
+    float rounding."""
+    used: list[int] = []  # the round of each chunk made on the flow state
+    current = [0]
+    real = Token2Wav._state_chunk
+
+    def spy(self: Token2Wav, stream: Token2WavStream, plan: ChunkPlan, token: torch.Tensor) -> torch.Tensor | None:
+        mel = real(self, stream, plan, token)
+        if mel is not None:
+            used.append(current[0])
+        return mel
+
+    monkeypatch.setattr(Token2Wav, "_state_chunk", spy)
+    text = "Hello there, and a bit more. " * 3
+
+    def run(n_states: int) -> tuple[int, list[np.ndarray]]:
+        ec = EngineConfig(max_streams=2, flow_state_streams=n_states)
+        eng = engine_with_voices(tmp_path, ec, "cpu", 60, ())
+        eng.start(timeout=300)
+        try:
+            kept = len(engine_runner(eng).t2w._state_slots)
+            audio = []
+            for current[0] in range(2):  # two rounds of two streams at once
+                streams = [eng.open_stream(None, seed=seed) for seed in (3, 4)]
+                for stream in streams:
+                    stream.push_text(text)
+                    stream.end_text()
+                audio += [np.concatenate([c.pcm for c in stream]) for stream in streams]
+        finally:
+            eng.close()
+        return kept, audio
+
+    kept, want = run(0)
+    assert (kept, used) == (0, [])
+    kept, got = run(1)
+    assert kept == 1
+    assert used.count(0) >= 2 and used.count(1) == used.count(0)  # one stream a round held it
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+
+
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize(
     ("voice_tokens", "text"),

@@ -181,6 +181,17 @@ class EngineConfig:
     #: in bf16), plus one buffer of that size per prefix length; a voice beyond the limit, or
     #: added after start-up, re-runs its prompt. On a GPU it needs ``fused_flow`` (off without it).
     first_chunk_prefix_voices: int = 4
+    #: Up to this many streams at once (of the voices with a prompt prefix, above) make their
+    #: later chunks from a flow state of their own (0: off): the 10 estimator calls of a chunk
+    #: then run its new tokens only, reading and extending the stream's keys, values and conv
+    #: contexts, where a re-run recomputes the prompt and every token so far (exact either
+    #: way; docs/token2wav.md). Each state is allocated at start-up for the longest prepared
+    #: prompt plus ``flow_state_tokens`` (~4.6 MB a token at full size in bf16: ~7.6 GB for
+    #: 1500); streams beyond the limit, and a stream past its state's capacity, re-run. On a
+    #: GPU it needs ``fused_flow`` (off without it).
+    flow_state_streams: int = 1
+    #: The speech tokens a stream's own flow state holds beyond its prompt (1500 = 60 s).
+    flow_state_tokens: int = 1500
     #: Plan LLM steps one ahead while a step feeds at most this many streams (light load; 0:
     #: never; a stream counts once, whatever its input rows): the next step of every stream
     #: likely to go on (its input the token being sampled, on the device; after a forced FILL,
@@ -273,6 +284,20 @@ class EngineConfig:
             "first_chunk_prefix_voices",
             self.first_chunk_prefix_voices,
             "a number of voices in 0..64",
+        )
+        _check(
+            0 <= self.flow_state_streams <= 64,
+            s,
+            "flow_state_streams",
+            self.flow_state_streams,
+            "a number of streams in 0..64",
+        )
+        _check(
+            1 <= self.flow_state_tokens <= 6000,
+            s,
+            "flow_state_tokens",
+            self.flow_state_tokens,
+            "a number of speech tokens in 1..6000",
         )
         _check(
             self.first_chunk_lane_max_playing >= 0,

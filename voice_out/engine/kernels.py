@@ -116,9 +116,10 @@ def dry_run_ends(flow: Flow, n_prompt: int) -> list[int]:
 def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
     """The Triton launches of a re-run chunk, a batched chunk and a final chunk (graphed and
     eager) of the flow for ``voice``'s prompt length, each at the chunk ends of
-    :func:`dry_run_ends`, of a first chunk from a prompt prefix (when the runner keeps
-    prefixes), of a vocoder call and of a decode step, recorded (not run: nothing
-    they compute is kept, and nothing is written to any stream's state)."""
+    :func:`dry_run_ends`, of a first chunk from a prompt prefix and of later chunks on a
+    stream's own state (when the runner keeps prefixes), of a vocoder call and of a decode
+    step, recorded (not run: nothing they compute is kept, and nothing is written to any
+    stream's state: the state chunks' are stand-ins)."""
     flow = runner.t2w.flow
     if not isinstance(flow, Flow):
         return []
@@ -150,6 +151,19 @@ def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
             ids = torch.ones(1, 2 * d.enc_chunk + d.pre_lookahead, dtype=torch.int32, device=dev)
             cond = torch.zeros(1, d.n_mels, d.token_mel_ratio * d.enc_chunk, device=dev, dtype=flow.dtype)
             flow.prefix_core(ids, emb, cond, prefix)
+            # later chunks extending a stream's state (Token2Wav.use_state_slots): the attention
+            # stores keys at a start on the device, one more specialisation; a short and a
+            # taller chunk (their tile tiers), on a stand-in state of their size
+            spk = flow.speaker(emb)
+            for chunk_tokens in (d.enc_chunk, 4 * d.enc_chunk):
+                if 2 * chunk_tokens > d.max_tokens:
+                    break
+                state = flow.allocate_stream_cache(2 * chunk_tokens)
+                n = d.token_mel_ratio * chunk_tokens
+                mu = torch.zeros(1, d.n_mels, n, device=dev, dtype=flow.dtype)
+                x0 = torch.zeros(1, d.n_mels, n, device=dev)
+                at = torch.full((1,), n, dtype=torch.long, device=dev)
+                flow.state_core(mu, spk, mu, x0, at, state)
         # the vocoder's Snake kernels (a compile per channel count; lengths are not specialised)
         runner.t2w.hift(torch.zeros(1, d.n_mels, 8, device=dev))
         if runner.graphed.fused:

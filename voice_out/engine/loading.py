@@ -209,6 +209,15 @@ def build_engine(
                 log.info("engine: %d Triton kernels compiled ahead in %.1f s", n, seconds)
         runner.warmup(voice)
         _prepare_prefixes(runner, book, ec.first_chunk_prefix_voices)
+        # (prefix_voices is 0 on a GPU without the fused kernels: nor does a stream need a state)
+        if runner.prefix_voices:
+            n_states = runner.prepare_state_slots(ec.flow_state_streams, ec.flow_state_tokens)
+            if n_states:
+                log.info(
+                    "engine: %d flow states of %d speech tokens for streams' later chunks",
+                    n_states,
+                    ec.flow_state_tokens,
+                )
         if graphs:  # the token2wav graphs of the default voice's prompt length, before any stream
             try:
                 default_voice = book.resolve(None)

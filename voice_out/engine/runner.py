@@ -24,7 +24,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
@@ -407,6 +407,7 @@ class Runner:
         live.slot = None
         if rel.drop:
             del self.live[rel.request_id]
+            self.t2w.release_state(live.t2w)  # a later stream may take its flow state now
             self._t2w_pool.append(live.t2w)
 
     @_on_main_stream
@@ -462,6 +463,19 @@ class Runner:
             return False
         self._first_prefixes[id(voice)] = (voice, prefix)
         return True
+
+    @_on_main_stream
+    def prepare_state_slots(self, n: int, tokens: int) -> int:
+        """Start-up, after :meth:`prepare_first_prefix`: keep ``n`` flow states that streams of
+        the voices with a prompt prefix hold while their later chunks extend them
+        (``Token2Wav.use_state_slots``), each for the longest of those prompts plus ``tokens``
+        speech tokens. Returns the states kept (0 without a prepared prefix or a flow that
+        can extend a state)."""
+        prompts = [prefix for _, prefix in self._first_prefixes.values()]
+        if n <= 0 or not prompts or not self.t2w.has_state_path:
+            return 0
+        longest = max(int(cast(Any, p).n_prompt) for p in prompts)  # FlowPrompt
+        return self.t2w.use_state_slots(n, longest + tokens + self.hops.schedule().lookahead)
 
     def _admit(self, adm: Admit) -> None:
         flow_voice = adm.voice.flow

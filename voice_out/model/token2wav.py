@@ -126,6 +126,20 @@ class _PrefixSlot:
     voice: Any = None
 
 
+@dataclass
+class _StateSlot:
+    """A flow state of one stream's own, under CUDA graphs (``Token2Wav.use_state_slots``): a
+    flow stream cache of ``capacity`` tokens (prompt included) that a stream holds while its
+    later chunks extend it, and the graphs of ``Flow.state_core`` over it, one per chunk
+    length in mel frames. ``owner``: the stream holding it, or None; ``started``: whether the
+    owner's state was set up (its voice's prompt prefix copied in, at its first chunk here)."""
+
+    cache: Any
+    graph: GraphedFn
+    owner: Token2WavStream | None = None
+    started: bool = False
+
+
 class FlowInference(Protocol):
     """The flow's one-shot entry point (``voice_out.model.flow.Flow.inference``).
 
@@ -193,6 +207,17 @@ class PrefixFlow(FlowInference, Protocol):
     def prefix_inputs(self, token: Tensor, prompt: Any) -> tuple[Tensor, Tensor, Tensor]: ...
 
     def prefix_core(self, ids: Tensor, embedding: Tensor, cond: Tensor, prefix: Any) -> Tensor: ...
+
+
+class StateFlow(PrefixFlow, Protocol):
+    """A flow whose later chunks extend a stream's own state under graphs
+    (``voice_out.model.flow.Flow.state_inputs`` / ``state_core``)."""
+
+    def reset_stream_cache(self, cache: Any, prompt: Any) -> None: ...
+
+    def state_inputs(self, cache: Any, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]: ...
+
+    def state_core(self, mu: Tensor, spk: Tensor, cond: Tensor, x0: Tensor, at: Tensor, cache: Any) -> Tensor: ...
 
 
 class FinalFlow(FlowInference, Protocol):
@@ -281,6 +306,9 @@ class Token2WavStream:
     #: The voice's prompt prefix for a first chunk from it (``Token2Wav.prepare_prefix``;
     #: re-run path only), or None: the first chunk re-runs the whole prompt.
     first_prefix: Any = None
+    #: The flow state this stream's later chunks extend (``Token2Wav.use_state_slots``), or
+    #: None: they re-run the prompt and every token so far.
+    state_slot: _StateSlot | None = None
     samples_emitted: int = 0
     chunk_log: list[ChunkPlan] = field(default_factory=list)
     #: Cached path: the first chunk's mel came from a re-run (graphed, or a fast first chunk that
@@ -332,6 +360,7 @@ class Token2WavStream:
         self.samples_emitted = 0
         self.chunk_log.clear()
         self.flow_cache_behind = False
+        self.model.release_state(self)
         self.model.prepare_flow(self)
 
 
@@ -360,6 +389,8 @@ class Token2Wav:
         self._first_lane: _LaneGraphs | None = None
         #: First chunks from a prompt prefix under graphs: a slot per prefix length (tokens).
         self._prefix_slots: dict[int, _PrefixSlot] = {}
+        #: Streams' own flow states under graphs (``use_state_slots``).
+        self._state_slots: list[_StateSlot] = []
 
     def use_cuda_graphs(
         self,
@@ -381,6 +412,7 @@ class Token2Wav:
         Without it, two token2wav calls must never run at once: their graphs share a pool."""
         self._first_lane = None
         self._prefix_slots = {}
+        self._state_slots = []
         if not enabled or self.device.type != "cuda":
             self._graph_flow = self._graph_hift = self._graph_hift_cached = self._graph_flow_final = None
             self._flow_pool = None
@@ -458,6 +490,68 @@ class Token2Wav:
             self._graph_flow_batch = batched("flow.batch_chunks", self._flow_pool, GRAPH_FAMILY)
             if lane is not None:
                 lane.batch = batched("flow.batch_first_chunks", lane.pool, FIRST_GRAPH_FAMILY)
+
+    @property
+    def has_state_path(self) -> bool:
+        """Whether the flow extends a stream's own state in fixed shapes (``StateFlow``)."""
+        return self.has_prefix_path and all(
+            hasattr(self.flow, m) for m in ("reset_stream_cache", "state_inputs", "state_core")
+        )
+
+    def use_state_slots(self, n: int, capacity: int) -> int:
+        """Keep ``n`` flow states of ``capacity`` tokens each (prompt included; ~4.6 MB a token
+        at full size in bf16) that streams hold while their later chunks extend them: a
+        non-final chunk after the first then runs the flow's 10 estimator calls over its new
+        tokens only (``Flow.state_core``), where a re-run recomputes the prompt and every token
+        so far; one graph per (state, chunk length) serves every chunk of that length. Call
+        after :meth:`use_cuda_graphs` (which drops them); 0 = off. Returns the states kept.
+
+        A stream takes a free one when it starts, if its voice has a prompt prefix (the
+        state starts as a copy of it: ``Token2WavStream.first_prefix``), and gives it back
+        when it ends, is reset or :meth:`release_state`; it leaves it early, and re-runs from
+        then on, where a chunk would not fit the capacity or its length has no graph (a
+        capture mid-stream would stall every stream): the same audio either way. The final
+        chunk is the full-attention re-run, as on the re-run path."""
+        if n < 0 or capacity < 1:
+            raise ValueError(f"state slots: n >= 0 and capacity >= 1 expected, got {n} and {capacity}")
+        for slot in self._state_slots:
+            if slot.owner is not None:
+                slot.owner.state_slot = None
+        self._state_slots = []
+        if n == 0:
+            return 0
+        if not self.has_state_path:
+            raise TypeError(f"{type(self.flow).__name__} has no state path (Flow.state_inputs / state_core)")
+        flow = cast(StateFlow, self.flow)
+        for i in range(n):
+            cache = flow.allocate_stream_cache(capacity)
+
+            def core(mu: Tensor, spk: Tensor, cond: Tensor, x0: Tensor, at: Tensor, cache: Any = cache) -> Tensor:
+                return flow.state_core(mu, spk, cond, x0, at, cache)
+
+            graph = GraphedFn(core, name=f"flow.state_chunk[{i}]", warmup=1, pool=self._flow_pool, family=GRAPH_FAMILY)
+            self._state_slots.append(_StateSlot(cache=cache, graph=graph))
+        return n
+
+    def _acquire_state(self, stream: Token2WavStream, slot: _StateSlot | None = None) -> None:
+        """Give ``stream`` a free state slot (``slot``, or the first free one) if it can use one."""
+        if stream.state_slot is not None or stream.first_prefix is None or stream.flow_path != "rerun":
+            return
+        if slot is None:
+            slot = next((s for s in self._state_slots if s.owner is None), None)
+        if slot is None or slot.owner is not None:
+            return
+        slot.owner, slot.started = stream, False
+        stream.state_slot = slot
+
+    def release_state(self, stream: Token2WavStream) -> None:
+        """Give back ``stream``'s state slot, if it holds one (its later chunks then re-run).
+        Work already launched on the slot stays ordered before the next holder's on the same
+        CUDA stream (later chunks all run on one)."""
+        slot = stream.state_slot
+        if slot is not None:
+            slot.owner = None
+            stream.state_slot = None
 
     @property
     def has_first_lane(self) -> bool:
@@ -544,6 +638,7 @@ class Token2Wav:
                 pass
         finally:
             self._capturing = False
+        self._capture_state_slots(stream, dummy[: min(n_tokens, STREAM_CAPTURE_TOKENS)], hops, fast_first)
         prompt_token, prompt_feat = prompt_token.to(self.device), prompt_feat.to(self.device)
         embedding = embedding.to(self.device)
         n_prompt = int(prompt_token.shape[1])
@@ -585,7 +680,53 @@ class Token2Wav:
         if self._first_lane is not None:
             graphs += [self._first_lane.flow, self._first_lane.batch, self._first_lane.hift]
         graphs += [slot.graph for slot in self._prefix_slots.values()]
+        graphs += [slot.graph for slot in self._state_slots]
         return sum(len(g.captured_keys) for g in graphs if g is not None)
+
+    def state_keys(self, prompt: Any, n_tokens: int, hops: HopPolicy = DEFAULT_HOPS, fast_first: int = 0) -> set[int]:
+        """The chunk lengths (mel frames) a stream of ``prompt``'s voice (a :meth:`prepare_prefix`
+        result) runs on a state slot in its first ``n_tokens`` speech tokens: its second chunk
+        from the prompt prefix, then each later hop. No tensor work."""
+        sched = hops.schedule(int(prompt.n_prompt), fast_first)
+        keys: set[int] = set()
+        for plan in plan_all(n_tokens, sched.prompt_tokens, hops, fast_first):
+            if plan.index == 0 or plan.finalize:
+                continue
+            done = prompt.n_prefix if plan.index == 1 else sched.flow_end(plan) - plan.hop_tokens
+            keys.add(MEL_FRAMES_PER_TOKEN * (sched.flow_end(plan) - done))
+        return keys
+
+    def _capture_state_slots(
+        self, like: Token2WavStream, dummy: Sequence[int], hops: HopPolicy, fast_first: int
+    ) -> None:
+        """Capture (start-up) every state slot's graphs of the chunk lengths a stream like
+        ``like`` (its voice, ``hops``, ``fast_first``) meets in ``dummy``'s tokens, by running a
+        placeholder stream through each slot that lacks one of them. The slots' contents are
+        placeholders after this: a stream's first chunk on a slot sets it up afresh."""
+        prompt = like.first_prefix
+        if prompt is None or not self._state_slots:
+            return
+        keys = self.state_keys(prompt, len(dummy), hops, fast_first)
+        for slot in self._state_slots:
+            if slot.owner is not None or all(slot.graph.has(k) for k in keys):
+                continue
+            stream = self.open_stream(
+                like.prompt_token,
+                like.prompt_feat,
+                like.embedding,
+                hops=hops,
+                fast_first=fast_first,
+                first_prefix=prompt,
+            )
+            self.release_state(stream)
+            self._acquire_state(stream, slot)
+            self._capturing = True
+            try:
+                for _ in self.stream_all(stream, dummy):
+                    pass
+            finally:
+                self._capturing = False
+                self.release_state(stream)
 
     def _capture_final_vocoder(self, stream: Token2WavStream, hops: HopPolicy, fast_first: int) -> None:
         """Capture the vocoder of every final chunk a stream like ``stream`` (its prompt, ``hops``
@@ -681,7 +822,9 @@ class Token2Wav:
     @torch.inference_mode()
     def prepare_flow(self, stream: Token2WavStream) -> None:
         """Set up the flow side of a (re)started stream: the cached path's per-request cache,
-        reset in place when the stream already has one."""
+        reset in place when the stream already has one; a free state slot
+        (:meth:`use_state_slots`) for a re-run-path stream whose voice has a prompt prefix."""
+        self._acquire_state(stream)
         if stream.flow_path == "rerun":
             return
         flow = self._streaming_flow()
@@ -705,6 +848,10 @@ class Token2Wav:
         graphs_on = self._graph_flow is not None and token.is_cuda
         if first and self._from_prefix(stream, plan):
             return self._prefix_chunk(stream, plan, token)
+        if stream.state_slot is not None and not first and not plan.finalize:
+            mel = self._state_chunk(stream, plan, token)
+            if mel is not None:
+                return mel
         if not plan.finalize and (stream.flow_path == "rerun" or (first and (graphs_on or stream.schedule.fast_first))):
             mel = self._rerun_chunk(stream, plan, token)
             # a cached-path stream whose first chunk came from a re-run: its flow cache has taken
@@ -766,6 +913,44 @@ class Token2Wav:
             slot.voice = prompt
         key = (prompt.n_prompt, plan.token_len)
         return slot.graph(key, ids, emb, cond)[:, :, start:].float().clone()  # the graph reuses its output
+
+    def state_frames(self, stream: Token2WavStream, plan: ChunkPlan) -> int:
+        """The mel frames a later non-final ``plan`` of ``stream`` computes on its state slot:
+        those since the state's last boundary (the first time, since its voice's prompt
+        prefix: the prompt's tail, the first chunk's tokens and this one's)."""
+        slot = stream.state_slot
+        sched = stream.schedule
+        done = slot.cache.n_done if slot is not None and slot.started else stream.first_prefix.n_prefix
+        return MEL_FRAMES_PER_TOKEN * (sched.flow_end(plan) - done)
+
+    def _state_chunk(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor | None:
+        """A later non-final chunk on the stream's state slot: its new frames, float32 [1, 80,
+        2 * hop_tokens], as :meth:`_rerun_chunk` gives them. The encoder runs eagerly over the
+        new tokens, the estimator calls from the slot's graph of this length. None when the
+        stream leaves its slot instead (the chunk would not fit, or has no graph outside
+        start-up): the caller re-runs it, and every chunk after it."""
+        slot = stream.state_slot
+        assert slot is not None
+        sched = stream.schedule
+        frames = self.state_frames(stream, plan)
+        fits = sched.flow_end(plan) + sched.lookahead <= slot.cache.capacity
+        graphed = token.is_cuda and (self._capturing or slot.graph.has(frames))
+        if sched.flow_end(plan) % sched.chunk_size or not fits or (self._graph_flow is not None and not graphed):
+            self.release_state(stream)
+            return None
+        flow = cast(StateFlow, self.flow)
+        prompt = stream.first_prefix
+        skip = 0  # frames before this chunk's own: the first time, the prompt's tail and the first chunk
+        if not slot.started:
+            flow.reset_stream_cache(slot.cache, prompt)
+            slot.started = True
+            skip = MEL_FRAMES_PER_TOKEN * (prompt.n_prompt - prompt.n_prefix + plan.token_offset)
+            new = token[:, : plan.token_len]
+        else:
+            new = token[:, plan.token_offset : plan.token_len]
+        mu, spk, cond, x0, at = flow.state_inputs(slot.cache, new)
+        mel = slot.graph(frames, mu, spk, cond, x0, at)
+        return mel[:, :, skip:].float().clone()  # the graph reuses its output
 
     def _prefix_slot(self, prompt: Any) -> _PrefixSlot:
         """The graphs and buffers of first chunks from prefixes of ``prompt``'s length (made on
@@ -862,6 +1047,8 @@ class Token2Wav:
         first chunk). With grouped batching (:meth:`use_batch_buckets`) a batchable chunk that
         ends up alone in its group still takes :meth:`run_chunk`'s path."""
         if plan.finalize or plan.hop_tokens == 0 or stream.flow_path != "rerun":
+            return False
+        if stream.state_slot is not None and plan.index > 0:  # its own state's graph
             return False
         if not hasattr(self.flow, "inference_batch"):
             return False
@@ -985,6 +1172,8 @@ class Token2Wav:
                 speech = speech[:-n]
             else:
                 cache.valid = False
+        if plan.finalize:
+            self.release_state(stream)
         stream.schedule.commit(plan)
         stream.chunk_log.append(plan)
         stream.samples_emitted += int(speech.shape[0])
