@@ -6,10 +6,16 @@ tokens through ``Token2WavStream`` as if the LLM had produced them all, and repo
 tokens given to the flow, new tokens, samples, flow ms, vocoder ms (HiFT + cross-fade), total
 ms and the chunk's real-time factor (time / audio duration). ``--flow-path both`` runs the
 re-run path (upstream: cost grows with the utterance) and the cached path (cost per new token)
-one after the other. A warm-up stream runs first (``--warmup-tokens``), so kernels are built.
+one after the other. ``state`` is the engine's fast path: the first chunk from the voice's
+prompt prefix, the later ones on a state slot (``Token2Wav.use_state_slots``; with
+``--graphs``, replayed from the graphs start-up would capture); ``--kernels`` runs the flow's
+fused kernels, as the engine does on a GPU. A warm-up stream runs first (``--warmup-tokens``),
+so kernels are built.
 
     python scripts/token2wav_chunk_cost.py                                  # tiny, CPU
     python scripts/token2wav_chunk_cost.py --full --device cuda --tokens 1500
+    python scripts/token2wav_chunk_cost.py --full --device cuda --flow-dtype bfloat16 --kernels \
+        --graphs --flow-path rerun,state --prompt-tokens 150 --tokens 1320
 
 With ``OUT`` set the results also go to ``$OUT/token2wav_chunks.json``.
 """
@@ -33,7 +39,7 @@ if str(REPO_ROOT) not in sys.path:
 from voice_out.bench.timing import save_out  # noqa: E402
 from voice_out.model.checkpoint import random_flow, random_hift  # noqa: E402
 from voice_out.model.hift import HiFT  # noqa: E402
-from voice_out.model.token2wav import Token2Wav  # noqa: E402
+from voice_out.model.token2wav import FlowPath, Token2Wav  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SAMPLE_RATE = 24000
@@ -45,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", type=Path, default=None, help="a cosyvoice2.yaml (overrides --full)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--flow-dtype", default="float32", choices=sorted(DTYPES), help="HiFT always runs in float32")
-    p.add_argument("--flow-path", default="both", choices=["rerun", "cached", "both"])
+    p.add_argument("--flow-path", default="both", help="rerun, cached, state, a comma list, or both (rerun,cached)")
+    p.add_argument("--kernels", action="store_true", help="the flow's fused kernels (CUDA, bf16/fp16)")
     p.add_argument("--tokens", type=int, default=500, help="speech tokens of the utterance (25 per second)")
     p.add_argument("--prompt-tokens", type=int, default=87, help="flow prompt tokens (the voice)")
     p.add_argument("--warmup-tokens", type=int, default=160)
@@ -91,6 +98,9 @@ class TimedFlow:
     def reset_stream_cache(self, *args: Any, **kwargs: Any) -> None:
         self.flow.reset_stream_cache(*args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:  # the prefix and state paths' calls, untimed
+        return getattr(self.flow, name)
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -98,12 +108,14 @@ def sync(device: torch.device) -> None:
 
 
 def run_utterance(
-    t2w: Token2Wav, timed: TimedFlow, voice: tuple[Tensor, Tensor, Tensor], tokens: Tensor, path: str
+    t2w: Token2Wav, timed: TimedFlow, voice: tuple[Tensor, Tensor, Tensor], tokens: Tensor, path: str, prefix: Any
 ) -> list[dict[str, Any]]:
     device = t2w.device
     with torch.no_grad():
         prompt = t2w.prepare_voice(*voice) if path == "cached" else None
-    stream = t2w.open_stream(*voice, flow_path=path, flow_prompt=prompt)  # type: ignore[arg-type]
+    flow_path: FlowPath = "cached" if path == "cached" else "rerun"
+    first_prefix = prefix if path == "state" else None
+    stream = t2w.open_stream(*voice, flow_path=flow_path, flow_prompt=prompt, first_prefix=first_prefix)
     rows: list[dict[str, Any]] = []
     n = int(tokens.shape[1])
     while (plan := stream.ready_chunk(n, llm_finished=True)) is not None:
@@ -139,13 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     config_file = config / "cosyvoice2.yaml" if config.is_dir() else config
     torch.manual_seed(args.seed)
     flow = random_flow(config_file, device=device, dtype=DTYPES[args.flow_dtype], seed=args.seed)
+    if args.kernels and not flow.fuse_().use_kernels(True):
+        raise SystemExit("--kernels: the fused flow kernels do not run here (CUDA and bf16/fp16 needed)")
     hift: HiFT = random_hift(config_file, device=device, seed=args.seed)
     timed = TimedFlow(flow, device)
     if args.graphs:  # the timing wrapper syncs, which a graph capture cannot contain
         t2w = Token2Wav(flow, hift, device=device)
         t2w.use_cuda_graphs(True)
     else:
-        t2w = Token2Wav(timed, hift, device=device)  # type: ignore[arg-type]
+        t2w = Token2Wav(timed, hift, device=device)
 
     gen = torch.Generator().manual_seed(args.seed)
     n_mels = hift.dims.in_channels
@@ -155,7 +169,19 @@ def main(argv: list[str] | None = None) -> int:
         torch.randn(1, 192, generator=gen).to(device),
     )
     tokens = torch.randint(0, 6561, (1, args.tokens), generator=gen).to(device)
-    paths = ["rerun", "cached"] if args.flow_path == "both" else [args.flow_path]
+    paths = ["rerun", "cached"] if args.flow_path == "both" else args.flow_path.split(",")
+    if not set(paths) <= {"rerun", "cached", "state"}:
+        raise SystemExit(f"--flow-path: rerun, cached, state or both, got {args.flow_path!r}")
+    prefix = None
+    if "state" in paths:
+        with torch.no_grad():
+            prefix = t2w.prepare_prefix(*voice)
+        if prefix is None:
+            raise SystemExit("--flow-path state: the prompt is too short for a prefix")
+        t2w.use_state_slots(1, args.prompt_tokens + args.tokens + 3)
+    if args.graphs:  # what start-up captures, so no chunk below captures (or runs eagerly)
+        for path in paths:
+            t2w.capture_stream_shapes(*voice, args.tokens, first_prefix=prefix if path == "state" else None)
 
     result: dict[str, Any] = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
@@ -170,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     for path in paths:
         if args.warmup_tokens > 0:
-            run_utterance(t2w, timed, voice, tokens[:, : args.warmup_tokens], path)
-        rows = run_utterance(t2w, timed, voice, tokens, path)
+            run_utterance(t2w, timed, voice, tokens[:, : args.warmup_tokens], path, prefix)
+        rows = run_utterance(t2w, timed, voice, tokens, path, prefix)
         result["runs"][path] = rows
         print(f"\nflow path: {path}  ({args.tokens} tokens = {args.tokens / 25:.1f} s, prompt {args.prompt_tokens})")
         print(
