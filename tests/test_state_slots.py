@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tests.conftest import REPO_ROOT, random_voice
 from voice_out.model import flow_kernels
 from voice_out.model.checkpoint import random_flow, random_hift
-from voice_out.model.chunk_schedule import ChunkPlan, HopPolicy
+from voice_out.model.chunk_schedule import ChunkPlan, HopPolicy, plan_all
 from voice_out.model.flow import Flow
 from voice_out.model.flow_estimator import attention_bias, chunk_mask
 from voice_out.model.token2wav import Token2Wav, Token2WavStream
@@ -238,21 +238,27 @@ def test_state_chunks_with_kernels_equal_the_plain_state_path(dims: object) -> N
 @pytest.mark.requires_cuda
 def test_graphed_state_slots_equal_eager_across_voices() -> None:
     """Start-up captures the slot graphs of a prompt length (placeholder streams through each
-    slot); then streams of voices A, B and A again (one at a time, then two at once on two
-    slots) replay them and give the audio of the same streams without slots, run eagerly
-    with the same fused kernels; the graphs serve every chunk position."""
+    slot: the estimator's per chunk length, the encoder's per chunk position); then streams of
+    voices A, B and A again (one at a time, then two at once on two slots) replay them and
+    give the audio of the same streams without slots, run eagerly with the same fused
+    kernels; a longer stream's later positions run their encoder eagerly, capturing nothing."""
     flow = random_flow(TINY, "cuda", torch.bfloat16)
     assert flow.use_kernels(True)
     t2w = Token2Wav(flow, random_hift(TINY, "cuda"))
     voices = [(60, 11), (60, 12), (60, 11)]
     want = [_run(t2w, n, 300, seed=seed, device="cuda", prefix=False)[0] for n, seed in voices]
+    longer, _ = _run(t2w, 60, 400, seed=11, device="cuda", prefix=False)
     t2w.use_cuda_graphs(True, first_lane=True)
-    t2w.use_state_slots(2, 400)
+    t2w.use_state_slots(2, 500)
     token, feat, emb = random_voice(60, "cuda", 11)
     prompt = t2w.prepare_prefix(token, feat, emb)
     t2w.capture_stream_shapes(token, feat, emb, 300, first_prefix=prompt)
     keys = t2w.state_keys(prompt, 300)
     assert all(set(slot.graph.captured_keys) == keys for slot in t2w._state_slots)
+    # the encoder's graphs: one per chunk position (the catch-up, then each hop)
+    positions = len([p for p in plan_all(300, 60) if p.index > 0 and not p.finalize])
+    encoders = [slot.encoder for slot in t2w._state_slots]
+    assert all(e is not None and len(e.captured_keys) == positions for e in encoders)
     slot = t2w._state_slots[0]
     for (n, seed), ref in zip(voices, want, strict=True):
         got, stream = _run(t2w, n, 300, seed=seed, device="cuda")
@@ -262,6 +268,11 @@ def test_graphed_state_slots_equal_eager_across_voices() -> None:
         # the stream's tokens went into the first slot's state (the placeholders' were others)
         k = slot.cache.n_done - n
         assert k > 200 and slot.cache.tokens[n : n + k].tolist() == _speech(300)[:k]
+    # positions past the captured ones: their encoder runs eagerly, nothing is captured
+    got, _ = _run(t2w, 60, 400, seed=11, device="cuda")
+    for a, b in zip(got, longer, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=0)
+    assert all(e is not None and len(e.captured_keys) == positions for e in encoders)
     # two streams at once, one slot each, chunks interleaved
     streams = []
     for seed in (11, 12):

@@ -53,9 +53,10 @@ Pure torch: no I/O, no threads, no logging; the noise buffer comes from a local 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -314,6 +315,17 @@ class FlowStreamCache:
         self.up_pos[:, :, :, : src.up_pos_valid] = src.up_pos[:, :, :, : src.up_pos_valid]
         self.enc_pos_valid = src.enc_pos_valid
         self.up_pos_valid = src.up_pos_valid
+
+
+class StateKey(NamedTuple):
+    """What the encoder's part of a chunk on a stream's state depends on besides its tensors
+    (:meth:`Flow.state_mu`): tokens ``start .. stop`` and the cache's positional rows
+    already projected (``enc_pos_valid``, ``up_pos_valid``) as the chunk begins."""
+
+    start: int
+    stop: int
+    enc_valid: int
+    up_valid: int
 
 
 @dataclass
@@ -1003,19 +1015,26 @@ class Flow(nn.Module):
 
     # -- a stream's own state under CUDA graphs ----------------------------------------------
 
-    def state_inputs(self, cache: FlowStreamCache, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def state_inputs(
+        self,
+        cache: FlowStreamCache,
+        tokens: Tensor,
+        encode: Callable[[Tensor, StateKey], Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Host side and encoder of :meth:`state_core`: the next non-final chunk of the stream
         whose state is ``cache`` (reset to its prompt, :meth:`reset_stream_cache`).
 
         ``tokens`` ``[1, n_new + lookahead]`` as :meth:`stream_chunk` takes them (the new
         tokens must end on a chunk boundary). The cache is never grown (a graph holds its
         buffers): ValueError when they do not fit its capacity. Appends the new tokens, runs
-        the encoder over them eagerly (its state extended: a few hundred small kernels,
-        whatever the length) and counts them as done, so :meth:`state_core` must run next, on
-        what this returns: mu ``[1, n_mels, L]``, spk ``[1, n_mels]``, cond ``[1, n_mels, L]``
-        (flow dtype), x0 ``[1, n_mels, L]`` (the fixed noise of those frames, float32) and at
-        ``[1]`` int64 (their first frame, on the device), L = ratio x (tokens since the last
-        boundary). No device sync.
+        the encoder over them (its state extended) and counts them as done, so
+        :meth:`state_core` must run next, on what this returns: mu ``[1, n_mels, L]``, spk
+        ``[1, n_mels]``, cond ``[1, n_mels, L]`` (flow dtype), x0 ``[1, n_mels, L]`` (the fixed
+        noise of those frames, float32) and at ``[1]`` int64 (their first frame, on the
+        device), L = ratio x (tokens since the last boundary). No device sync.
+
+        ``encode(context, key)``: how the encoder runs: :meth:`state_mu` (the default, eager:
+        a few hundred small kernels whatever the length) or a CUDA graph of it per ``key``.
         """
         d = self.dims
         prompt = cache.prompt
@@ -1027,15 +1046,32 @@ class Flow(nn.Module):
         stop = cache.n_tokens + new.shape[1]
         if stop > cache.capacity:
             raise ValueError(f"{stop} tokens (prompt included) exceed the stream state's capacity of {cache.capacity}")
-        cache.tokens[cache.n_tokens : stop] = new[0]
-        cache.n_tokens = stop
-        mu, cond, f0 = self._encode_next(cache, context, prompt.prompt_feat)
-        n = mu.shape[2]
+        f0, n = d.token_mel_ratio * cache.n_done, d.token_mel_ratio * (stop - cache.n_done)
         if f0 + n > d.noise_frames:
             raise ValueError(f"{f0 + n} mel frames exceed the flow's {d.noise_frames}-frame noise buffer")
-        cache.n_done = stop
+        cache.tokens[cache.n_tokens : stop] = new[0]
+        key = StateKey(cache.n_done, stop, cache.enc_pos_valid, cache.up_pos_valid)
+        mu = (encode or partial(self.state_mu, cache))(context, key)
+        # what the encoder's call left in the cache's host fields (a replayed graph runs no Python)
+        cache.enc_pos_valid, cache.up_pos_valid = self.encoder.pos_valid_after(stop, key.enc_valid, key.up_valid)
+        cache.n_tokens = cache.n_done = stop
         x0 = self.noise[:, :, f0 : f0 + n].to(self.device, torch.float32)
+        cond = self._cond(prompt.prompt_feat, f0, n)
         return mu, prompt.spk, cond, x0, to_device([f0], self.device, torch.long)
+
+    def state_mu(self, cache: FlowStreamCache, context: Tensor, key: StateKey) -> Tensor:
+        """The encoder's part of a chunk on a stream's state: tokens ``key.start .. key.stop``
+        of ``cache`` (already in its ``tokens``) and ``context`` ``[1, lookahead]`` ids ->
+        mu ``[1, n_mels, ratio (stop - start)]``, the cache's encoder state extended. The cache's
+        host fields are set from ``key`` first, so every run of one key takes the same path
+        (a CUDA graph per key: its warm-up and capture both run this); the caller sets them
+        after (:meth:`state_inputs`)."""
+        cache.n_done, cache.n_tokens = key.start, key.stop
+        cache.enc_pos_valid, cache.up_pos_valid = key.enc_valid, key.up_valid
+        start, stop = key.start, key.stop
+        x = self.embed_tokens(cache.tokens[start:stop].unsqueeze(0))
+        h = self.encoder(x, self.embed_tokens(context), True, cache, start)
+        return self.encoder_proj(h).transpose(1, 2)
 
     def state_core(
         self, mu: Tensor, spk: Tensor, cond: Tensor, x0: Tensor, at: Tensor, cache: FlowStreamCache

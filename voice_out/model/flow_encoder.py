@@ -61,6 +61,12 @@ def rel_index(start: int, t: int, tk: int, r_min: int, rows: int, device: torch.
     return (i - j - r_min).clamp_(0, rows - 1)
 
 
+def pos_rows(n_keys: int, chunk: int) -> int:
+    """Rows of a cached stage's positional keys that a call ending at ``n_keys`` keys reads:
+    r = -(chunk - 1) .. n_keys - 1 (chunk-causal keys never lie further ahead)."""
+    return n_keys + chunk - 1
+
+
 class RelPosAttention(nn.Module):
     """Transformer-XL style relative-position multi-head attention (ESPnet ``rel_selfattn``).
 
@@ -203,7 +209,7 @@ class Encoder(nn.Module):
         # projected are computed.
         k_all, v_all, pos_all = state
         r_min = -(chunk - 1)
-        rows = tk - 1 - r_min + 1
+        rows = pos_rows(tk, chunk)
         new_pe = rel_pos_rows(r_min + pos_valid, rows - pos_valid, dim, x.device).to(x.dtype)
         index = rel_index(start, t, tk, r_min, rows, x.device)
         for i, blk in enumerate(layers):
@@ -211,6 +217,14 @@ class Encoder(nn.Module):
                 pos_all[i, :, :, pos_valid:rows] = blk.self_attn.project_pos(new_pe)
             x = blk(x, pos_all[i, :, :, :rows], index, mask, (k_all[i], v_all[i]), start)
         return x, max(rows, pos_valid)
+
+    def pos_valid_after(self, stop: int, enc_valid: int, up_valid: int) -> tuple[int, int]:
+        """A stream cache's ``(enc_pos_valid, up_pos_valid)`` after a cached call over tokens up
+        to ``stop`` from ``(enc_valid, up_valid)``: what :meth:`forward` leaves there (for a
+        caller that replays the call from a CUDA graph, where no Python runs)."""
+        d = self.dims
+        up_stop = stop * d.token_mel_ratio
+        return max(enc_valid, pos_rows(stop, d.enc_chunk)), max(up_valid, pos_rows(up_stop, d.up_chunk))
 
     def forward(
         self,

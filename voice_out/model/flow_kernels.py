@@ -70,7 +70,11 @@ MAX_ROW = 1024
 #: from a prompt prefix (``Flow.prefix_core``: 2 x 106 frames for a 150-token prompt):
 #: ``--frames 106 --prefix 250 --sweep`` on an H200 found narrower linear tiles 25% faster there
 #: (the two linears of a transformer block 10.8 -> 8.0 us); the other kernels' best tiles were
-#: within 0.3 us of the second tier's.
+#: within 0.3 us of the second tier's. It reaches 640 rows for the later chunks on a stream's
+#: own state (``Flow.state_core``: 2 x 200 frames for a 100-token hop): ``--frames 200 --prefix
+#: 1500 --sweep --only linear,conv`` on an H100 put these tiles within 0.2 us of the fastest
+#: linears (8.8 against 10.6 us for the second tier's) and the split convs at 34.6 us against
+#: 47.5 unsplit for the three conv kinds.
 TILE_TIERS: tuple[tuple[int, dict[str, tuple[int, ...]]], ...] = (
     (
         0,
@@ -83,7 +87,7 @@ TILE_TIERS: tuple[tuple[int, dict[str, tuple[int, ...]]], ...] = (
         },
     ),
     (
-        384,
+        640,
         {
             "ln_linear": (32, 64, 4),
             "ln_linear_gelu": (32, 64, 4),

@@ -60,7 +60,7 @@ launch-bound, so a batch of B rows is expected to cost far less than B single re
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, cast
 
@@ -130,14 +130,20 @@ class _PrefixSlot:
 class _StateSlot:
     """A flow state of one stream's own, under CUDA graphs (``Token2Wav.use_state_slots``): a
     flow stream cache of ``capacity`` tokens (prompt included) that a stream holds while its
-    later chunks extend it, and the graphs of ``Flow.state_core`` over it, one per chunk
-    length in mel frames. ``owner``: the stream holding it, or None; ``started``: whether the
-    owner's state was set up (its voice's prompt prefix copied in, at its first chunk here)."""
+    later chunks extend it, the graphs of ``Flow.state_core`` over it, one per chunk length in
+    mel frames, and those of its encoder part (``Flow.state_mu``), one per ``Flow.StateKey``
+    (the chunk's position: ``key``, the one being run). ``owner``: the stream holding it, or
+    None; ``started``: whether the owner's state was set up (its voice's prompt prefix copied
+    in, at its first chunk here); ``captured``: the (prompt, tokens, hops, fast first) whose
+    chunks start-up ran through it."""
 
     cache: Any
     graph: GraphedFn
+    encoder: GraphedFn | None = None
+    key: Any = None
     owner: Token2WavStream | None = None
     started: bool = False
+    captured: set[tuple[Any, ...]] = field(default_factory=set)
 
 
 class FlowInference(Protocol):
@@ -215,7 +221,11 @@ class StateFlow(PrefixFlow, Protocol):
 
     def reset_stream_cache(self, cache: Any, prompt: Any) -> None: ...
 
-    def state_inputs(self, cache: Any, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]: ...
+    def state_inputs(
+        self, cache: Any, tokens: Tensor, encode: Callable[[Tensor, Any], Tensor] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]: ...
+
+    def state_mu(self, cache: Any, context: Tensor, key: Any) -> Tensor: ...
 
     def state_core(self, mu: Tensor, spk: Tensor, cond: Tensor, x0: Tensor, at: Tensor, cache: Any) -> Tensor: ...
 
@@ -530,7 +540,15 @@ class Token2Wav:
                 return flow.state_core(mu, spk, cond, x0, at, cache)
 
             graph = GraphedFn(core, name=f"flow.state_chunk[{i}]", warmup=1, pool=self._flow_pool, family=GRAPH_FAMILY)
-            self._state_slots.append(_StateSlot(cache=cache, graph=graph))
+            slot = _StateSlot(cache=cache, graph=graph)
+
+            def encoder(context: Tensor, slot: _StateSlot = slot) -> Tensor:
+                return flow.state_mu(slot.cache, context, slot.key)
+
+            slot.encoder = GraphedFn(
+                encoder, name=f"flow.state_encoder[{i}]", warmup=1, pool=self._flow_pool, family=GRAPH_FAMILY
+            )
+            self._state_slots.append(slot)
         return n
 
     def _acquire_state(self, stream: Token2WavStream, slot: _StateSlot | None = None) -> None:
@@ -631,6 +649,7 @@ class Token2Wav:
         stream = self.open_stream(
             prompt_token, prompt_feat, embedding, hops=hops, fast_first=fast_first, first_prefix=first_prefix
         )
+        self.release_state(stream)  # the re-run path's chunks here; the state slots' below
         # placeholder speech ids; the extra chunk's worth covers a final chunk rounded up
         dummy = [(7 * i + 1) % 6561 for i in range(n_tokens + stream.schedule.chunk_size)]
         try:
@@ -638,7 +657,7 @@ class Token2Wav:
                 pass
         finally:
             self._capturing = False
-        self._capture_state_slots(stream, dummy[: min(n_tokens, STREAM_CAPTURE_TOKENS)], hops, fast_first)
+        self._capture_state_slots(stream, dummy[:n_tokens], hops, fast_first)
         prompt_token, prompt_feat = prompt_token.to(self.device), prompt_feat.to(self.device)
         embedding = embedding.to(self.device)
         n_prompt = int(prompt_token.shape[1])
@@ -699,16 +718,17 @@ class Token2Wav:
     def _capture_state_slots(
         self, like: Token2WavStream, dummy: Sequence[int], hops: HopPolicy, fast_first: int
     ) -> None:
-        """Capture (start-up) every state slot's graphs of the chunk lengths a stream like
-        ``like`` (its voice, ``hops``, ``fast_first``) meets in ``dummy``'s tokens, by running a
-        placeholder stream through each slot that lacks one of them. The slots' contents are
-        placeholders after this: a stream's first chunk on a slot sets it up afresh."""
+        """Capture (start-up) every state slot's graphs of the chunks a stream like ``like`` (its
+        voice, ``hops``, ``fast_first``) makes in ``dummy``'s tokens: the estimator's per chunk
+        length, the encoder's per chunk position, by running a placeholder stream through each
+        slot that has not run them. The slots' contents are placeholders after this: a stream's
+        first chunk on a slot sets it up afresh."""
         prompt = like.first_prefix
         if prompt is None or not self._state_slots:
             return
-        keys = self.state_keys(prompt, len(dummy), hops, fast_first)
+        done = (int(prompt.n_prompt), int(prompt.n_prefix), len(dummy), hops, fast_first)
         for slot in self._state_slots:
-            if slot.owner is not None or all(slot.graph.has(k) for k in keys):
+            if slot.owner is not None or done in slot.captured:
                 continue
             stream = self.open_stream(
                 like.prompt_token,
@@ -727,6 +747,7 @@ class Token2Wav:
             finally:
                 self._capturing = False
                 self.release_state(stream)
+            slot.captured.add(done)
 
     def _capture_final_vocoder(self, stream: Token2WavStream, hops: HopPolicy, fast_first: int) -> None:
         """Capture the vocoder of every final chunk a stream like ``stream`` (its prompt, ``hops``
@@ -925,8 +946,9 @@ class Token2Wav:
 
     def _state_chunk(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor | None:
         """A later non-final chunk on the stream's state slot: its new frames, float32 [1, 80,
-        2 * hop_tokens], as :meth:`_rerun_chunk` gives them. The encoder runs eagerly over the
-        new tokens, the estimator calls from the slot's graph of this length. None when the
+        2 * hop_tokens], as :meth:`_rerun_chunk` gives them. The encoder runs over the new tokens
+        from the slot's graph of this position (eagerly at a position start-up did not reach),
+        the estimator calls from its graph of this length. None when the
         stream leaves its slot instead (the chunk would not fit, or has no graph outside
         start-up): the caller re-runs it, and every chunk after it."""
         slot = stream.state_slot
@@ -948,7 +970,15 @@ class Token2Wav:
             new = token[:, : plan.token_len]
         else:
             new = token[:, plan.token_offset : plan.token_len]
-        mu, spk, cond, x0, at = flow.state_inputs(slot.cache, new)
+
+        def encode(context: Tensor, key: Any) -> Tensor:
+            slot.key = key
+            assert slot.encoder is not None
+            if self._graph_flow is not None and not (self._capturing or slot.encoder.has(key)):
+                return flow.state_mu(slot.cache, context, key)  # a position start-up did not reach
+            return slot.encoder(key, context)
+
+        mu, spk, cond, x0, at = flow.state_inputs(slot.cache, new, encode)
         mel = slot.graph(frames, mu, spk, cond, x0, at)
         return mel[:, :, skip:].float().clone()  # the graph reuses its output
 
