@@ -35,7 +35,7 @@ CANDIDATES: dict[str, list[tuple[int, ...]]] = {
     "ln_linear": [(m, n, w) for m, n, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8))],
     "ln_linear_gelu": [(m, n, w) for m, n, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8))],
     "linear": [(m, n, k, w) for m, n, k, w in itertools.product((16, 32, 64, 128), (32, 64, 128), (32, 64), (4, 8))],
-    "attention": [(m, n, w) for m, n, w in itertools.product((16, 32, 64, 128), (32, 64), (2, 4, 8))],
+    "attention": [(m, n, w, s) for m, n, w, s in itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2, 4, 8))],
     "conv": [(m, 32, 64, w, s) for m, w, s in itertools.product((16, 32), (4, 8), (1, 2, 3, 4, 6))],
 }
 
@@ -97,6 +97,12 @@ def main() -> None:
         torch.zeros(b * t, dtype=torch.int32, device=dev),
     )
     res_in = (x, res.res_conv.weight.view(c, -1), res.res_conv.bias)
+    # likewise the attention's, for the largest split of its candidates
+    a_splits = max(cand[3] for cand in CANDIDATES["attention"])
+    attn_ws = (
+        torch.empty(a_splits * b * t * tb.heads * (tb.head_dim + 2), device=dev),
+        torch.zeros(b * t * tb.heads, dtype=torch.int32, device=dev),
+    )
 
     kernels: dict[str, Callable[[], Any]] = {
         "ln_linear": lambda: flow_kernels.ln_linear(xf, n1.weight, n1.bias, n1.eps, tb.qkv_weight),
@@ -104,7 +110,7 @@ def main() -> None:
             xf, n3.weight, n3.bias, n3.eps, tb.ff_in.weight, tb.ff_in.bias, gelu=True
         ),
         "attention": lambda: flow_kernels.attention(
-            qkv, b, tb.heads, tb.head_dim, chunk, None, prefix=prefix, start=start
+            qkv, b, tb.heads, tb.head_dim, chunk, None, prefix=prefix, start=start, ws=attn_ws
         ),
         "linear_out": lambda: flow_kernels.linear(o, tb.to_out.weight, tb.to_out.bias, residual=xf),
         "linear_ff": lambda: flow_kernels.linear(g, tb.ff_out.weight, tb.ff_out.bias, residual=xf),

@@ -160,14 +160,19 @@ def test_state_inputs_checks_its_chunk(cpu_t2w: Token2Wav) -> None:
 
 
 @pytest.mark.requires_cuda
-def test_attention_storing_its_keys_at_a_device_start_equals_sdpa() -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_attention_storing_its_keys_at_a_device_start_equals_sdpa(split: bool) -> None:
     """Frames ``start ..`` attending over a state's keys before ``start`` and their own, the
     start read on the device: SDPA with the chunk mask; the call's keys and values land in the
-    state at ``start ..`` and nothing else there changes."""
+    state at ``start ..`` and nothing else there changes. With a workspace the prefix's keys
+    are split over several programs (this tier's rows split): the same within rounding, the
+    same bits launch after launch, the counters left at zero."""
     dev, dt = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
-    b, t, heads, d, chunk, cap = 2, 100, 8, 64, 50, 600
-    for start in (0, 250, 400):
+    b, t, heads, d, chunk, cap = 2, 100, 8, 64, 50, 1800
+    ws = flow_kernels.attention_workspace(b * t, heads, d, dev) if split else None
+    assert (ws is not None) == split  # 200 rows: the small tier, which splits
+    for start in (0, 250, 400, 1650):
         qkv = torch.randn(b * t, 3 * heads * d, generator=gen, device=dev).to(dt)
         pk = torch.randn(b, heads, cap, d, generator=gen, device=dev).to(dt)
         pv = torch.randn(b, heads, cap, d, generator=gen, device=dev).to(dt)
@@ -178,8 +183,13 @@ def test_attention_storing_its_keys_at_a_device_start_equals_sdpa() -> None:
         mask = attention_bias(allowed, dt) if allowed is not None else None
         want = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask).transpose(1, 2).reshape(b * t, -1)
         at = torch.tensor([start], device=dev)
-        got = flow_kernels.attention(qkv, b, heads, d, chunk, None, prefix=(pk, pv), at=at, write=True)
+        got = flow_kernels.attention(qkv, b, heads, d, chunk, None, prefix=(pk, pv), at=at, write=True, ws=ws)
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+        if ws is not None:
+            for _ in range(3):
+                again = flow_kernels.attention(qkv, b, heads, d, chunk, None, prefix=(pk, pv), at=at, write=True, ws=ws)
+                assert torch.equal(again, got)
+            assert not ws[1].any()
         assert torch.equal(pk[:, :, start : start + t], k) and torch.equal(pv[:, :, start : start + t], v)
         for buf, old in zip((pk, pv), before, strict=True):
             assert torch.equal(buf[:, :, :start], old[:, :, :start])

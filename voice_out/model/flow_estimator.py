@@ -400,18 +400,30 @@ class TransformerBlock(nn.Module):
         start: int = 0,
         at: Tensor | None = None,
         write: bool = False,
+        ws: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """The call in 5 fused kernels (norm + q/k/v, attention, out + residual, norm + FF in +
         GELU, FF out + residual): x ``[B, T, C]`` with contiguous rows, frames ``start ..``
         (or from ``at``, on the device); the mask as :func:`voice_out.model.flow_kernels.attention`
         takes it (``chunk`` frames, 0 = none; ``key_frames`` ``[B]`` or None); the keys and
         values of frames ``0 .. start`` from ``prefix`` (a state's ``[B, H, capacity, D]``
-        buffers; with ``write`` this call's are stored there too, at ``start ..``)."""
+        buffers; with ``write`` this call's are stored there too, at ``start ..``); ``ws``: the
+        attention's split workspace or None."""
         b, t, c = x.shape
         xf = x.reshape(b * t, c)
         qkv = flow_kernels.ln_linear(xf, self.norm1.weight, self.norm1.bias, self.norm1.eps, self.stacked_qkv())
         o = flow_kernels.attention(
-            qkv, b, self.heads, self.head_dim, chunk, key_frames, prefix=prefix, start=start, at=at, write=write
+            qkv,
+            b,
+            self.heads,
+            self.head_dim,
+            chunk,
+            key_frames,
+            prefix=prefix,
+            start=start,
+            at=at,
+            write=write,
+            ws=ws,
         )
         x2 = flow_kernels.linear(o, self.to_out.weight, self.to_out.bias, residual=xf)
         n3 = self.norm3
@@ -454,6 +466,8 @@ class EstimatorPrep:
     * ``conv_ws``: the fused convs' split-reduction workspace for ``B L`` rows
       (:func:`voice_out.model.flow_kernels.conv_workspace`), or None (no fused kernels, or a
       tier that does not split). Scratch shared by the solve's calls, one at a time.
+    * ``attn_ws``: likewise the fused attention's, for calls after a prefix
+      (:func:`voice_out.model.flow_kernels.attention_workspace`), or None.
     """
 
     inputs: Tensor
@@ -465,6 +479,7 @@ class EstimatorPrep:
     chunk: int = 0
     key_frames: Tensor | None = None
     conv_ws: tuple[Tensor, Tensor] | None = None
+    attn_ws: tuple[Tensor, Tensor] | None = None
 
 
 class Estimator(nn.Module):
@@ -627,7 +642,12 @@ class Estimator(nn.Module):
             chunk=self.chunk_frames if streaming else 0,
             key_frames=key_frames,
             conv_ws=flow_kernels.conv_workspace(b * n, self.channels, mu.device) if self.kernels else None,
+            attn_ws=self._attention_workspace(b * n, mu.device) if self.kernels else None,
         )
+
+    def _attention_workspace(self, rows: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
+        block = self.transformer_blocks()[0]
+        return flow_kernels.attention_workspace(rows, block.heads, block.head_dim, device)
 
     def forward(
         self,
@@ -738,7 +758,7 @@ class Estimator(nn.Module):
         def attn(stage: nn.ModuleList, h: Tensor) -> Tensor:
             for blk in stage:
                 assert isinstance(blk, TransformerBlock)
-                h = blk.forward_kernels(h, prep.chunk, prep.key_frames, next(kvs), start, at, write)
+                h = blk.forward_kernels(h, prep.chunk, prep.key_frames, next(kvs), start, at, write, prep.attn_ws)
             return h
 
         ws = prep.conv_ws

@@ -55,7 +55,9 @@ except ImportError:  # pragma: no cover - depends on the install
 MAX_ROW = 1024
 #: Tile sizes and warps per kernel, by the rows M of the call (batch x frames; CFG rows
 #: included): each tier holds from its threshold up to the next. ln_linear and ln_linear_gelu
-#: (rows, cols, warps); linear (rows, cols, depth, warps); attention (queries, keys, warps);
+#: (rows, cols, warps); linear (rows, cols, depth, warps); attention (queries, keys, warps,
+#: splits: a prefix's keys over that many programs per query block, where a call passes a
+#: workspace, :func:`attention_workspace`);
 #: conv (rows when Cout > 128, rows otherwise, depth, warps, splits; the columns are the whole
 #: Cout, for the LayerNorm; splits > 1: the reduction over taps x channels in that many programs
 #: per row tile, where a call passes a workspace, :func:`conv_workspace`). Measured on an H100
@@ -82,7 +84,7 @@ TILE_TIERS: tuple[tuple[int, dict[str, tuple[int, ...]]], ...] = (
             "ln_linear": (32, 64, 4),
             "ln_linear_gelu": (32, 64, 4),
             "linear": (16, 32, 64, 4),
-            "attention": (64, 64, 4),
+            "attention": (64, 64, 4, 4),
             "conv": (16, 32, 64, 4, 4),
         },
     ),
@@ -92,7 +94,7 @@ TILE_TIERS: tuple[tuple[int, dict[str, tuple[int, ...]]], ...] = (
             "ln_linear": (32, 64, 4),
             "ln_linear_gelu": (32, 64, 4),
             "linear": (32, 64, 64, 4),
-            "attention": (64, 64, 4),
+            "attention": (64, 64, 4, 1),
             "conv": (16, 32, 64, 4, 1),
         },
     ),
@@ -102,7 +104,7 @@ TILE_TIERS: tuple[tuple[int, dict[str, tuple[int, ...]]], ...] = (
             "ln_linear": (64, 128, 4),
             "ln_linear_gelu": (64, 128, 4),
             "linear": (128, 128, 64, 8),
-            "attention": (64, 64, 4),
+            "attention": (64, 64, 4, 1),
             "conv": (64, 32, 64, 8, 1),
         },
     ),
@@ -249,6 +251,8 @@ if triton is not None:
         stride_ph,
         stride_pt,
         at_ptr,
+        ws_ptr,
+        cnt_ptr,
         T,
         start,
         chunk,
@@ -259,11 +263,13 @@ if triton is not None:
         HAS_PREFIX: tl.constexpr,
         START_AT: tl.constexpr,
         WRITE_KV: tl.constexpr,
+        SPLITS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
+        sid = tl.program_id(2)  # this program's share of the prefix's keys (SPLITS > 1)
         b = bh // H
         h = bh % H
         if START_AT:  # the frame of this call's first row, on the device (a graph replays any)
@@ -273,14 +279,18 @@ if triton is not None:
         i_ok = i < T
         base = qkv_ptr + b * T * stride_qkv
         q = tl.load(base + i[:, None] * stride_qkv + h * D + d[None, :], mask=i_ok[:, None], other=0.0)
+        last_split = sid == SPLITS - 1  # it also takes the call's own keys
         if WRITE_KV:
-            # this block's own keys and values go into the state at frames start + i. No
-            # program of this launch reads them there (the state is read before start only,
-            # this call's keys from qkv), so the state extends in the launch that reads it.
-            at = b * stride_pb + h * stride_ph + (start + i)[:, None] * stride_pt + d[None, :]
-            own = base + i[:, None] * stride_qkv + d[None, :]
-            tl.store(pk_ptr + at, tl.load(own + (H + h) * D, mask=i_ok[:, None], other=0.0), mask=i_ok[:, None])
-            tl.store(pv_ptr + at, tl.load(own + (2 * H + h) * D, mask=i_ok[:, None], other=0.0), mask=i_ok[:, None])
+            if last_split:
+                # this block's own keys and values go into the state at frames start + i. No
+                # program of this launch reads them there (the state is read before start only,
+                # this call's keys from qkv), so the state extends in the launch that reads it.
+                at = b * stride_pb + h * stride_ph + (start + i)[:, None] * stride_pt + d[None, :]
+                own = base + i[:, None] * stride_qkv + d[None, :]
+                k_own = tl.load(own + (H + h) * D, mask=i_ok[:, None], other=0.0)
+                tl.store(pk_ptr + at, k_own, mask=i_ok[:, None])
+                v_own = tl.load(own + (2 * H + h) * D, mask=i_ok[:, None], other=0.0)
+                tl.store(pv_ptr + at, v_own, mask=i_ok[:, None])
         n_keys = T
         if HAS_KF:
             n_keys = tl.load(kf_ptr + b).to(tl.int32)
@@ -297,10 +307,13 @@ if triton is not None:
         l_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         if HAS_PREFIX:
-            # the keys of frames 0 .. start - 1, from the prefix's buffers [B, H, >= start, D]
+            # the keys of frames 0 .. start - 1, from the prefix's buffers [B, H, >= start, D];
+            # split s takes a contiguous run of its key blocks
             p_base = b * stride_pb + h * stride_ph
-            for j0 in range(0, start, BLOCK_N):
-                j = j0 + tl.arange(0, BLOCK_N)
+            n_pb = tl.cdiv(start, BLOCK_N)
+            per = tl.cdiv(n_pb, SPLITS)
+            for jb in range(sid * per, tl.minimum((sid + 1) * per, n_pb)):
+                j = jb * BLOCK_N + tl.arange(0, BLOCK_N)
                 j_ok = j < start
                 at = p_base + j[:, None] * stride_pt + d[None, :]
                 keys = tl.load(pk_ptr + at, mask=j_ok[:, None], other=0.0)
@@ -314,23 +327,56 @@ if triton is not None:
                 l_sum = l_sum * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
                 m = m_new
-        for j0 in range(0, hi, BLOCK_N):
-            j = j0 + tl.arange(0, BLOCK_N)
-            j_ok = j < n_keys
-            keys = tl.load(base + j[:, None] * stride_qkv + (H + h) * D + d[None, :], mask=j_ok[:, None], other=0.0)
-            vals = tl.load(base + j[:, None] * stride_qkv + (2 * H + h) * D + d[None, :], mask=j_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(keys)) * qk_scale
-            s = tl.where(j[None, :] < limit[:, None], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
-            alpha = tl.exp2(m - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
-            m = m_new
-        o = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
-        out = out_ptr + (b * T + i)[:, None] * stride_out + h * D + d[None, :]
-        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=i_ok[:, None])
+        if last_split:
+            for j0 in range(0, hi, BLOCK_N):
+                j = j0 + tl.arange(0, BLOCK_N)
+                j_ok = j < n_keys
+                keys = tl.load(base + j[:, None] * stride_qkv + (H + h) * D + d[None, :], mask=j_ok[:, None], other=0.0)
+                vals = tl.load(
+                    base + j[:, None] * stride_qkv + (2 * H + h) * D + d[None, :], mask=j_ok[:, None], other=0.0
+                )
+                s = tl.dot(q, tl.trans(keys)) * qk_scale
+                s = tl.where(j[None, :] < limit[:, None], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+                alpha = tl.exp2(m - m_safe)
+                p = tl.exp2(s - m_safe[:, None])
+                l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
+                m = m_new
+        done = True
+        if SPLITS > 1:
+            # each split's running max, sum and float32 sums [SPLITS, B T H, 2 + D]; the last
+            # program of the block to arrive merges them in split order (the same result
+            # whichever is last)
+            row = (b * T + i) * H + h
+            rows_all = T * tl.num_programs(1)  # B T H
+            mine = ws_ptr + (sid * rows_all + row) * (D + 2)
+            tl.store(mine, m, mask=i_ok)
+            tl.store(mine + 1, l_sum, mask=i_ok)
+            tl.store(mine[:, None] + 2 + d[None, :], acc, mask=i_ok[:, None])
+            tl.debug_barrier()  # every thread's stores issued before the count (released at GPU scope)
+            slot = cnt_ptr + pid_m * tl.num_programs(1) + bh
+            done = tl.atomic_add(slot, 1, sem="acq_rel") == SPLITS - 1
+            if done:
+                m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                for sp in tl.static_range(SPLITS):
+                    part = ws_ptr + (sp * rows_all + row) * (D + 2)
+                    m = tl.maximum(m, tl.load(part, mask=i_ok, other=float("-inf"), cache_modifier=".cg"))
+                m_safe = tl.where(m == float("-inf"), 0.0, m)
+                l_sum = tl.zeros([BLOCK_M], tl.float32)
+                acc = tl.zeros([BLOCK_M, D], tl.float32)
+                for sp in tl.static_range(SPLITS):
+                    part = ws_ptr + (sp * rows_all + row) * (D + 2)
+                    w = tl.exp2(tl.load(part, mask=i_ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
+                    l_sum += w * tl.load(part + 1, mask=i_ok, other=0.0, cache_modifier=".cg")
+                    a_sp = tl.load(part[:, None] + 2 + d[None, :], mask=i_ok[:, None], other=0.0, cache_modifier=".cg")
+                    acc += w[:, None] * a_sp
+                tl.atomic_xchg(slot, 0)
+        if done:
+            o = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+            out = out_ptr + (b * T + i)[:, None] * stride_out + h * D + d[None, :]
+            tl.store(out, o.to(out_ptr.dtype.element_ty), mask=i_ok[:, None])
 
     @triton.jit(do_not_specialize=["T", "M"])
     def _conv_kernel(  # type: ignore[no-untyped-def]
@@ -571,6 +617,7 @@ def attention(
     start: int = 0,
     at: Tensor | None = None,
     write: bool = False,
+    ws: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Multi-head attention of the stacked projection ``qkv`` ``[B T, 3 H D]`` (q | k | v, each
     head-major; rows batch-major) -> ``[B T, H D]``, one kernel, scale 1/sqrt(D).
@@ -587,7 +634,14 @@ def attention(
     read), so one CUDA graph serves every position of a stream. ``write`` (with ``prefix``):
     the call's keys and values are also stored into the prefix's buffers at frames ``start ..
     start + T`` (which must fit: the caller checks, the kernel cannot), extending a stream's
-    state; without it the prefix is only read."""
+    state; without it the prefix is only read.
+
+    ``ws``: :func:`attention_workspace` of at least this call's rows: with a prefix, its keys
+    are then split as the tier of the rows says (several programs per query block, each a
+    run of the prefix's key blocks, the last also the call's own; the last to arrive merges
+    their softmax sums in a fixed order: the result does not depend on which is last). Calls
+    sharing a workspace must not run at once (one stream); every launch leaves its counters
+    at zero. Without it, one program per query block."""
     _rows(qkv, "attention")
     rows, width = qkv.shape
     t = rows // batch
@@ -618,11 +672,16 @@ def attention(
         if pk.stride() != pv.stride():
             raise ValueError("attention: prefix keys and values must have the same strides")
     out = torch.empty(rows, heads * head_dim, device=qkv.device, dtype=qkv.dtype)
-    block_m, block_n, warps = tier(rows)["attention"]
+    block_m, block_n, warps, splits = tier(rows)["attention"]
+    q_blocks = triton.cdiv(t, block_m)
+    if ws is None or prefix is None or splits <= 1:
+        splits, ws = 1, None  # an unsplit launch reads no workspace
+    elif ws[0].numel() < splits * rows * heads * (head_dim + 2) or ws[1].numel() < q_blocks * batch * heads:
+        raise ValueError(f"attention: workspace too small for {rows} rows x {heads} heads in {splits} splits")
     kernel: Any = _attention_kernel
     launch(
         kernel,
-        (triton.cdiv(t, block_m), batch * heads),
+        (q_blocks, batch * heads, splits),
         qkv,
         qkv.stride(0),
         out,
@@ -634,6 +693,8 @@ def attention(
         prefix[0].stride(1) if prefix is not None else 0,
         prefix[0].stride(2) if prefix is not None else 0,
         at if at is not None else qkv,
+        ws[0] if ws is not None else qkv,
+        ws[1] if ws is not None else qkv,
         t,
         start,
         chunk,
@@ -644,6 +705,7 @@ def attention(
         HAS_PREFIX=prefix is not None and (start > 0 or at is not None),
         START_AT=at is not None,
         WRITE_KV=write,
+        SPLITS=splits,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=warps,
@@ -762,3 +824,18 @@ def conv_workspace(rows: int, channels: int, device: torch.device | str) -> tupl
         return None
     partials = torch.empty(2 * splits * rows * _pow2(channels), device=device, dtype=torch.float32)
     return partials, torch.zeros(triton.cdiv(rows, min(wide_m, narrow_m)), dtype=torch.int32, device=device)
+
+
+def attention_workspace(
+    rows: int, heads: int, head_dim: int, device: torch.device | str
+) -> tuple[Tensor, Tensor] | None:
+    """What split :func:`attention` calls of up to ``rows`` rows (batch x frames) need between
+    their programs: float32 partial softmax sums and an int32 arrival counter per query block
+    and head (zeros; every launch leaves them so). None when the tier of ``rows`` does not split.
+    One per estimator solve: its calls run one after another."""
+    block_m, _, _, splits = tier(rows)["attention"]
+    if splits <= 1 or triton is None:
+        return None
+    partials = torch.empty(splits * rows * heads * (head_dim + 2), device=device, dtype=torch.float32)
+    # a counter per (query block, batch row, head): at most cdiv(rows, block_m) + rows blocks
+    return partials, torch.zeros((triton.cdiv(rows, block_m) + rows) * heads, dtype=torch.int32, device=device)
