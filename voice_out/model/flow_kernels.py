@@ -53,6 +53,10 @@ except ImportError:  # pragma: no cover - depends on the install
 
 #: Widest row a LayerNorm prologue/epilogue holds in one tile (channels of the estimator).
 MAX_ROW = 1024
+#: A split attention (:func:`attention_workspace`) gives each program at least this many key
+#: blocks: a first chunk from a 150-token prompt's prefix (4 prefix blocks, 2 of its own) was
+#: slower split 4 ways than whole (11.0 against ~7.6 us, H100), 1500 prefix frames faster.
+ATTENTION_MIN_BLOCKS = 6
 #: Tile sizes and warps per kernel, by the rows M of the call (batch x frames; CFG rows
 #: included): each tier holds from its threshold up to the next. ln_linear and ln_linear_gelu
 #: (rows, cols, warps); linear (rows, cols, depth, warps); attention (queries, keys, warps,
@@ -84,7 +88,7 @@ TILE_TIERS: tuple[tuple[int, dict[str, tuple[int, ...]]], ...] = (
             "ln_linear": (32, 64, 4),
             "ln_linear_gelu": (32, 64, 4),
             "linear": (16, 32, 64, 4),
-            "attention": (64, 64, 4, 4),
+            "attention": (64, 64, 4, 8),
             "conv": (16, 32, 64, 4, 4),
         },
     ),
@@ -264,6 +268,7 @@ if triton is not None:
         START_AT: tl.constexpr,
         WRITE_KV: tl.constexpr,
         SPLITS: tl.constexpr,
+        MIN_BLOCKS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
@@ -279,9 +284,8 @@ if triton is not None:
         i_ok = i < T
         base = qkv_ptr + b * T * stride_qkv
         q = tl.load(base + i[:, None] * stride_qkv + h * D + d[None, :], mask=i_ok[:, None], other=0.0)
-        last_split = sid == SPLITS - 1  # it also takes the call's own keys
         if WRITE_KV:
-            if last_split:
+            if sid == 0:
                 # this block's own keys and values go into the state at frames start + i. No
                 # program of this launch reads them there (the state is read before start only,
                 # this call's keys from qkv), so the state extends in the launch that reads it.
@@ -303,16 +307,24 @@ if triton is not None:
         if chunk > 0:
             limit = tl.minimum(limit, ((start + i) // chunk + 1) * chunk - start)
             hi = tl.minimum(hi, ((start + pid_m * BLOCK_M + BLOCK_M - 1) // chunk + 1) * chunk - start)
+        # The key blocks: the prefix's (frames 0 .. start - 1) then the call's own. With
+        # SPLITS > 1 they are shared out in contiguous runs over up to SPLITS programs, at
+        # least MIN_BLOCKS each (``splits``; a short prefix stays in one program: the merge
+        # would cost more than it saves); programs past them do nothing.
+        n_pb = 0
+        if HAS_PREFIX:
+            n_pb = tl.cdiv(start, BLOCK_N)
+        n_blocks = n_pb + tl.cdiv(hi, BLOCK_N)
+        splits = tl.minimum(tl.maximum(n_blocks // MIN_BLOCKS, 1), SPLITS)
+        per = tl.cdiv(n_blocks, splits)
+        lo_b = tl.minimum(sid * per, n_blocks)
+        hi_b = tl.minimum(lo_b + per, n_blocks)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         if HAS_PREFIX:
-            # the keys of frames 0 .. start - 1, from the prefix's buffers [B, H, >= start, D];
-            # split s takes a contiguous run of its key blocks
             p_base = b * stride_pb + h * stride_ph
-            n_pb = tl.cdiv(start, BLOCK_N)
-            per = tl.cdiv(n_pb, SPLITS)
-            for jb in range(sid * per, tl.minimum((sid + 1) * per, n_pb)):
+            for jb in range(lo_b, tl.minimum(hi_b, n_pb)):
                 j = jb * BLOCK_N + tl.arange(0, BLOCK_N)
                 j_ok = j < start
                 at = p_base + j[:, None] * stride_pt + d[None, :]
@@ -327,52 +339,56 @@ if triton is not None:
                 l_sum = l_sum * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
                 m = m_new
-        if last_split:
-            for j0 in range(0, hi, BLOCK_N):
-                j = j0 + tl.arange(0, BLOCK_N)
-                j_ok = j < n_keys
-                keys = tl.load(base + j[:, None] * stride_qkv + (H + h) * D + d[None, :], mask=j_ok[:, None], other=0.0)
-                vals = tl.load(
-                    base + j[:, None] * stride_qkv + (2 * H + h) * D + d[None, :], mask=j_ok[:, None], other=0.0
-                )
-                s = tl.dot(q, tl.trans(keys)) * qk_scale
-                s = tl.where(j[None, :] < limit[:, None], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
-                alpha = tl.exp2(m - m_safe)
-                p = tl.exp2(s - m_safe[:, None])
-                l_sum = l_sum * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
-                m = m_new
-        done = True
+        for jb in range(tl.maximum(lo_b, n_pb) - n_pb, hi_b - n_pb):
+            j = jb * BLOCK_N + tl.arange(0, BLOCK_N)
+            j_ok = j < n_keys
+            keys = tl.load(base + j[:, None] * stride_qkv + (H + h) * D + d[None, :], mask=j_ok[:, None], other=0.0)
+            vals = tl.load(base + j[:, None] * stride_qkv + (2 * H + h) * D + d[None, :], mask=j_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(keys)) * qk_scale
+            s = tl.where(j[None, :] < limit[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+            alpha = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
+            m = m_new
+        done = sid == 0
         if SPLITS > 1:
-            # each split's running max, sum and float32 sums [SPLITS, B T H, 2 + D]; the last
-            # program of the block to arrive merges them in split order (the same result
-            # whichever is last)
-            row = (b * T + i) * H + h
-            rows_all = T * tl.num_programs(1)  # B T H
-            mine = ws_ptr + (sid * rows_all + row) * (D + 2)
-            tl.store(mine, m, mask=i_ok)
-            tl.store(mine + 1, l_sum, mask=i_ok)
-            tl.store(mine[:, None] + 2 + d[None, :], acc, mask=i_ok[:, None])
-            tl.debug_barrier()  # every thread's stores issued before the count (released at GPU scope)
-            slot = cnt_ptr + pid_m * tl.num_programs(1) + bh
-            done = tl.atomic_add(slot, 1, sem="acq_rel") == SPLITS - 1
-            if done:
-                m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                for sp in tl.static_range(SPLITS):
-                    part = ws_ptr + (sp * rows_all + row) * (D + 2)
-                    m = tl.maximum(m, tl.load(part, mask=i_ok, other=float("-inf"), cache_modifier=".cg"))
-                m_safe = tl.where(m == float("-inf"), 0.0, m)
-                l_sum = tl.zeros([BLOCK_M], tl.float32)
-                acc = tl.zeros([BLOCK_M, D], tl.float32)
-                for sp in tl.static_range(SPLITS):
-                    part = ws_ptr + (sp * rows_all + row) * (D + 2)
-                    w = tl.exp2(tl.load(part, mask=i_ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
-                    l_sum += w * tl.load(part + 1, mask=i_ok, other=0.0, cache_modifier=".cg")
-                    a_sp = tl.load(part[:, None] + 2 + d[None, :], mask=i_ok[:, None], other=0.0, cache_modifier=".cg")
-                    acc += w[:, None] * a_sp
-                tl.atomic_xchg(slot, 0)
+            if splits > 1:
+                # each split's running max, sum and float32 sums [SPLITS, B T H, 2 + D]; the
+                # last of the block's programs to arrive merges them in split order (the same
+                # result whichever is last)
+                done = False
+                row = (b * T + i) * H + h
+                rows_all = T * tl.num_programs(1)  # B T H
+                if sid < splits:
+                    mine = ws_ptr + (sid * rows_all + row) * (D + 2)
+                    tl.store(mine, m, mask=i_ok)
+                    tl.store(mine + 1, l_sum, mask=i_ok)
+                    tl.store(mine[:, None] + 2 + d[None, :], acc, mask=i_ok[:, None])
+                    tl.debug_barrier()  # every thread's stores issued before the count (released at GPU scope)
+                    slot = cnt_ptr + pid_m * tl.num_programs(1) + bh
+                    done = tl.atomic_add(slot, 1, sem="acq_rel") == splits - 1
+                    if done:
+                        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                        for sp in tl.static_range(SPLITS):
+                            part = ws_ptr + (sp * rows_all + row) * (D + 2)
+                            m_sp = tl.load(part, mask=i_ok & (sp < splits), other=float("-inf"), cache_modifier=".cg")
+                            m = tl.maximum(m, m_sp)
+                        m_safe = tl.where(m == float("-inf"), 0.0, m)
+                        l_sum = tl.zeros([BLOCK_M], tl.float32)
+                        acc = tl.zeros([BLOCK_M, D], tl.float32)
+                        for sp in tl.static_range(SPLITS):
+                            ok = i_ok & (sp < splits)
+                            part = ws_ptr + (sp * rows_all + row) * (D + 2)
+                            w = tl.exp2(tl.load(part, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
+                            l_sum += w * tl.load(part + 1, mask=ok, other=0.0, cache_modifier=".cg")
+                            a_sp = tl.load(
+                                part[:, None] + 2 + d[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg"
+                            )
+                            acc += w[:, None] * a_sp
+                        tl.atomic_xchg(slot, 0)
         if done:
             o = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
             out = out_ptr + (b * T + i)[:, None] * stride_out + h * D + d[None, :]
@@ -706,6 +722,7 @@ def attention(
         START_AT=at is not None,
         WRITE_KV=write,
         SPLITS=splits,
+        MIN_BLOCKS=ATTENTION_MIN_BLOCKS,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=warps,
