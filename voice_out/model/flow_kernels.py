@@ -55,7 +55,9 @@ except ImportError:  # pragma: no cover - depends on the install
 MAX_ROW = 1024
 #: A split attention (:func:`attention_workspace`) gives each program at least this many key
 #: blocks: a first chunk from a 150-token prompt's prefix (4 prefix blocks, 2 of its own) was
-#: slower split 4 ways than whole (11.0 against ~7.6 us, H100), 1500 prefix frames faster.
+#: slower split 4 ways than whole (``scripts/bench_flow_kernels.py --frames 106 --prefix 250``:
+#: 11.0 us, 7.3 whole, H100), 1500 prefix frames faster (23.4 -> 18.6 us). Up to 8 splits
+#: made a long utterance's later chunks slower than 4 (``scripts/token2wav_chunk_cost.py``).
 ATTENTION_MIN_BLOCKS = 6
 #: Tile sizes and warps per kernel, by the rows M of the call (batch x frames; CFG rows
 #: included): each tier holds from its threshold up to the next. ln_linear and ln_linear_gelu
@@ -88,7 +90,7 @@ TILE_TIERS: tuple[tuple[int, dict[str, tuple[int, ...]]], ...] = (
             "ln_linear": (32, 64, 4),
             "ln_linear_gelu": (32, 64, 4),
             "linear": (16, 32, 64, 4),
-            "attention": (64, 64, 4, 8),
+            "attention": (64, 64, 4, 4),
             "conv": (16, 32, 64, 4, 4),
         },
     ),
