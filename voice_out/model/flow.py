@@ -876,12 +876,9 @@ class Flow(nn.Module):
     ) -> tuple[Tensor, Tensor, int]:
         """The encoder's part of :meth:`_advance` (extends the cache's encoder state): mu and
         cond ``[1, n_mels, ratio (n_tokens - n_done)]`` and the first frame, ratio n_done."""
-        start, stop = cache.n_done, cache.n_tokens
-        x = self.embed_tokens(cache.tokens[start:stop].unsqueeze(0))
-        ctx = self.embed_tokens(context) if context is not None else None
-        h = self.encoder(x, ctx, True, cache, start)
-        mu = self.encoder_proj(h).transpose(1, 2)
-        f0 = start * self.dims.token_mel_ratio
+        key = StateKey(cache.n_done, cache.n_tokens, cache.enc_pos_valid, cache.up_pos_valid)
+        mu = self.state_mu(cache, context, key)
+        f0 = key.start * self.dims.token_mel_ratio
         return mu, self._cond(prompt_feat, f0, mu.shape[2]), f0
 
     def prepare_prompt(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> FlowPrompt:
@@ -1059,9 +1056,10 @@ class Flow(nn.Module):
         cond = self._cond(prompt.prompt_feat, f0, n)
         return mu, prompt.spk, cond, x0, to_device([f0], self.device, torch.long)
 
-    def state_mu(self, cache: FlowStreamCache, context: Tensor, key: StateKey) -> Tensor:
+    def state_mu(self, cache: FlowStreamCache, context: Tensor | None, key: StateKey) -> Tensor:
         """The encoder's part of a chunk on a stream's state: tokens ``key.start .. key.stop``
-        of ``cache`` (already in its ``tokens``) and ``context`` ``[1, lookahead]`` ids ->
+        of ``cache`` (already in its ``tokens``) and ``context`` ``[1, lookahead]`` ids (None:
+        zeros) ->
         mu ``[1, n_mels, ratio (stop - start)]``, the cache's encoder state extended. The cache's
         host fields are set from ``key`` first, so every run of one key takes the same path
         (a CUDA graph per key: its warm-up and capture both run this); the caller sets them
@@ -1070,7 +1068,8 @@ class Flow(nn.Module):
         cache.enc_pos_valid, cache.up_pos_valid = key.enc_valid, key.up_valid
         start, stop = key.start, key.stop
         x = self.embed_tokens(cache.tokens[start:stop].unsqueeze(0))
-        h = self.encoder(x, self.embed_tokens(context), True, cache, start)
+        ctx = self.embed_tokens(context) if context is not None else None
+        h = self.encoder(x, ctx, True, cache, start)
         return self.encoder_proj(h).transpose(1, 2)
 
     def state_core(

@@ -948,9 +948,9 @@ class Token2Wav:
         """A later non-final chunk on the stream's state slot: its new frames, float32 [1, 80,
         2 * hop_tokens], as :meth:`_rerun_chunk` gives them. The encoder runs over the new tokens
         from the slot's graph of this position (eagerly at a position start-up did not reach),
-        the estimator calls from its graph of this length. None when the
-        stream leaves its slot instead (the chunk would not fit, or has no graph outside
-        start-up): the caller re-runs it, and every chunk after it."""
+        the estimator calls from its graph of this length. None when the stream leaves its
+        slot instead (the chunk would not fit, or its length has no graph outside start-up):
+        the caller re-runs it, and every chunk after it."""
         slot = stream.state_slot
         assert slot is not None
         sched = stream.schedule
