@@ -233,24 +233,3 @@ def test_other_dims_load_from_the_official_layout(parity_dir: Path, tmp_path: Pa
         b, _ = loaded(mel)
     assert a.shape == (1, 9 * 480)
     assert float((a - b).abs().max()) < 1e-5
-
-
-@pytest.mark.parametrize("length", [4, 64, 1000, 3844])
-def test_dft_bases_equal_torch_stft_and_istft(length: int) -> None:
-    """The vocoder's STFT and iSTFT as matmuls (``hift.dft_bases``: no cuFFT plan per length)
-    equal ``torch.stft`` (centred, reflect padding) and the irfft overlap-add within float32
-    rounding, for the model's n_fft 16 / hop 4 and an odd n_fft."""
-    from voice_out.model.hift import dft_bases, istft, stft_ri
-
-    gen = torch.Generator().manual_seed(length)
-    for n_fft, hop in ((16, 4), (15, 5)):
-        window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64).to(torch.float32)
-        forward, inverse = dft_bases(n_fft, window)
-        x = torch.randn(2, max(length, n_fft), generator=gen)
-        want = torch.stft(x, n_fft, hop, n_fft, window=window, center=True, return_complex=True)
-        got = stft_ri(x, n_fft, hop, forward)
-        assert torch.allclose(got, torch.cat([want.real, want.imag], dim=1), atol=1e-5)
-        spec = torch.randn(2, n_fft // 2 + 1, 40, generator=gen, dtype=torch.complex64)
-        by_fft = istft(spec, n_fft, hop, window)
-        by_matmul = istft(torch.cat([spec.real, spec.imag], dim=1), n_fft, hop, window, inverse)
-        assert torch.allclose(by_matmul, by_fft, atol=1e-5)

@@ -230,52 +230,15 @@ class HarmonicSource(nn.Module):
 # The vocoder
 
 
-def dft_bases(n_fft: int, window: Tensor) -> tuple[Tensor, Tensor]:
-    """The real DFT of ``n_fft`` points as matrices, computed in float64, stored like ``window``:
-
-    * ``forward`` ``[n_fft, 2F]`` (F = n_fft // 2 + 1): windowed frame -> [real | imag] of its
-      bins (``torch.stft``'s, ``e^{-2 pi i k n / n_fft}``);
-    * ``inverse`` ``[2F, n_fft]``: [real | imag] -> ``torch.fft.irfft(n=n_fft)`` of the bins,
-      then windowed (the imaginary parts of the DC and Nyquist bins are ignored, as there).
-
-    A few kernels whatever the length, where cuFFT makes a plan per frame count (every new
-    length a CUDA graph captures)."""
-    n = torch.arange(n_fft, dtype=torch.float64)
-    k = torch.arange(n_fft // 2 + 1, dtype=torch.float64)
-    angle = 2 * math.pi * n[:, None] * k[None, :] / n_fft  # [n_fft, F]
-    w = window.to(torch.float64)
-    forward = torch.cat([torch.cos(angle), -torch.sin(angle)], dim=1) * w[:, None]
-    scale = torch.full((k.shape[0],), 2.0, dtype=torch.float64)
-    scale[0] = 1.0
-    if n_fft % 2 == 0:
-        scale[-1] = 1.0
-    inverse = torch.cat([torch.cos(angle).T, -torch.sin(angle).T], dim=0) * (scale / n_fft).repeat(2)[:, None]
-    return forward.to(window.dtype), (inverse * w[None, :]).to(window.dtype)
-
-
-def stft_ri(x: Tensor, n_fft: int, hop: int, forward: Tensor) -> Tensor:
-    """``torch.stft(x, n_fft, hop, n_fft, window, center=True)`` (reflect padding) as [real |
-    imag]: x ``[B, T]`` -> ``[B, 2 (n_fft // 2 + 1), 1 + T // hop]``, ``forward`` from
-    :func:`dft_bases` (the window folded in)."""
-    half = n_fft // 2
-    padded = F.pad(x[:, None, :], (half, half), mode="reflect")[:, 0]
-    frames = padded.unfold(-1, n_fft, hop)  # [B, N, n_fft]
-    return (frames @ forward).transpose(1, 2)
-
-
-def istft(spec: Tensor, n_fft: int, hop: int, window: Tensor, inverse: Tensor | None = None) -> Tensor:
+def istft(spec: Tensor, n_fft: int, hop: int, window: Tensor) -> Tensor:
     """``torch.istft(spec, n_fft, hop, n_fft, window, center=True)`` by windowed overlap-add.
 
     spec complex ``[B, n_fft // 2 + 1, N]`` -> float ``[B, hop * (N - 1)]``. Same arithmetic as
     torch's, without its input check that copies a value to the host (which a CUDA graph
-    cannot contain). With ``inverse`` (:func:`dft_bases`) ``spec`` is real ``[B, 2 (n_fft // 2
-    + 1), N]``, [real | imag], and the frames come from one matmul instead of cuFFT.
+    cannot contain).
     """
     n_frames = spec.shape[2]
-    if inverse is None:
-        frames = torch.fft.irfft(spec, n=n_fft, dim=1) * window[None, :, None]  # [B, n_fft, N]
-    else:
-        frames = (spec.transpose(1, 2) @ inverse).transpose(1, 2)
+    frames = torch.fft.irfft(spec, n=n_fft, dim=1) * window[None, :, None]  # [B, n_fft, N]
     full = n_fft + hop * (n_frames - 1)
     fold = {"output_size": (1, full), "kernel_size": (1, n_fft), "stride": (1, hop)}
     signal = F.fold(frames, **fold)[:, 0, 0]  # [B, full]
@@ -288,8 +251,6 @@ class HiFT(nn.Module):
     """HiFTGenerator (NSF + iSTFT HiFi-GAN) with folded weight norm. Module names match hift.pt."""
 
     stft_window: Tensor  # [n_fft] periodic Hann, float32 (not in the state dict)
-    dft_forward: Tensor  # [n_fft, n_fft + 2]: the windowed real DFT (dft_bases; nor these)
-    dft_inverse: Tensor  # [n_fft + 2, n_fft]: its inverse, windowed
 
     def __init__(self, dims: HiFTDims) -> None:
         super().__init__()
@@ -327,9 +288,6 @@ class HiFT(nn.Module):
         # Periodic Hann, computed in float64 and stored in float32 (as scipy's window would be).
         window = torch.hann_window(dims.istft_n_fft, periodic=True, dtype=torch.float64).to(torch.float32)
         self.register_buffer("stft_window", window, persistent=False)
-        forward, inverse = dft_bases(dims.istft_n_fft, window)
-        self.register_buffer("dft_forward", forward, persistent=False)
-        self.register_buffer("dft_inverse", inverse, persistent=False)
 
     # -- pieces --------------------------------------------------------------------------------
 
@@ -356,7 +314,11 @@ class HiFT(nn.Module):
         """mel [B, C_mel, T], source [B, 1, S T] -> speech [B, S T], clamped."""
         d = self.dims
         n_fft, hop = d.istft_n_fft, d.istft_hop
-        s = stft_ri(source.squeeze(1), n_fft, hop, self.dft_forward)  # [B, 2F, frames]: real | imag
+        spec = torch.stft(
+            source.squeeze(1), n_fft, hop, n_fft, window=self.stft_window, center=True, return_complex=True
+        )
+        spec_ri = torch.view_as_real(spec)  # [B, F, frames, 2]
+        s = torch.cat([spec_ri[..., 0], spec_ri[..., 1]], dim=1)  # [B, 2F, frames]
 
         x = self.conv_pre(mel)
         n_up = len(self.ups)
@@ -376,8 +338,8 @@ class HiFT(nn.Module):
         nb = d.n_bins
         magnitude = torch.clamp(torch.exp(x[:, :nb, :]), max=MAX_MAGNITUDE)
         phase = torch.sin(x[:, nb:, :])
-        spec_out = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)
-        speech = istft(spec_out, n_fft, hop, self.stft_window, self.dft_inverse)
+        spec_out = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        speech = istft(spec_out, n_fft, hop, self.stft_window)
         return torch.clamp(speech, -d.audio_limit, d.audio_limit)
 
     # -- whole model ---------------------------------------------------------------------------
