@@ -112,7 +112,7 @@ def test_a_stream_leaves_a_slot_too_small_and_goes_on_by_rerun(cpu_t2w: Token2Wa
 def test_slots_go_to_streams_with_a_prefix_and_come_back(cpu_t2w: Token2Wav) -> None:
     """One slot: the first stream with a prompt prefix takes it, a second waits without one
     (re-run), a stream without a prefix never takes one; a reset or release_state gives it
-    back; use_state_slots(0) drops the slots and their holders' claims."""
+    back; use_state_slots(0) and use_cuda_graphs drop the slots and their holders' claims."""
     cpu_t2w.use_state_slots(1, 300)
     token, feat, emb = random_voice(60, "cpu", 3)
     prompt = cpu_t2w.prepare_prefix(token, feat, emb)
@@ -131,6 +131,10 @@ def test_slots_go_to_streams_with_a_prefix_and_come_back(cpu_t2w: Token2Wav) -> 
     c.reset(token, feat, emb, first_prefix=prompt)
     assert c.state_slot is not None
     cpu_t2w.use_state_slots(0, 1)
+    assert c.state_slot is None and not cpu_t2w._state_slots
+    cpu_t2w.use_state_slots(1, 300)
+    c.reset(token, feat, emb, first_prefix=prompt)
+    cpu_t2w.use_cuda_graphs(False)  # which drops the slots too
     assert c.state_slot is None and not cpu_t2w._state_slots
     with pytest.raises(ValueError, match="state slots"):
         cpu_t2w.use_state_slots(-1, 10)

@@ -422,7 +422,7 @@ class Token2Wav:
         Without it, two token2wav calls must never run at once: their graphs share a pool."""
         self._first_lane = None
         self._prefix_slots = {}
-        self._state_slots = []
+        self._drop_state_slots()
         if not enabled or self.device.type != "cuda":
             self._graph_flow = self._graph_hift = self._graph_hift_cached = self._graph_flow_final = None
             self._flow_pool = None
@@ -524,10 +524,7 @@ class Token2Wav:
         chunk is the full-attention re-run, as on the re-run path."""
         if n < 0 or capacity < 1:
             raise ValueError(f"state slots: n >= 0 and capacity >= 1 expected, got {n} and {capacity}")
-        for slot in self._state_slots:
-            if slot.owner is not None:
-                slot.owner.state_slot = None
-        self._state_slots = []
+        self._drop_state_slots()
         if n == 0:
             return 0
         if not self.has_state_path:
@@ -550,6 +547,13 @@ class Token2Wav:
             )
             self._state_slots.append(slot)
         return n
+
+    def _drop_state_slots(self) -> None:
+        """Forget every state slot; a stream holding one re-runs its later chunks from now on."""
+        for slot in self._state_slots:
+            if slot.owner is not None:
+                slot.owner.state_slot = None
+        self._state_slots = []
 
     def _acquire_state(self, stream: Token2WavStream, slot: _StateSlot | None = None) -> None:
         """Give ``stream`` a free state slot (``slot``, or the first free one) if it can use one."""
