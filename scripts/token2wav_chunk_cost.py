@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             prefix = t2w.prepare_prefix(*voice)
         if prefix is None:
             raise SystemExit("--flow-path state: the prompt is too short for a prefix")
-        t2w.use_state_slots(1, args.prompt_tokens + args.tokens + 3)
+        t2w.use_state_slots(1, args.prompt_tokens + args.tokens)
     if args.graphs:  # what start-up captures, so no chunk below captures (or runs eagerly)
         for path in paths:
             t2w.capture_stream_shapes(*voice, args.tokens, first_prefix=prefix if path == "state" else None)

@@ -20,7 +20,7 @@ from tests.conftest import REPO_ROOT, random_voice
 from voice_out.model import flow_kernels
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkPlan, HopPolicy, plan_all
-from voice_out.model.flow import Flow
+from voice_out.model.flow import Flow, FlowPrompt
 from voice_out.model.flow_estimator import attention_bias, chunk_mask
 from voice_out.model.token2wav import Token2Wav, Token2WavStream
 
@@ -46,6 +46,20 @@ def _run(
     first_prefix = t2w.prepare_prefix(token, feat, emb) if prefix else None
     stream = t2w.open_stream(token, feat, emb, first_prefix=first_prefix, **kw)  # type: ignore[arg-type]
     return [c.clone() for c in t2w.stream_all(stream, _speech(n_tokens))], stream
+
+
+def _state_keys(prompt: FlowPrompt, n_tokens: int, hops: HopPolicy | None = None) -> set[int]:
+    """The chunk lengths (mel frames) a stream of ``prompt``'s voice runs on a state slot in its
+    first ``n_tokens`` speech tokens: its second chunk from the prompt prefix (the prompt's
+    tail, the first chunk and its own tokens), then each later hop."""
+    hops = hops or HopPolicy()
+    sched = hops.schedule(prompt.n_prompt)
+    keys: set[int] = set()
+    for plan in plan_all(n_tokens, prompt.n_prompt, hops):
+        if plan.index > 0 and not plan.finalize:
+            done = prompt.n_prefix if plan.index == 1 else sched.flow_end(plan) - plan.hop_tokens
+            keys.add(2 * (sched.flow_end(plan) - done))
+    return keys
 
 
 def _count_state_calls(t2w: Token2Wav) -> list[int]:
@@ -83,7 +97,7 @@ def test_later_chunks_on_a_state_slot_equal_the_rerun(cpu_t2w: Token2Wav, growth
         torch.testing.assert_close(a, b, atol=5e-5, rtol=0)
     prompt = stream.first_prefix
     assert prompt is not None and prompt.n_prefix == 50
-    keys = cpu_t2w.state_keys(prompt, 300, hops)
+    keys = _state_keys(prompt, 300, hops)
     plans = [p for p in stream.chunk_log if p.index > 0 and not p.finalize]
     assert len(frames) == len(plans) and set(frames) == keys
     assert frames[0] == 2 * (60 - 50 + plans[0].token_len - 3)  # tail + first chunk + second
@@ -267,7 +281,7 @@ def test_graphed_state_slots_equal_eager_across_voices() -> None:
     token, feat, emb = random_voice(60, "cuda", 11)
     prompt = t2w.prepare_prefix(token, feat, emb)
     t2w.capture_stream_shapes(token, feat, emb, 300, first_prefix=prompt)
-    keys = t2w.state_keys(prompt, 300)
+    keys = _state_keys(prompt, 300)
     assert all(set(slot.graph.captured_keys) == keys for slot in t2w._state_slots)
     # the encoder's graphs: one per chunk position (the catch-up, then each hop)
     positions = len([p for p in plan_all(300, 60) if p.index > 0 and not p.finalize])

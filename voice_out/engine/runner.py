@@ -24,7 +24,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -256,7 +256,7 @@ class Runner:
         #: voice -> (the voice, its prompt prefix for first chunks: ``Token2Wav.prepare_prefix``);
         #: made at start-up only (an eager pass over the prefix would stall every stream), at
         #: most ``prefix_voices`` of them; the entry keeps the voice alive, as above.
-        self._first_prefixes: dict[int, tuple[FlowVoice, object]] = {}
+        self._first_prefixes: dict[int, tuple[FlowVoice, Any]] = {}
         #: voice prefix rows -> (K, V ``[n_layers, n_kv_heads, P, head_dim]``, last hidden ``[H]``)
         self._prefixes: OrderedDict[tuple[tuple[LlmInputKind, int], ...], tuple[Tensor, Tensor, Tensor]] = OrderedDict()
 
@@ -474,8 +474,7 @@ class Runner:
         prompts = [prefix for _, prefix in self._first_prefixes.values()]
         if n <= 0 or not prompts or not self.t2w.has_state_path:
             return 0
-        longest = max(int(cast(Any, p).n_prompt) for p in prompts)  # FlowPrompt
-        return self.t2w.use_state_slots(n, longest + tokens + self.hops.schedule().lookahead)
+        return self.t2w.use_state_slots(n, max(int(p.n_prompt) for p in prompts) + tokens)
 
     def _admit(self, adm: Admit) -> None:
         flow_voice = adm.voice.flow

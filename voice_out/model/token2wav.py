@@ -225,7 +225,7 @@ class StateFlow(PrefixFlow, Protocol):
         self, cache: Any, tokens: Tensor, encode: Callable[[Tensor, Any], Tensor] | None = None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]: ...
 
-    def state_mu(self, cache: Any, context: Tensor, key: Any) -> Tensor: ...
+    def state_mu(self, cache: Any, context: Tensor | None, key: Any) -> Tensor: ...
 
     def state_core(self, mu: Tensor, spk: Tensor, cond: Tensor, x0: Tensor, at: Tensor, cache: Any) -> Tensor: ...
 
@@ -505,7 +505,7 @@ class Token2Wav:
     def has_state_path(self) -> bool:
         """Whether the flow extends a stream's own state in fixed shapes (``StateFlow``)."""
         return self.has_prefix_path and all(
-            hasattr(self.flow, m) for m in ("reset_stream_cache", "state_inputs", "state_core")
+            hasattr(self.flow, m) for m in ("reset_stream_cache", "state_inputs", "state_mu", "state_core")
         )
 
     def use_state_slots(self, n: int, capacity: int) -> int:
@@ -705,19 +705,6 @@ class Token2Wav:
         graphs += [slot.graph for slot in self._prefix_slots.values()]
         graphs += [slot.graph for slot in self._state_slots]
         return sum(len(g.captured_keys) for g in graphs if g is not None)
-
-    def state_keys(self, prompt: Any, n_tokens: int, hops: HopPolicy = DEFAULT_HOPS, fast_first: int = 0) -> set[int]:
-        """The chunk lengths (mel frames) a stream of ``prompt``'s voice (a :meth:`prepare_prefix`
-        result) runs on a state slot in its first ``n_tokens`` speech tokens: its second chunk
-        from the prompt prefix, then each later hop. No tensor work."""
-        sched = hops.schedule(int(prompt.n_prompt), fast_first)
-        keys: set[int] = set()
-        for plan in plan_all(n_tokens, sched.prompt_tokens, hops, fast_first):
-            if plan.index == 0 or plan.finalize:
-                continue
-            done = prompt.n_prefix if plan.index == 1 else sched.flow_end(plan) - plan.hop_tokens
-            keys.add(MEL_FRAMES_PER_TOKEN * (sched.flow_end(plan) - done))
-        return keys
 
     def _capture_state_slots(
         self, like: Token2WavStream, dummy: Sequence[int], hops: HopPolicy, fast_first: int
@@ -939,7 +926,8 @@ class Token2Wav:
         key = (prompt.n_prompt, plan.token_len)
         return slot.graph(key, ids, emb, cond)[:, :, start:].float().clone()  # the graph reuses its output
 
-    def state_frames(self, stream: Token2WavStream, plan: ChunkPlan) -> int:
+    @staticmethod
+    def _state_frames(stream: Token2WavStream, plan: ChunkPlan) -> int:
         """The mel frames a later non-final ``plan`` of ``stream`` computes on its state slot:
         those since the state's last boundary (the first time, since its voice's prompt
         prefix: the prompt's tail, the first chunk's tokens and this one's)."""
@@ -958,8 +946,8 @@ class Token2Wav:
         slot = stream.state_slot
         assert slot is not None
         sched = stream.schedule
-        frames = self.state_frames(stream, plan)
-        fits = sched.flow_end(plan) + sched.lookahead <= slot.cache.capacity
+        frames = self._state_frames(stream, plan)
+        fits = sched.flow_end(plan) <= slot.cache.capacity  # the tokens it keeps (Flow.state_inputs)
         graphed = token.is_cuda and (self._capturing or slot.graph.has(frames))
         if sched.flow_end(plan) % sched.chunk_size or not fits or (self._graph_flow is not None and not graphed):
             self.release_state(stream)
