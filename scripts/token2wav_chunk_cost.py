@@ -39,6 +39,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from voice_out.bench.timing import save_out  # noqa: E402
 from voice_out.model.checkpoint import random_flow, random_hift  # noqa: E402
+from voice_out.model.chunk_schedule import MAX_HOP_TOKENS, HopPolicy  # noqa: E402
 from voice_out.model.hift import HiFT  # noqa: E402
 from voice_out.model.token2wav import FlowPath, Token2Wav  # noqa: E402
 
@@ -63,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CUDA graphs (first-chunk flow, vocoder); per-chunk flow/vocoder split not measured then",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-hop", type=int, default=MAX_HOP_TOKENS, help="largest hop in tokens (a multiple of 25)")
     return p.parse_args(argv)
 
 
@@ -109,14 +111,20 @@ def sync(device: torch.device) -> None:
 
 
 def run_utterance(
-    t2w: Token2Wav, timed: TimedFlow, voice: tuple[Tensor, Tensor, Tensor], tokens: Tensor, path: str, prefix: Any
+    t2w: Token2Wav,
+    timed: TimedFlow,
+    voice: tuple[Tensor, Tensor, Tensor],
+    tokens: Tensor,
+    path: str,
+    prefix: Any,
+    hops: HopPolicy,
 ) -> list[dict[str, Any]]:
     device = t2w.device
     with torch.no_grad():
         prompt = t2w.prepare_voice(*voice) if path == "cached" else None
     flow_path: FlowPath = "cached" if path == "cached" else "rerun"
     first_prefix = prefix if path == "state" else None
-    stream = t2w.open_stream(*voice, flow_path=flow_path, flow_prompt=prompt, first_prefix=first_prefix)
+    stream = t2w.open_stream(*voice, hops=hops, flow_path=flow_path, flow_prompt=prompt, first_prefix=first_prefix)
     rows: list[dict[str, Any]] = []
     n = int(tokens.shape[1])
     while (plan := stream.ready_chunk(n, llm_finished=True)) is not None:
@@ -172,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.randn(1, 192, generator=gen).to(device),
     )
     tokens = torch.randint(0, 6561, (1, args.tokens), generator=gen).to(device)
+    hops = HopPolicy(max_hop=args.max_hop)
     paths = ["rerun", "cached"] if args.flow_path == "both" else args.flow_path.split(",")
     if not set(paths) <= {"rerun", "cached", "state"}:
         raise SystemExit(f"--flow-path: rerun, cached, state or both, got {args.flow_path!r}")
@@ -184,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         t2w.use_state_slots(1, args.prompt_tokens + args.tokens)
     if args.graphs:  # what start-up captures, so no chunk below captures (or runs eagerly)
         for path in paths:
-            t2w.capture_stream_shapes(*voice, args.tokens, first_prefix=prefix if path == "state" else None)
+            t2w.capture_stream_shapes(*voice, args.tokens, hops=hops, first_prefix=prefix if path == "state" else None)
 
     result: dict[str, Any] = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
@@ -195,12 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         "cuda_graphs": bool(args.graphs),
         "tokens": args.tokens,
         "prompt_tokens": args.prompt_tokens,
+        "max_hop": args.max_hop,
         "runs": {},
     }
     for path in paths:
         if args.warmup_tokens > 0:
-            run_utterance(t2w, timed, voice, tokens[:, : args.warmup_tokens], path, prefix)
-        rows = run_utterance(t2w, timed, voice, tokens, path, prefix)
+            run_utterance(t2w, timed, voice, tokens[:, : args.warmup_tokens], path, prefix, hops)
+        rows = run_utterance(t2w, timed, voice, tokens, path, prefix, hops)
         result["runs"][path] = rows
         print(f"\nflow path: {path}  ({args.tokens} tokens = {args.tokens / 25:.1f} s, prompt {args.prompt_tokens})")
         print(

@@ -8,7 +8,7 @@ import torch
 from tests.conftest import REPO_ROOT, random_speech, random_voice
 from voice_out.config import ConfigError, EngineConfig
 from voice_out.model.checkpoint import random_flow, random_hift
-from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy, plan_all
+from voice_out.model.chunk_schedule import HOP_GROWTHS, ChunkPlan, ChunkSchedule, HopPolicy, plan_all
 from voice_out.model.token2wav import Token2Wav
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
@@ -62,3 +62,18 @@ def test_token2wav_follows_the_buffered_schedule() -> None:
         assert sum(len(c) for c in chunks) == 960 * len(speech)
         out[growth] = chunks
     torch.testing.assert_close(out["buffered"][0], out["double"][0])  # the same first chunk
+
+
+@pytest.mark.parametrize("growth", HOP_GROWTHS)
+def test_tokens_after_a_plan_is_what_the_chunk_after_it_needs_and_changes_nothing(growth: str) -> None:
+    sched = HopPolicy(growth=growth).schedule(prompt_tokens=37)
+    n = 2000
+    while (plan := sched.ready(n, llm_finished=False)) is not None:
+        before = (sched.offset, sched.hop, sched.n_chunks)
+        after = sched.tokens_after(plan)
+        assert (sched.offset, sched.hop, sched.n_chunks) == before
+        sched.commit(plan)
+        assert after == sched.tokens_for_next_chunk
+        # the chunk after it is ready exactly from that many tokens on
+        assert sched.ready(after - 1, llm_finished=False) is None
+        assert sched.ready(after, llm_finished=False) is not None

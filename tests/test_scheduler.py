@@ -16,6 +16,7 @@ from voice_out.engine.request import (
     EOS_TOKEN,
     FILL_TOKEN,
     SAMPLES_PER_TOKEN,
+    SPEECH_VOCAB,
     LlmInputKind,
     LlmStep,
     RequestStatus,
@@ -337,6 +338,30 @@ def test_back_pressure_stops_a_stream_that_is_far_ahead_of_its_consumer() -> Non
     assert not plan.empty
     outs = run_until_idle_with_consumer(sched, rid)
     assert ended(outs, rid).status is RequestStatus.FINISHED
+
+
+def test_back_pressure_decodes_on_beside_a_chunk_in_flight() -> None:
+    """A stream past its limit pauses while a chunk waits to be planned, not while one runs:
+    beside a chunk in flight it decodes on, up to the tokens of the chunk after it."""
+    sched = create_scheduler(max_ahead_s=4.0)  # the engine's default: a hop of 100 tokens is 4 s
+    (rid,) = create_requests(sched, 1, text="a" * 200)  # 600 tokens
+    req = sched.requests[rid]
+    runner = PipelinedRunner(delay=4)
+    beside = 0
+    for _ in range(10_000):
+        plan = sched.plan()
+        if plan.empty:
+            break
+        running = req.vocode_inflight if rid not in {v.request_id for v in plan.vocode} else None
+        decodes = any(w.request_id == rid for w in plan.llm)
+        if running is not None and req.ahead_samples() > int(4.0 * SAMPLE_RATE):
+            assert decodes == (len(req.speech_tokens) < req.schedule.tokens_after(running))
+            beside += decodes
+        sched.update(plan, runner.execute(plan))
+        sched.ack(rid, req.samples_produced)  # a consumer that takes everything at once
+    else:
+        raise AssertionError("did not finish")
+    assert beside > 0 and req.status is RequestStatus.FINISHED
 
 
 def run_until_idle_with_consumer(sched: Scheduler, rid: str) -> list[Output]:
@@ -943,15 +968,29 @@ def test_the_plan_guesses_each_stream_s_next_step() -> None:
         plan = sched.plan()
     assert fills >= 1 and held == 1 and w.step.force == EOS_TOKEN
 
-    tight = create_scheduler(max_ahead_s=SAMPLES_PER_TOKEN * 2.5 / SAMPLE_RATE)  # 2.5 tokens ahead
-    create_requests(tight, 1, text="abcdefghij")
-    guesses = []
-    for _ in range(3):
-        plan = tight.plan()
-        guesses.append(plan.llm[0].guess)
+    # near the back-pressure limit (2.5 tokens ahead, no consumer): a guess is made exactly
+    # when the next plan decodes the stream
+    tight = create_scheduler(max_ahead_s=SAMPLES_PER_TOKEN * 2.5 / SAMPLE_RATE)
+    (rid,) = create_requests(tight, 1, text="abcdefghij" * 4)
+    plan, paused = tight.plan(), 0
+    for _ in range(500):
+        if not plan.llm:  # the first chunk's hold (above), or the stream paused for good
+            if not plan.vocode:
+                break
+            tight.update(plan, fake_result(plan))
+            plan = tight.plan()
+            continue
+        (w,) = plan.llm
         tight.update(plan, fake_result(plan))
-    assert guesses[0] is not None and guesses[1] is not None
-    assert guesses[2] is None  # its token is the third: 3 tokens ahead pass the limit
+        plan = tight.plan()
+        if w.step.force is not None and w.step.force >= SPEECH_VOCAB and w.step.force != FILL_TOKEN:
+            break  # a stop
+        if any(v.chunk.index == 0 for v in plan.vocode):
+            continue  # the first chunk's own hold (above)
+        decodes = any(x.request_id == rid for x in plan.llm)
+        assert (w.guess is not None) == decodes
+        paused += not decodes
+    assert paused >= 1
 
     off = create_scheduler(step_ahead_rows=0)
     create_requests(off, 1, text="abc")

@@ -408,12 +408,21 @@ class Scheduler:
 
     # ---- planning ----------------------------------------------------------------------------
 
-    def _can_decode(self, req: Request) -> bool:
-        """Back-pressure on the LLM: pause only when a chunk is ready, so vocoding (and with it
-        the consumer) can still make progress."""
-        if req.ahead_samples() <= self._max_ahead:
+    def _can_decode(self, req: Request, extra: int = 0) -> bool:
+        """Back-pressure on the LLM (with ``extra`` more speech tokens than ``req`` has: would
+        it decode then): a request more than ``max_ahead_s`` ahead of its consumer pauses
+        while a chunk of it waits to be planned, so that vocoding (and with it the consumer)
+        can make progress. A chunk that is already in flight needs no pause: the request
+        decodes on beside it, up to the tokens of the chunk after it (pausing then kept the
+        LLM idle while every later chunk ran: a chunk's hop of 4 s is as long as the default
+        limit, so a stream read as fast as it comes was held at every chunk)."""
+        n = len(req.speech_tokens) + extra
+        if req.ahead_samples() + extra * SAMPLES_PER_TOKEN <= self._max_ahead:
             return True
-        return req.schedule.ready(len(req.speech_tokens), False) is None
+        chunk = req.schedule.ready(n, False)
+        if chunk is None:
+            return True
+        return req.vocode_inflight == chunk and n < req.schedule.tokens_after(chunk)
 
     def _vocode_candidate(self, req: Request) -> ChunkPlan | None:
         if req.status not in (RequestStatus.RUNNING, RequestStatus.VOCODING):
@@ -553,7 +562,7 @@ class Scheduler:
             return NextGuess(after.inputs, after.allow_eos) if after is not None else None
         if step.force is not None and step.force >= SPEECH_VOCAB:
             return None  # EOS or another stop: the request's LLM ends
-        if req.ahead_samples() + SAMPLES_PER_TOKEN > self._max_ahead:
+        if not self._can_decode(req, extra=1):
             return None  # this token brings it to its limit: the next plan pauses it
         return NextGuess(None, step.allow_eos)
 

@@ -39,6 +39,7 @@ trade upstream's Triton server makes with its 15-token first hop). Every later c
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 CHUNK_SIZE_TOKENS = 25  # flow chunk (static_chunk_size of the encoder); also the default first hop
@@ -167,6 +168,13 @@ class ChunkSchedule:
         if llm_finished:
             return ChunkPlan(self.n_chunks, self.offset, n_available, n_available - self.offset, True)
         return None
+
+    def tokens_after(self, plan: ChunkPlan) -> int:
+        """Speech tokens that must exist before the chunk after ``plan`` (the next non-final
+        chunk, not committed yet) can run, once ``plan`` is. No state changes."""
+        after = copy.copy(self)
+        after.commit(plan)
+        return after.tokens_for_next_chunk
 
     def flow_end(self, plan: ChunkPlan) -> int:
         """T of a non-final ``plan``: prompt + the tokens its audio covers (its lookahead
