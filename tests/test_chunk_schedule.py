@@ -77,3 +77,28 @@ def test_tokens_after_a_plan_is_what_the_chunk_after_it_needs_and_changes_nothin
         # the chunk after it is ready exactly from that many tokens on
         assert sched.ready(after - 1, llm_finished=False) is None
         assert sched.ready(after, llm_finished=False) is not None
+
+
+@pytest.mark.parametrize("growth", HOP_GROWTHS)
+def test_a_stream_on_a_state_grows_its_hop_further_and_ends_within_the_usual_final_chunk(growth: str) -> None:
+    hops = HopPolicy(growth=growth, state_max_hop=200)
+    for n in range(1, 1300, 7):
+        sched = hops.schedule(37, state=True)
+        plans = []
+        while (plan := sched.ready(n, llm_finished=True)) is not None:
+            plans.append(plan)
+            sched.commit(plan)
+        assert sum(p.hop_tokens for p in plans) == n and plans[-1].finalize
+        assert max(p.hop_tokens for p in plans) <= 200
+        assert 200 in {p.hop_tokens for p in plans} or n < 600
+        assert plans[-1].hop_tokens < 100 + 3 or len(plans) == 1  # as a stream not on a state ends
+        for p in plans[:-1]:
+            assert not p.finalize and (37 + p.token_offset + p.hop_tokens) % 25 == 0
+    # the state's hops from the next chunk on (the engine learns of the state at admission)
+    sched = hops.schedule(37)
+    assert sched.max_hop == 100
+    hops.on_state(sched)
+    assert (sched.max_hop, sched.final_max) == (200, 100)
+    assert HopPolicy(state_max_hop=50).schedule(0, state=True).max_hop == 100  # never below max_hop
+    with pytest.raises(ValueError, match="state_max_hop"):
+        HopPolicy(state_max_hop=30)

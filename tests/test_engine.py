@@ -866,28 +866,29 @@ def test_later_chunks_extend_a_flow_state_of_the_stream_s_own(tmp_path: Path, mo
     """With ``engine.flow_state_streams`` = 1, one of two concurrent streams holds the engine's
     one flow state and makes its later chunks on it (the other re-runs), and the next request
     takes it again once given back; the audio is that of an engine with none (0), within
-    float rounding."""
-    used: list[int] = []  # the round of each chunk made on the flow state
+    float rounding, over the same chunks (``flow_state_max_hop_tokens`` = 0: the usual hops).
+    With its default (200) the stream on the state grows its hop to 200 tokens."""
+    used: list[tuple[int, int]] = []  # (round, hop) of each chunk made on the flow state
     current = [0]
     real = Token2Wav._state_chunk
 
     def spy(self: Token2Wav, stream: Token2WavStream, plan: ChunkPlan, token: torch.Tensor) -> torch.Tensor | None:
         mel = real(self, stream, plan, token)
         if mel is not None:
-            used.append(current[0])
+            used.append((current[0], plan.hop_tokens))
         return mel
 
     monkeypatch.setattr(Token2Wav, "_state_chunk", spy)
     text = "Hello there, and a bit more. " * 3
 
-    def run(n_states: int) -> tuple[int, list[np.ndarray]]:
-        ec = EngineConfig(max_streams=2, flow_state_streams=n_states)
+    def run(n_states: int, state_hop: int = 0, rounds: int = 2, text: str = text) -> tuple[int, list[np.ndarray]]:
+        ec = EngineConfig(max_streams=2, flow_state_streams=n_states, flow_state_max_hop_tokens=state_hop)
         eng = engine_with_voices(tmp_path, ec, "cpu", 60, ())
         eng.start(timeout=300)
         try:
             kept = len(engine_runner(eng).t2w._state_slots)
             audio = []
-            for current[0] in range(2):  # two rounds of two streams at once
+            for current[0] in range(rounds):  # rounds of two streams at once
                 streams = [eng.open_stream(None, seed=seed) for seed in (3, 4)]
                 for stream in streams:
                     stream.push_text(text)
@@ -901,10 +902,15 @@ def test_later_chunks_extend_a_flow_state_of_the_stream_s_own(tmp_path: Path, mo
     assert (kept, used) == (0, [])
     kept, got = run(1)
     assert kept == 1
-    assert used.count(0) >= 2 and used.count(1) == used.count(0)  # one stream a round held it
+    rounds = [r for r, _ in used]
+    assert rounds.count(0) >= 2 and rounds.count(1) == rounds.count(0)  # one stream a round held it
+    assert max(h for _, h in used) == 100
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+    used.clear()
+    _, (first, second) = run(1, 200, rounds=1, text=text * 2)
+    assert 200 in {h for _, h in used} and first.shape == second.shape  # the same tokens either way
 
 
 @pytest.mark.requires_cuda

@@ -364,6 +364,31 @@ def test_back_pressure_decodes_on_beside_a_chunk_in_flight() -> None:
     assert beside > 0 and req.status is RequestStatus.FINISHED
 
 
+def test_a_stream_on_a_flow_state_takes_the_state_s_hops() -> None:
+    """A request the runner reports on a flow state of its own (``StepResult.on_state``, at
+    admission) grows its hop to ``engine.flow_state_max_hop_tokens``; the others keep
+    ``max_hop_tokens``; every token is vocoded either way."""
+    sched = create_scheduler(max_streams=2, flow_state_max_hop_tokens=200)
+    on, off = create_requests(sched, 2, text="a" * 250)  # 750 tokens each
+    chunks: dict[str, list[ChunkPlan]] = {on: [], off: []}
+    outs: list[Output] = []
+    for i in range(10_000):
+        plan = sched.plan()
+        if plan.empty:
+            break
+        assert {a.request_id for a in plan.admit} == ({on, off} if i == 0 else set())
+        for v in plan.vocode:
+            chunks[v.request_id].append(v.chunk)
+        result = fake_result(plan)
+        if i == 0:
+            result.on_state.add(on)
+        outs += sched.update(plan, result)
+    for rid, largest in ((on, 200), (off, 100)):
+        hops = [c.hop_tokens for c in chunks[rid]]
+        assert max(hops) == largest and hops[-1] < 100 + 3 and chunks[rid][-1].finalize
+        assert sum(hops) == 750 and ended(outs, rid).status is RequestStatus.FINISHED
+
+
 def run_until_idle_with_consumer(sched: Scheduler, rid: str) -> list[Output]:
     outs: list[Output] = []
     for _ in range(10_000):

@@ -104,6 +104,37 @@ def test_later_chunks_on_a_state_slot_equal_the_rerun(cpu_t2w: Token2Wav, growth
     assert stream.state_slot is None and cpu_t2w._state_slots[0].owner is None
 
 
+def test_a_stream_on_a_slot_takes_longer_hops_and_ends_within_the_usual_final_chunk(cpu_t2w: Token2Wav) -> None:
+    """With ``HopPolicy.state_max_hop`` (the engine's ``flow_state_max_hop_tokens``) a stream on
+    a slot grows its hop to 200 tokens (25, 25, 50, 100, 200, 200 ...); once its tokens are
+    all made, a rest longer than a usual final chunk first gets a non-final chunk of the usual
+    largest hop. Every chunk equals the re-run path's over the same chunks."""
+    hops = HopPolicy(growth="buffered", state_max_hop=200)
+    for n in (695, 775):  # the rest after 615 tokens: 80 (the final chunk), 160 (100, then 60)
+        token, feat, emb = random_voice(60, "cpu", 3)
+        ref = cpu_t2w.open_stream(token, feat, emb, hops=hops)
+        hops.on_state(ref.schedule)
+        want = [c.clone() for c in cpu_t2w.stream_all(ref, _speech(n))]
+        cpu_t2w.use_state_slots(1, 60 + n)
+        frames = _count_state_calls(cpu_t2w)
+        stream = cpu_t2w.open_stream(token, feat, emb, hops=hops, first_prefix=cpu_t2w.prepare_prefix(token, feat, emb))
+        hops.on_state(stream.schedule)
+        assert stream.state_slot is not None
+        got = [c.clone() for c in cpu_t2w.stream_all(stream, _speech(n))]
+        hop_list = [p.hop_tokens for p in stream.chunk_log]
+        assert hop_list == [p.hop_tokens for p in ref.chunk_log]
+        assert hop_list[:6] == [25 + 15, 25, 50, 100, 200, 200]  # the first with the prompt's pad
+        assert hop_list[6:] == ([n - 615] if n - 615 < 103 else [100, n - 715])
+        assert stream.chunk_log[-1].finalize and sum(hop_list) == n
+        assert 400 in frames  # the 200-token chunks on the state
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=5e-5, rtol=0)
+        flow = cpu_t2w.flow
+        assert isinstance(flow, Flow)
+        del flow.state_core  # the instance's counting wrapper
+        cpu_t2w.use_state_slots(0, 1)
+
+
 def test_a_stream_leaves_a_slot_too_small_and_goes_on_by_rerun(cpu_t2w: Token2Wav) -> None:
     """Capacity 160 tokens: the chunks that fit run on the state, the first that does not
     leaves the slot (free again at once) and the rest re-run: the same audio throughout."""

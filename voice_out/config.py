@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from voice_out.errors import VoiceOutError
-from voice_out.model.chunk_schedule import HOP_GROWTHS
+from voice_out.model.chunk_schedule import CHUNK_SIZE_TOKENS, HOP_GROWTHS
 
 ENV_PREFIX = "VOICE_OUT_"
 DEFAULT_MODEL = "FunAudioLLM/CosyVoice2-0.5B"
@@ -192,6 +192,11 @@ class EngineConfig:
     flow_state_streams: int = 1
     #: The speech tokens a stream's own flow state holds beyond its prompt (1500 = 60 s).
     flow_state_tokens: int = 1500
+    #: The largest hop of a stream on a flow state of its own, where larger than
+    #: ``max_hop_tokens`` (a multiple of 25; 0: ``max_hop_tokens``): such a chunk costs about
+    #: the same whatever its length, so its hop grows on to this many tokens (25, 25, 50, 100,
+    #: 200 ...); its final chunk stays within ``max_hop_tokens`` (voice_out.model.chunk_schedule).
+    flow_state_max_hop_tokens: int = 200
     #: Plan LLM steps one ahead while a step feeds at most this many streams (light load; 0:
     #: never; a stream counts once, whatever its input rows): the next step of every stream
     #: likely to go on (its input the token being sampled, on the device; after a forced FILL,
@@ -298,6 +303,13 @@ class EngineConfig:
             "flow_state_tokens",
             self.flow_state_tokens,
             "a number of speech tokens in 1..6000",
+        )
+        _check(
+            self.flow_state_max_hop_tokens >= 0 and self.flow_state_max_hop_tokens % CHUNK_SIZE_TOKENS == 0,
+            s,
+            "flow_state_max_hop_tokens",
+            self.flow_state_max_hop_tokens,
+            f"0 or a multiple of {CHUNK_SIZE_TOKENS} tokens",
         )
         _check(
             self.first_chunk_lane_max_playing >= 0,

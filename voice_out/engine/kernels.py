@@ -152,10 +152,12 @@ def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
             cond = torch.zeros(1, d.n_mels, d.token_mel_ratio * d.enc_chunk, device=dev, dtype=flow.dtype)
             flow.prefix_core(ids, emb, cond, prefix)
             # later chunks extending a stream's state (Token2Wav.use_state_slots): the attention
-            # stores keys at a start on the device, one more specialisation; a short and a
-            # taller chunk (their tile tiers), on a stand-in state of their size
+            # stores keys at a start on the device, one more specialisation; a short chunk, the
+            # longest hop of a stream not on a state and of one on a state (their tile tiers),
+            # each on a stand-in state of its size
             spk = flow.speaker(emb)
-            for chunk_tokens in (d.enc_chunk, 4 * d.enc_chunk):
+            hops = runner.hops
+            for chunk_tokens in sorted({d.enc_chunk, hops.max_hop, max(hops.state_max_hop, hops.max_hop)}):
                 if 2 * chunk_tokens > d.max_tokens:
                     break
                 state = flow.allocate_stream_cache(2 * chunk_tokens)

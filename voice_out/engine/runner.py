@@ -281,6 +281,8 @@ class Runner:
             try:
                 self._hook(adm.request_id, "admit")
                 self._admit(adm)
+                if self.live[adm.request_id].t2w.state_slot is not None:
+                    result.on_state.add(adm.request_id)
             except Exception as e:  # noqa: BLE001 - one request's setup fails alone
                 result.failed[adm.request_id] = _describe(e)
         llm = [w for w in plan.llm if w.request_id in self.live and w.request_id not in result.failed]

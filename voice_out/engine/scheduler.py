@@ -166,6 +166,9 @@ class StepResult:
     audio: dict[str, np.ndarray] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     inflight: set[str] = field(default_factory=set)
+    #: Requests admitted in this step whose later chunks extend a flow state of their own:
+    #: their hops grow to ``engine.flow_state_max_hop_tokens`` (``HopPolicy.on_state``).
+    on_state: set[str] = field(default_factory=set)
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,8 +241,11 @@ def _default_feed(voice: VoicePrompt, config: EngineConfig) -> TextFeed:
 
 def hop_policy(config: EngineConfig) -> HopPolicy:
     """The chunk hops of ``config`` (``engine.first_hop_tokens``, ``max_hop_tokens``,
-    ``hop_growth``): the scheduler's schedules and the runner's token2wav streams use this one."""
-    return HopPolicy(config.first_hop_tokens, config.max_hop_tokens, config.hop_growth)
+    ``hop_growth``, ``flow_state_max_hop_tokens``): the scheduler's schedules and the runner's
+    token2wav streams use this one."""
+    return HopPolicy(
+        config.first_hop_tokens, config.max_hop_tokens, config.hop_growth, config.flow_state_max_hop_tokens
+    )
 
 
 class Scheduler:
@@ -600,6 +606,11 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:
                 self._fail(req, StreamFailedError(message))
+
+        for rid in result.on_state:
+            req = self.requests.get(rid)
+            if req is not None:
+                self.hops.on_state(req.schedule)
 
         guard = self.config.max_speech_tokens_per_text_token
         for work in plan.llm:

@@ -16,6 +16,13 @@ The rule, with P prompt tokens and hop h (first hop h0, default 25)::
     once the LLM has finished and no full chunk is left
         -> final chunk: flow over all tokens with full attention, emits everything left.
 
+A stream whose later chunks extend a flow state of its own (``HopPolicy.state_max_hop``,
+``token2wav.Token2Wav.use_state_slots``) grows its hop further: such a chunk costs about the
+same whatever its length (its kernels are bound by their count, not their rows), so fewer,
+longer chunks make the utterance sooner. Its final chunk stays within the policy's
+``max_hop`` + lookahead tokens (the vocoder's graphs are captured for those lengths): once the
+LLM has finished, a longer rest first gets a non-final chunk of ``max_hop``.
+
 Every boundary P + offset is a multiple of ``chunk_size`` tokens, which is what makes the audio
 of a non-final chunk final (the flow's chunk masks count from the prompt start).
 
@@ -103,6 +110,10 @@ class ChunkSchedule:
     chunk_size: int = CHUNK_SIZE_TOKENS
     #: Tokens of a fast first chunk (0 = off: upstream's first hop of first_hop + pad).
     fast_first: int = 0
+    #: Most tokens a final chunk makes final, lookahead aside (0 = ``max_hop``): once the LLM
+    #: has finished, a longer rest first gets a non-final chunk of this hop. Set where
+    #: ``max_hop`` is a stream's own larger one (``HopPolicy.schedule(state=True)``).
+    final_max: int = 0
     # progress
     offset: int = 0
     hop: int = CHUNK_SIZE_TOKENS
@@ -126,6 +137,8 @@ class ChunkSchedule:
             v = getattr(self, name)
             if v <= 0 or v % self.chunk_size != 0:
                 raise ValueError(f"{name} must be a positive multiple of the flow chunk ({self.chunk_size}), got {v}")
+        if self.final_max < 0 or self.final_max % self.chunk_size != 0:
+            raise ValueError(f"final_max must be 0 or a multiple of the flow chunk, got {self.final_max}")
         if self.hop_scale < 1 or self.lookahead < 0:
             raise ValueError("hop_scale must be >= 1 and lookahead >= 0")
         if self.hop_growth not in HOP_GROWTHS:
@@ -163,7 +176,11 @@ class ChunkSchedule:
         if self.finished:
             return None
         hop = self.hop_now
-        if n_available - self.offset >= hop + self.lookahead:
+        left = n_available - self.offset
+        if llm_finished and self.n_chunks > 0 and left < hop + self.lookahead:
+            # the rest is the final chunk, unless it is longer than a final chunk may be
+            hop = min(hop, self.hop_now - self.hop + (self.final_max or self.max_hop))
+        if left >= hop + self.lookahead:
             return ChunkPlan(self.n_chunks, self.offset, self.offset + hop + self.lookahead, hop, False)
         if llm_finished:
             return ChunkPlan(self.n_chunks, self.offset, n_available, n_available - self.offset, True)
@@ -216,16 +233,39 @@ class HopPolicy:
     first_hop: int = CHUNK_SIZE_TOKENS
     max_hop: int = MAX_HOP_TOKENS
     growth: str = "double"
+    #: The largest hop of a stream whose later chunks extend a flow state of its own, where
+    #: larger than ``max_hop``; its final chunk stays within ``max_hop`` (see the module
+    #: docstring).
+    state_max_hop: int = 0
 
-    def schedule(self, prompt_tokens: int = 0, fast_first: int = 0) -> ChunkSchedule:
-        """A new request's schedule (ValueError for a policy or ``fast_first`` out of range)."""
-        return ChunkSchedule(
+    def __post_init__(self) -> None:
+        if self.state_max_hop < 0 or self.state_max_hop % CHUNK_SIZE_TOKENS:
+            raise ValueError(
+                f"state_max_hop must be 0 or a multiple of the flow chunk ({CHUNK_SIZE_TOKENS}),"
+                f" got {self.state_max_hop}"
+            )
+
+    def schedule(self, prompt_tokens: int = 0, fast_first: int = 0, *, state: bool = False) -> ChunkSchedule:
+        """A new request's schedule (ValueError for a policy or ``fast_first`` out of range);
+        ``state``: the schedule of a stream on a flow state of its own (:meth:`on_state`)."""
+        sched = ChunkSchedule(
             prompt_tokens=prompt_tokens,
             first_hop=self.first_hop,
             max_hop=self.max_hop,
             hop_growth=self.growth,
             fast_first=fast_first,
         )
+        if state:
+            self.on_state(sched)
+        return sched
+
+    def on_state(self, sched: ChunkSchedule) -> None:
+        """Let ``sched`` (one of this policy's) grow its hop to ``state_max_hop`` (where larger
+        than ``max_hop``) from its next chunk on, its final chunk still within ``max_hop``: its
+        stream now extends a flow state of its own. In place; the chunks already made stay as
+        they were."""
+        sched.final_max = self.max_hop
+        sched.max_hop = max(self.state_max_hop, self.max_hop)
 
 
 def plan_all(n_tokens: int, prompt_tokens: int, hops: HopPolicy | None = None, fast_first: int = 0) -> list[ChunkPlan]:

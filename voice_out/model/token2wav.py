@@ -710,8 +710,9 @@ class Token2Wav:
         self, like: Token2WavStream, dummy: Sequence[int], hops: HopPolicy, fast_first: int
     ) -> None:
         """Capture (start-up) every state slot's graphs of the chunks a stream like ``like`` (its
-        voice, ``hops``, ``fast_first``) makes in ``dummy``'s tokens: the estimator's per chunk
-        length, the encoder's per chunk position, by running a placeholder stream through each
+        voice, ``hops``, ``fast_first``) makes on a slot in ``dummy``'s tokens (its hops up to
+        ``hops.state_max_hop``: ``HopPolicy.on_state``): the estimator's per chunk length, the
+        encoder's per chunk position, by running a placeholder stream through each
         slot that has not run them. The slots' contents are placeholders after this: a stream's
         first chunk on a slot sets it up afresh."""
         prompt = like.first_prefix
@@ -731,6 +732,7 @@ class Token2Wav:
             )
             self.release_state(stream)
             self._acquire_state(stream, slot)
+            hops.on_state(stream.schedule)  # as the engine's scheduler makes a slot's chunks
             self._capturing = True
             try:
                 for _ in self.stream_all(stream, dummy):
