@@ -341,27 +341,36 @@ def test_back_pressure_stops_a_stream_that_is_far_ahead_of_its_consumer() -> Non
 
 
 def test_back_pressure_decodes_on_beside_a_chunk_in_flight() -> None:
-    """A stream past its limit pauses while a chunk waits to be planned, not while one runs:
-    beside a chunk in flight it decodes on, up to the tokens of the chunk after it."""
+    """A stream past its limit pauses while a chunk of it is ready, and, while no stream waits
+    for its first audio, not while one runs: beside a chunk in flight it decodes on, up to
+    the tokens of the chunk after it. Once another stream waits for first audio it pauses."""
     sched = create_scheduler(max_ahead_s=4.0)  # the engine's default: a hop of 100 tokens is 4 s
     (rid,) = create_requests(sched, 1, text="a" * 200)  # 600 tokens
     req = sched.requests[rid]
     runner = PipelinedRunner(delay=4)
     beside = 0
+    newcomer: str | None = None
     for _ in range(10_000):
         plan = sched.plan()
         if plan.empty:
             break
         running = req.vocode_inflight if rid not in {v.request_id for v in plan.vocode} else None
         decodes = any(w.request_id == rid for w in plan.llm)
-        if running is not None and req.ahead_samples() > int(4.0 * SAMPLE_RATE):
+        if running is not None and req.ahead_samples() > int(4.0 * SAMPLE_RATE) and newcomer is None:
             assert decodes == (len(req.speech_tokens) < req.schedule.tokens_after(running))
             beside += decodes
+            if beside == 3:  # a new stream comes: until its first audio, this one waits
+                (newcomer,) = create_requests(sched, 1, text="b" * 20, prefix="n")
+                planned = unplan_vocode(sched, plan)
+                sched.update(planned, runner.execute(planned))
+                plan = sched.plan()
+                assert any(a.request_id == newcomer for a in plan.admit)
+                assert req.vocode_inflight is not None and not any(w.request_id == rid for w in plan.llm)
         sched.update(plan, runner.execute(plan))
         sched.ack(rid, req.samples_produced)  # a consumer that takes everything at once
     else:
         raise AssertionError("did not finish")
-    assert beside > 0 and req.status is RequestStatus.FINISHED
+    assert beside == 3 and req.status is RequestStatus.FINISHED
 
 
 def test_a_stream_on_a_flow_state_takes_the_state_s_hops() -> None:

@@ -414,21 +414,23 @@ class Scheduler:
 
     # ---- planning ----------------------------------------------------------------------------
 
-    def _can_decode(self, req: Request, extra: int = 0) -> bool:
+    def _can_decode(self, req: Request, *, beside: bool, extra: int = 0) -> bool:
         """Back-pressure on the LLM (with ``extra`` more speech tokens than ``req`` has: would
         it decode then): a request more than ``max_ahead_s`` ahead of its consumer pauses
-        while a chunk of it waits to be planned, so that vocoding (and with it the consumer)
-        can make progress. A chunk that is already in flight needs no pause: the request
-        decodes on beside it, up to the tokens of the chunk after it (pausing then kept the
-        LLM idle while every later chunk ran: a chunk's hop of 4 s is as long as the default
-        limit, so a stream read as fast as it comes was held at every chunk)."""
+        while a chunk of it is ready, so that vocoding (and with it the consumer) can make
+        progress. With ``beside`` (no stream waits for its first audio: the GPU has no more
+        pressing work) a chunk already in flight needs no pause: the request decodes on beside
+        it, up to the tokens of the chunk after it. Pausing kept the LLM idle while each later
+        chunk ran (a hop of 4 s is as long as the default limit, so a stream read as fast as
+        it comes was held at every chunk); while first audio is due, the steps beside would
+        take the GPU from it (16-stream first audio p95 +35 ms)."""
         n = len(req.speech_tokens) + extra
         if req.ahead_samples() + extra * SAMPLES_PER_TOKEN <= self._max_ahead:
             return True
         chunk = req.schedule.ready(n, False)
         if chunk is None:
             return True
-        return req.vocode_inflight == chunk and n < req.schedule.tokens_after(chunk)
+        return beside and req.vocode_inflight == chunk and n < req.schedule.tokens_after(chunk)
 
     def _vocode_candidate(self, req: Request) -> ChunkPlan | None:
         if req.status not in (RequestStatus.RUNNING, RequestStatus.VOCODING):
@@ -466,10 +468,12 @@ class Scheduler:
             busy = {True, False}  # heavy load: one launch in flight at a time, as with one lane
         now = self.clock()
         # streams admitted and still without audio: while there are any, only first chunks
-        # and streams about to run dry get the GPU (engine.first_audio_priority)
-        first_pending = self.config.first_audio_priority and any(
+        # and streams about to run dry get the GPU (engine.first_audio_priority), and no
+        # stream past its back-pressure limit decodes beside its chunk in flight
+        awaiting = any(
             r.first_audio_time is None and r.status is not RequestStatus.WAITING for r in self.requests.values()
         )
+        first_pending = self.config.first_audio_priority and awaiting
         for req in self.requests.values():
             chunk = self._vocode_candidate(req)
             if chunk is None or lane(chunk) in busy:
@@ -503,7 +507,7 @@ class Scheduler:
         decoding = [
             r
             for r in self._ordered(r for r in self.requests.values() if r.status.holds_slot)
-            if not r.llm_done and self._can_decode(r)
+            if not r.llm_done and self._can_decode(r, beside=not awaiting)
         ]
         firsts = {r.request_id for r, c in chosen if c.index == 0}
         # light load, and every stream that would decode has its first chunk planned now: their
@@ -530,7 +534,7 @@ class Scheduler:
         llm: list[LlmWork] = []
         for req, step in steps:
             assert req.slot is not None
-            guess = self._guess(req, step) if ahead else None
+            guess = self._guess(req, step, beside=not awaiting) if ahead else None
             llm.append(LlmWork(req.request_id, req.slot, step, tuple(req.history[-win:]), guess))
 
         vocode = tuple(VocodeWork(r.request_id, c, r.speech_tokens) for r, c in chosen)
@@ -560,7 +564,7 @@ class Scheduler:
         chunk = req.schedule.ready(len(req.speech_tokens) + 1, False)
         return chunk is not None and chunk.index == 0
 
-    def _guess(self, req: Request, step: LlmStep) -> NextGuess | None:
+    def _guess(self, req: Request, step: LlmStep, *, beside: bool) -> NextGuess | None:
         """The request's likely next step after ``step`` (``LlmWork.guess``), or None when it is
         unlikely to decode right after: a forced stop, or back-pressure about to pause it."""
         if step.force == FILL_TOKEN:
@@ -568,7 +572,7 @@ class Scheduler:
             return NextGuess(after.inputs, after.allow_eos) if after is not None else None
         if step.force is not None and step.force >= SPEECH_VOCAB:
             return None  # EOS or another stop: the request's LLM ends
-        if not self._can_decode(req, extra=1):
+        if not self._can_decode(req, beside=beside, extra=1):
             return None  # this token brings it to its limit: the next plan pauses it
         return NextGuess(None, step.allow_eos)
 
