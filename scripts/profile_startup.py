@@ -84,7 +84,7 @@ def main() -> None:
         setattr(checkpoint, fn, timed)
     timer(Runner, "__init__", "runner: KV cache and graph buckets")
     timer(kernels, "dry_run_launches", "Triton kernels ahead: dry runs")
-    timer(kernels, "compile_ahead", "Triton kernels ahead: compiles")
+    timer(kernels, "compile_ahead", "Triton kernels ahead: compiles (with the LLM's and vocoder's part meanwhile)")
     ahead_fn = kernels.compile_ahead
     ahead_snapshot: dict[str, set[Path]] = {}
 
@@ -94,8 +94,10 @@ def main() -> None:
         return n
 
     setattr(kernels, "compile_ahead", compile_ahead_snapshot)  # noqa: B010 - the module's function, wrapped
-    timer(Runner, "warmup", "warm-up: one of every kind of work + LLM graph capture")
-    timer(GraphedLLM, "capture_all", "  of which: LLM graph capture")
+    timer(Runner, "warmup_llm", "  meanwhile: the LLM's warm-up + graph capture")
+    timer(GraphedLLM, "capture_all", "    of which: LLM graph capture")
+    timer(Runner, "precapture_vocoder", "  meanwhile: the final chunks' vocoder graphs")
+    timer(Runner, "warmup_token2wav", "warm-up: a token2wav stream")
     timer(Runner, "precapture", "token2wav graph capture (default voice)")
     timer(Token2Wav, "capture_stream_shapes", "  of which: capture_stream_shapes")
     timer(GraphedFn, "_capture", lambda self, *_: f"    graph captures: {self.name}")

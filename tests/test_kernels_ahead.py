@@ -92,6 +92,29 @@ def test_compiles_run_on_several_threads_and_a_failure_is_only_logged(caplog: py
     assert compile_ahead([], workers=8) == 0
 
 
+def test_the_work_meanwhile_runs_once_the_llm_s_and_vocoder_s_kernels_are_compiled() -> None:
+    """``compile_ahead(meanwhile=)``: the early kernels (the decode step's and the vocoder's
+    modules) compile first, and the calling thread runs ``meanwhile`` once they are done, while
+    the others go on; everything is compiled when it returns."""
+    early = [FakeKernel(compile_s=0.05) for _ in range(2)]
+    late = [FakeKernel(compile_s=0.2) for _ in range(3)]
+    for k, module in zip(early, ("voice_out.model.decode_kernels", "voice_out.model.hift_kernels"), strict=True):
+        k.fn = SimpleNamespace(__module__=module)  # type: ignore[attr-defined]
+    for k in late:
+        k.fn = SimpleNamespace(__module__="voice_out.model.flow_kernels")  # type: ignore[attr-defined]
+    launches = [Launch(k, (1,), (torch.zeros(4),), {}) for k in late + early]  # the late ones listed first
+    seen: list[tuple[int, int]] = []
+
+    def meanwhile() -> None:
+        seen.append((sum(len(k.compiled) for k in early), threading.get_ident()))
+
+    assert compile_ahead(launches, workers=2, meanwhile=meanwhile) == 5
+    assert seen == [(2, threading.get_ident())]  # once, on this thread, the early ones done
+    assert all(len(k.compiled) == 1 for k in early + late)
+    calls: list[int] = []
+    assert compile_ahead([], meanwhile=lambda: calls.append(1)) == 0 and calls == [1]
+
+
 def test_the_dry_runs_reach_every_tile_tier_the_noise_buffer_allows(monkeypatch: pytest.MonkeyPatch) -> None:
     from voice_out.model import flow_kernels
 

@@ -12,6 +12,11 @@ PTX, and ``ptxas`` is a process of its own, so the compiles overlap.
 The warm-up that follows then finds every kernel compiled. A launch that fails to compile ahead
 is only logged: it compiles on first use, as before.
 
+The compiles take ~10 s on an empty cache, and the start has work that needs none of the
+flow's kernels: :func:`precompile` compiles the LLM's and the vocoder's kernels first (the
+:func:`early` ones) and, once they are done, runs its ``meanwhile`` work (the LLM's warm-up and
+graphs, the final chunks' vocoder graphs) on the calling thread while the flow's compile.
+
 GPU worker thread only (the dry runs use the model); the pool's threads only compile.
 """
 
@@ -20,7 +25,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -76,11 +82,30 @@ def distinct_launches(launches: list[Launch]) -> list[Launch]:
     return list(seen.values())
 
 
-def compile_ahead(launches: list[Launch], workers: int = COMPILE_WORKERS) -> int:
+#: The modules whose kernels :func:`early` picks: the LLM's decode step and the vocoder's.
+EARLY_MODULES = frozenset({"voice_out.model.decode_kernels", "voice_out.model.hift_kernels"})
+
+
+def early(ln: Launch) -> bool:
+    """Whether ``ln`` is one of the kernels :func:`precompile` compiles first: the LLM's and the
+    vocoder's (the start's work beside the flow's compiles launches them)."""
+    return getattr(getattr(ln.kernel, "fn", None), "__module__", "") in EARLY_MODULES
+
+
+def compile_ahead(
+    launches: list[Launch],
+    workers: int = COMPILE_WORKERS,
+    *,
+    meanwhile: Callable[[], None] | None = None,
+) -> int:
     """Compile the kernels of ``launches`` (distinct ones) on ``workers`` threads; returns how
-    many compiled (or were already in Triton's caches)."""
-    todo = distinct_launches(launches)
+    many compiled (or were already in Triton's caches). With ``meanwhile``: the :func:`early`
+    kernels are compiled first, and once they are, the calling thread runs ``meanwhile()``
+    while the others compile (it must launch none of them)."""
+    todo = sorted(distinct_launches(launches), key=lambda ln: not early(ln))  # stable: early first
     if not todo:
+        if meanwhile is not None:
+            meanwhile()
         return 0
 
     def compile_one(ln: Launch) -> bool:
@@ -92,7 +117,11 @@ def compile_ahead(launches: list[Launch], workers: int = COMPILE_WORKERS) -> int
             return False
 
     with ThreadPoolExecutor(max_workers=min(workers, len(todo)), thread_name_prefix="voice_out-compile") as pool:
-        return sum(pool.map(compile_one, todo))
+        futures = [pool.submit(compile_one, ln) for ln in todo]  # started in this order
+        if meanwhile is not None:
+            wait([f for f, ln in zip(futures, todo, strict=True) if early(ln)])
+            meanwhile()
+        return sum(f.result() for f in futures)
 
 
 def dry_run_ends(flow: Flow, n_prompt: int) -> list[int]:
@@ -185,11 +214,20 @@ def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
     return launches
 
 
-def precompile(runner: Runner, voice: FlowVoice, workers: int = COMPILE_WORKERS) -> tuple[int, float]:
-    """:func:`dry_run_launches`, then :func:`compile_ahead`: (kernels compiled, seconds)."""
+def precompile(
+    runner: Runner,
+    voice: FlowVoice,
+    workers: int = COMPILE_WORKERS,
+    *,
+    meanwhile: Callable[[], None] | None = None,
+) -> tuple[int, float]:
+    """:func:`dry_run_launches`, then :func:`compile_ahead`: (kernels compiled, seconds, the
+    ``meanwhile`` work included). Off CUDA nothing compiles and ``meanwhile`` just runs."""
     if runner.device.type != "cuda":
+        if meanwhile is not None:
+            meanwhile()
         return 0, 0.0
     t0 = time.perf_counter()
-    n = compile_ahead(dry_run_launches(runner, voice), workers)
+    n = compile_ahead(dry_run_launches(runner, voice), workers, meanwhile=meanwhile)
     torch.cuda.synchronize(runner.device)
     return n, time.perf_counter() - t0

@@ -203,11 +203,27 @@ def build_engine(
     def warm(runner: StepRunner) -> None:
         assert isinstance(runner, Runner)
         voice = FlowVoice(*_warm_voice(fdims.n_mels, fdims.spk_embed_dim))
+
+        def meanwhile() -> None:
+            """What needs none of the flow's kernels, done while they compile: the LLM's
+            warm-up and graphs, and the final chunks' vocoder graphs of the default voice."""
+            runner.warmup_llm()
+            if graphs:
+                default_voice = _default_voice(book)
+                if default_voice is not None:
+                    runner.precapture_vocoder(default_voice[1])
+
         if graphs:  # the fused kernels, compiled several at a time rather than on first use
-            n, seconds = precompile(runner, voice)
+            n, seconds = precompile(runner, voice, meanwhile=meanwhile)
             if n:
-                log.info("engine: %d Triton kernels compiled ahead in %.1f s", n, seconds)
-        runner.warmup(voice)
+                log.info(
+                    "engine: %d Triton kernels compiled ahead in %.1f s (the LLM's graphs and the vocoder's meanwhile)",
+                    n,
+                    seconds,
+                )
+        else:
+            meanwhile()
+        runner.warmup_token2wav(voice)
         _prepare_prefixes(runner, book, ec.first_chunk_prefix_voices)
         # (prefix_voices is 0 on a GPU without the fused kernels: nor does a stream need a state)
         if runner.prefix_voices:
@@ -218,29 +234,26 @@ def build_engine(
                     n_states,
                     ec.flow_state_tokens,
                 )
-        if graphs:  # the token2wav graphs of the default voice's prompt length, before any stream
-            try:
-                default_voice = book.resolve(None)
-            except Exception:  # noqa: BLE001 - no default voice (or an unusable one): captured on first use
-                return
-            if isinstance(default_voice.flow, FlowVoice):
-                t0 = time.perf_counter()
-                n = runner.precapture(
-                    default_voice.flow,
-                    ec.capture_tokens,
-                    max_batch=chunks_per_step,
-                    batch_tokens=ec.capture_batch_tokens,
-                )
-                log.info(
-                    "engine: %d token2wav graphs captured for voice %r (batched chunks up to %d) in %.1f s",
-                    n,
-                    default_voice.name,
-                    chunks_per_step,
-                    time.perf_counter() - t0,
-                )
-                first = 2 * ec.first_hop_tokens  # the first chunk's shapes, whatever the setting
-                n_voice = max(first, min(ec.capture_voice_tokens, ec.capture_tokens))
-                _capture_other_voices(runner, book, default_voice.flow, n_voice, first, chunks_per_step)
+        default_voice = _default_voice(book) if graphs else None
+        if default_voice is not None:  # the token2wav graphs of its prompt length, before any stream
+            name, flow_voice = default_voice
+            t0 = time.perf_counter()
+            n = runner.precapture(
+                flow_voice,
+                ec.capture_tokens,
+                max_batch=chunks_per_step,
+                batch_tokens=ec.capture_batch_tokens,
+            )
+            log.info(
+                "engine: %d token2wav graphs captured for voice %r (batched chunks up to %d) in %.1f s",
+                n,
+                name,
+                chunks_per_step,
+                time.perf_counter() - t0,
+            )
+            first = 2 * ec.first_hop_tokens  # the first chunk's shapes, whatever the setting
+            n_voice = max(first, min(ec.capture_voice_tokens, ec.capture_tokens))
+            _capture_other_voices(runner, book, flow_voice, n_voice, first, chunks_per_step)
 
     return cls(
         cfg,
@@ -257,6 +270,16 @@ def build_engine(
 def _warm_voice(n_mels: int, spk_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _, fv = noise_voice(25, n_mels=n_mels, spk_dim=spk_dim, seed=1)
     return fv.prompt_token, fv.prompt_feat, fv.embedding
+
+
+def _default_voice(book: VoiceBook) -> tuple[str, FlowVoice] | None:
+    """The default voice's name and token2wav conditioning, or None (no default voice, or an
+    unusable one: its graphs are then captured on first use)."""
+    try:
+        voice = book.resolve(None)
+    except Exception:  # noqa: BLE001 - the request that names it fails instead
+        return None
+    return (voice.name, voice.flow) if isinstance(voice.flow, FlowVoice) else None
 
 
 def _prepare_prefixes(runner: Runner, book: VoiceBook, limit: int) -> None:

@@ -505,7 +505,15 @@ class Runner:
     @_on_main_stream
     def warmup(self, voice: FlowVoice) -> None:
         """Run every kind of work once (prefill, batched decode, sampling, a token2wav chunk),
-        then reset: first-use costs (kernels, allocator) are paid before the first stream."""
+        then reset: first-use costs (kernels, allocator) are paid before the first stream.
+        :meth:`warmup_llm`, then :meth:`warmup_token2wav`."""
+        self.warmup_llm()
+        self.warmup_token2wav(voice)
+
+    def warmup_llm(self) -> None:
+        """The LLM's part of :meth:`warmup`: a prefill, a decode step and a draw, then its CUDA
+        graphs (``GraphedLLM.capture_all``). It launches none of the flow's kernels (start-up
+        runs it while they compile)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the weights, loaded on the default stream
         with torch.inference_mode():
@@ -519,6 +527,14 @@ class Runner:
             history = torch.full((2, self.sampling.win_size), NO_TOKEN, dtype=torch.long, device=self.device)
             uniforms = to_device(torch.from_numpy(counter_uniforms([0, 1], [0, 0])), self.device, torch.float32)
             ras_sample_batch(logp, history, uniforms, self.sampling).tolist()
+            self.cache.reset()
+        self.graphed.capture_all()  # before any stream holds a slot (capture runs the step)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def warmup_token2wav(self, voice: FlowVoice) -> None:
+        """The token2wav part of :meth:`warmup`: a stream of a few chunks for ``voice``."""
+        with torch.inference_mode():
             token, feat, emb, prepared = self._voice(voice)
             stream = self.t2w.open_stream(
                 token,
@@ -531,9 +547,17 @@ class Runner:
             for _ in self.t2w.stream_all(stream, list(range(1, 9))):
                 pass
             self._t2w_pool.append(stream)
-            self.cache.reset()
             self._voice_cache.clear()
-        self.graphed.capture_all()  # before any stream holds a slot (capture runs the step)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @_on_main_stream
+    def precapture_vocoder(self, voice: FlowVoice) -> None:
+        """Capture the vocoder graphs of the final chunks of ``voice``'s prompt length
+        (``Token2Wav.capture_final_vocoder``; :meth:`precapture` would capture them too): the
+        flow's kernels are not needed, so start-up captures them while those compile."""
+        n_prompt = int(voice.prompt_token.reshape(-1).shape[0])
+        self.t2w.capture_final_vocoder(n_prompt, hops=self.hops, fast_first=self.fast_first)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

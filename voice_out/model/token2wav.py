@@ -692,7 +692,7 @@ class Token2Wav:
                     [(token, prompt_token, prompt_feat, embedding)], total
                 )
                 final.capture(total, ids, n_valid, emb, cond)
-        self._capture_final_vocoder(stream, hops, fast_first)
+        self.capture_final_vocoder(n_prompt, hops=hops, fast_first=fast_first)
         graphs = [
             self._graph_flow,
             self._graph_flow_batch,
@@ -742,9 +742,12 @@ class Token2Wav:
                 self.release_state(stream)
             slot.captured.add(done)
 
-    def _capture_final_vocoder(self, stream: Token2WavStream, hops: HopPolicy, fast_first: int) -> None:
-        """Capture the vocoder of every final chunk a stream like ``stream`` (its prompt, ``hops``
-        and ``fast_first``) can end with (start-up).
+    @torch.inference_mode()
+    def capture_final_vocoder(self, prompt_tokens: int, *, hops: HopPolicy = DEFAULT_HOPS, fast_first: int = 0) -> None:
+        """Capture the vocoder of every final chunk a stream of a voice of ``prompt_tokens``
+        flow prompt tokens (with ``hops`` and ``fast_first``) can end with (start-up; part of
+        :meth:`capture_stream_shapes`, which skips what is captured already). It needs none of
+        the flow's kernels: the engine captures it while they compile.
 
         A final chunk's mel has a length of its own: the tokens left after the last chunk, fewer
         than a hop plus the lookahead (so 0 .. max_hop + lookahead - 1 new tokens after the
@@ -754,10 +757,10 @@ class Token2Wav:
         fresh, cached = self._graph_hift, self._graph_hift_cached
         if fresh is None or cached is None:
             return
-        first = hops.schedule(stream.schedule.prompt_tokens, fast_first)  # as it starts: its first hop
+        first = hops.schedule(prompt_tokens, fast_first)  # as it starts: its first hop
         per = MEL_FRAMES_PER_TOKEN
         mels = self.hift.dims.in_channels
-        source = torch.zeros_like(stream.hift_cache.source)
+        source = torch.zeros(1, 1, self.cache_samples, device=self.device)  # HiFTCache.source
         for k in range(1, first.hop_now + first.lookahead):
             fresh.capture(per * k, torch.zeros(1, mels, per * k, device=self.device))
         for k in range(hops.max_hop + first.lookahead):
@@ -1207,7 +1210,7 @@ class Token2Wav:
         self, mel: Tensor, source: Tensor | None, noise: torch.Generator | None, final: bool, first_lane: bool = False
     ) -> tuple[Tensor, Tensor]:
         """HiFT, from a graph per mel length for deterministic calls (a final call only at a
-        length start-up captured, ``_capture_final_vocoder``; a first-chunk lane call from that
+        length start-up captured, ``capture_final_vocoder``; a first-chunk lane call from that
         lane's graphs). The speech is a tensor of its own; from a graph the source is its output
         buffer, valid until the next call: read at once."""
         graph = self._graph_hift if source is None else self._graph_hift_cached
