@@ -510,6 +510,7 @@ class Runner:
         self.warmup_llm()
         self.warmup_token2wav(voice)
 
+    @_on_main_stream
     def warmup_llm(self) -> None:
         """The LLM's part of :meth:`warmup`: a prefill, a decode step and a draw, then its CUDA
         graphs (``GraphedLLM.capture_all``). It launches none of the flow's kernels (start-up
@@ -532,6 +533,7 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @_on_main_stream
     def warmup_token2wav(self, voice: FlowVoice) -> None:
         """The token2wav part of :meth:`warmup`: a stream of a few chunks for ``voice``."""
         with torch.inference_mode():
