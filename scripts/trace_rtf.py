@@ -23,9 +23,7 @@ import argparse
 import asyncio
 import bisect
 import json
-import os
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -37,22 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.listener import Listener  # noqa: E402
 from voice_out.bench.timing import save_out  # noqa: E402
+from voice_out.bench.trace import Span, chrome_trace, merged  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.engine import Engine  # noqa: E402
 
 MARK = "rtf_utterance"
-Span = tuple[float, float]
-
-
-def merged(spans: list[Span]) -> list[Span]:
-    """Union of [start, end) spans, sorted."""
-    out: list[Span] = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
 
 
 def total(spans: list[Span]) -> float:
@@ -191,11 +178,7 @@ def main() -> None:
         rtfs, traced, audio_s, prof = asyncio.run(run())
     finally:
         engine.close()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
+    trace = chrome_trace(prof)
     res = {
         "rtf_untraced": [round(x, 4) for x in rtfs],
         "rtf_traced": round(traced, 4),

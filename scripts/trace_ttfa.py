@@ -26,7 +26,6 @@ import importlib
 import json
 import os
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -38,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.timing import save_out, time_method  # noqa: E402
+from voice_out.bench.trace import chrome_trace, merged  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
 from voice_out.model.cuda_graphs import GraphedFn  # noqa: E402
@@ -80,17 +80,6 @@ def host_timeline(t_start: float, t_end: float, min_s: float) -> list[str]:
         for t0, dur, tag in sorted(TIMELINE)
         if t_start <= t0 <= t_end and (dur > min_s or tag in ("step", "admit"))
     ]
-
-
-def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Union of [start, end) spans, sorted."""
-    out: list[tuple[float, float]] = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
 
 
 def analyse(trace: dict[str, Any], n_gaps: int) -> dict[str, Any]:
@@ -192,11 +181,7 @@ def main() -> None:
         ttfa_ms, prof, host_ms, timeline = asyncio.run(run())
     finally:
         engine.close()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
+    trace = chrome_trace(prof)
     out = os.environ.get("OUT")
     if out:
         with gzip.open(os.path.join(out, "ttfa_trace.chrome.json.gz"), "wt") as f:
