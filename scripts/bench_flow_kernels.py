@@ -20,7 +20,7 @@ import itertools
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench.timing import graph_us, save_out  # noqa: E402
 from voice_out.model import flow_kernels  # noqa: E402
 from voice_out.model.checkpoint import random_flow  # noqa: E402
+from voice_out.model.flow_estimator import ResBlock  # noqa: E402
 
 FULL = Path(__file__).resolve().parent.parent / "configs" / "models" / "cosyvoice2-0.5b"
 
@@ -62,7 +63,7 @@ def main() -> None:
     b, t, c = 2 * args.batch, args.frames, est.channels
     chunk = est.chunk_frames
     tb = est.transformer_blocks()[0]
-    res = est.mid_res[0]
+    res = cast(ResBlock, est.mid_res[0])  # a ModuleList's item is typed as a Module
     down = est.down_res
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(b, t, c, generator=gen, device=dev).to(dt)
@@ -96,7 +97,7 @@ def main() -> None:
         torch.empty(2 * splits * b * t * c, device=dev),
         torch.zeros(b * t, dtype=torch.int32, device=dev),
     )
-    res_in = (x, res.res_conv.weight.view(c, -1), res.res_conv.bias)
+    res_in = (x, res.res_conv.weight.view(c, -1), cast(torch.Tensor, res.res_conv.bias))  # it has one
     # likewise the attention's, for the largest split of its candidates
     a_splits = max(cand[3] for cand in CANDIDATES["attention"])
     attn_ws = (
