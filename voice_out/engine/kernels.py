@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from voice_out.engine.runner import FlowVoice, Runner
-from voice_out.model import decode_kernels, flow_kernels
+from voice_out.model import decode_kernels, flow_kernels, hift_kernels
 from voice_out.model.flow import Flow
 from voice_out.model.launch import Launch, recording
 
@@ -83,7 +83,7 @@ def distinct_launches(launches: list[Launch]) -> list[Launch]:
 
 
 #: The modules whose kernels :func:`early` picks: the LLM's decode step and the vocoder's.
-EARLY_MODULES = frozenset({"voice_out.model.decode_kernels", "voice_out.model.hift_kernels"})
+EARLY_MODULES = frozenset({decode_kernels.__name__, hift_kernels.__name__})
 
 
 def early(ln: Launch) -> bool:

@@ -203,15 +203,14 @@ def build_engine(
     def warm(runner: StepRunner) -> None:
         assert isinstance(runner, Runner)
         voice = FlowVoice(*_warm_voice(fdims.n_mels, fdims.spk_embed_dim))
+        default_voice = _default_voice(book) if graphs else None  # its graphs are captured here
 
         def meanwhile() -> None:
             """What needs none of the flow's kernels, done while they compile: the LLM's
             warm-up and graphs, and the final chunks' vocoder graphs of the default voice."""
             runner.warmup_llm()
-            if graphs:
-                default_voice = _default_voice(book)
-                if default_voice is not None:
-                    runner.precapture_vocoder(default_voice[1])
+            if default_voice is not None:
+                runner.precapture_vocoder(default_voice[1])
 
         if graphs:  # the fused kernels, compiled several at a time rather than on first use
             n, seconds = precompile(runner, voice, meanwhile=meanwhile)
@@ -234,7 +233,6 @@ def build_engine(
                     n_states,
                     ec.flow_state_tokens,
                 )
-        default_voice = _default_voice(book) if graphs else None
         if default_voice is not None:  # the token2wav graphs of its prompt length, before any stream
             name, flow_voice = default_voice
             t0 = time.perf_counter()

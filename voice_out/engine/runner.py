@@ -503,18 +503,11 @@ class Runner:
         self._side_waits = {s.cuda_stream for s in self._vocode_streams()}
 
     @_on_main_stream
-    def warmup(self, voice: FlowVoice) -> None:
-        """Run every kind of work once (prefill, batched decode, sampling, a token2wav chunk),
-        then reset: first-use costs (kernels, allocator) are paid before the first stream.
-        :meth:`warmup_llm`, then :meth:`warmup_token2wav`."""
-        self.warmup_llm()
-        self.warmup_token2wav(voice)
-
-    @_on_main_stream
     def warmup_llm(self) -> None:
-        """The LLM's part of :meth:`warmup`: a prefill, a decode step and a draw, then its CUDA
-        graphs (``GraphedLLM.capture_all``). It launches none of the flow's kernels (start-up
-        runs it while they compile)."""
+        """Start-up: run the LLM's every kind of work once (a prefill, a decode step and a draw),
+        then reset and capture its CUDA graphs (``GraphedLLM.capture_all``), so first-use costs
+        (kernels, allocator) are paid before the first stream. It launches none of the flow's
+        kernels (start-up runs it while they compile); :meth:`warmup_token2wav` is the rest."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the weights, loaded on the default stream
         with torch.inference_mode():
@@ -535,7 +528,8 @@ class Runner:
 
     @_on_main_stream
     def warmup_token2wav(self, voice: FlowVoice) -> None:
-        """The token2wav part of :meth:`warmup`: a stream of a few chunks for ``voice``."""
+        """Start-up, after :meth:`warmup_llm` and the flow's kernels: a token2wav stream of a
+        few chunks for ``voice``, then pooled for the first request."""
         with torch.inference_mode():
             token, feat, emb, prepared = self._voice(voice)
             stream = self.t2w.open_stream(
