@@ -23,7 +23,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.timing import save_out, time_method  # noqa: E402
-from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.engine import Engine  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
 from voice_out.model.llm_graphs import PendingIds  # noqa: E402
@@ -47,10 +46,8 @@ def main() -> None:
     p.add_argument("--chars", type=int, default=100)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     args = p.parse_args()
-    over = parse_overrides([f"model.model={args.model}", f"model.device={args.device}", *args.set])
-    over.setdefault("engine", {})["fast_first_tokens"] = args.fast_first
     opts = eb.EngineBenchOptions(streams=(1,), prompt_tokens=args.prompt_tokens, ttfa_chars=args.chars)
-    engine = eb.load_engine(eb.bench_config(load_config(None, environ={}, overrides=over), opts), opts)
+    engine = eb.engine_from_args(args.model, args.device, args.set, opts, fast_first_tokens=args.fast_first)
     text = eb.text_of(args.chars)
     labels: list[tuple[type, str, str]] = [
         (Runner, "execute", "step (all)"),

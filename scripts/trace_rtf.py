@@ -36,7 +36,6 @@ from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.listener import Listener  # noqa: E402
 from voice_out.bench.timing import save_out  # noqa: E402
 from voice_out.bench.trace import Span, chrome_trace, merged  # noqa: E402
-from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.engine import Engine  # noqa: E402
 
 MARK = "rtf_utterance"
@@ -161,9 +160,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3, help="untraced utterances (their RTF is printed)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
     args = p.parse_args()
-    over = parse_overrides([f"model.model={args.model}", f"model.device={args.device}", *args.set])
     opts = eb.EngineBenchOptions(streams=(1,), prompt_tokens=args.prompt_tokens, long_chars=args.chars)
-    engine = eb.load_engine(eb.bench_config(load_config(None, environ={}, overrides=over), opts), opts)
+    engine = eb.engine_from_args(args.model, args.device, args.set, opts)
     engine.start()
     try:
 

@@ -47,7 +47,7 @@ import torch
 import voice_out
 from voice_out.bench.listener import Listener, percentile, run_stream
 from voice_out.bench.report import Report
-from voice_out.config import Config, load_config
+from voice_out.config import Config, load_config, parse_overrides
 from voice_out.engine.api import SAMPLE_RATE, StreamClosedError
 from voice_out.engine.engine import Engine
 from voice_out.engine.loading import resolve_device
@@ -134,6 +134,17 @@ def bench_config(cfg: Config, opts: EngineBenchOptions) -> Config:
     if cfg.model.model.startswith("random:"):
         server = dataclasses.replace(server, voices_dir=str(Path(os.devnull) / "none"), default_voice=None)
     return Config(model=cfg.model, engine=engine, server=server)
+
+
+def engine_from_args(
+    model: str, device: str, sets: Sequence[str], opts: EngineBenchOptions, **engine_overrides: Any
+) -> Engine:
+    """The engine a measuring script loads (not started): ``model`` on ``device`` with the
+    ``SECTION.FIELD=VALUE`` overrides ``sets`` and then ``engine_overrides`` (engine fields), as
+    :func:`bench_config` and :func:`load_engine` make it for ``opts``."""
+    over = parse_overrides([f"model.model={model}", f"model.device={device}", *sets])
+    over.setdefault("engine", {}).update(engine_overrides)
+    return load_engine(bench_config(load_config(None, environ={}, overrides=over), opts), opts)
 
 
 def load_engine(cfg: Config, opts: EngineBenchOptions) -> Engine:
