@@ -36,7 +36,16 @@ from voice_out.engine.api import (
 from voice_out.engine.engine import Engine, EngineStats, EngineStream
 from voice_out.engine.request import SAMPLES_PER_TOKEN, LlmInputKind, LlmStep, VoicePrompt
 from voice_out.engine.runner import Runner, noise_voice
-from voice_out.engine.scheduler import Admit, ForcedTokens, LlmWork, NextGuess, StepPlan, VocodeWork
+from voice_out.engine.scheduler import (
+    Admit,
+    ForcedTokens,
+    LlmWork,
+    NextGuess,
+    Release,
+    StepPlan,
+    StepResult,
+    VocodeWork,
+)
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
 from voice_out.model.token2wav import Token2Wav, Token2WavStream
 
@@ -1261,5 +1270,83 @@ def test_cuda_engine_overlapping_token2wav_with_the_llm_changes_nothing(tmp_path
             assert a.shape == b.shape == c.shape
             np.testing.assert_allclose(a, c, atol=1e-4)
             np.testing.assert_allclose(b, c, atol=1e-4)
+    finally:
+        eng.close()
+
+
+@pytest.mark.requires_cuda
+def test_cuda_steps_wait_only_for_the_launches_they_need(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launches in flight hold up no step that does not need them.
+
+    * A new request takes a pooled token2wav stream and rewrites it on the runner's stream. A
+      finished request's stream: nothing of it is in flight, so the new request's LLM step runs
+      while other chunks are in flight (it used to wait for all of them: steps of ~120 ms at 16
+      streams). A cancelled request's stream whose chunk is still in flight: the step waits for
+      that launch before the rewrite.
+    * A step that waits for its first chunk (``wait_vocode``) waits for that lane alone, not for
+      the later chunks in flight on the other.
+
+    A launch is held in flight by a GPU sleep queued before it. The scenario runs twice: the
+    first pass makes every first use (kernels, graphs) that could outlast a sleep."""
+    cfg = Config(server=ServerConfig(voices_dir=str(tmp_path / "no-voices")), engine=EngineConfig(max_streams=4))
+    eng = Engine.load(
+        cfg, model="random:tiny", device="cuda", forced=ForcedTokens(3), text_normalizer="none", kv_len=512
+    )
+    eng.start(timeout=300)
+    try:
+        runner = hand_runner(eng)
+        assert runner._side_stream is not None and runner.pipeline_vocode and runner._first_stream is not None
+        stalls: list[int] = []
+        launch = runner._vocode_step
+
+        def stalled(*args: object, **kw: object) -> object:
+            if stalls:
+                torch.cuda._sleep(stalls.pop())  # on the launch's stream, before its chunks
+            return launch(*args, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(runner, "_vocode_step", stalled)
+
+        def scenario(tag: str) -> dict[str, bool]:
+            reqs = admit_all(runner, tag)
+            scheds = [ChunkSchedule(prompt_tokens=v.flow_prompt_tokens) for _, v, _ in reqs]
+
+            def chunk(k: int, *, wait: bool = False, stall: bool = False) -> StepResult:
+                rid, _, tokens = reqs[k]
+                plan = scheds[k].ready(len(tokens), False)
+                assert plan is not None
+                scheds[k].commit(plan)  # the next call plans the next chunk
+                stalls.extend([int(2e9)] if stall else [])  # ~1 s of GPU clock cycles
+                return runner.execute(StepPlan(vocode=(VocodeWork(rid, plan, tokens),), wait_vocode=wait))
+
+            def admit_and_step(rid: str, slot: int) -> StepResult:
+                step = LlmStep(((LlmInputKind.SOS, 0), *((TEXT, 100 + i) for i in range(6))), allow_eos=False)
+                work = LlmWork(rid, slot, step, ())
+                result = runner.execute(StepPlan(admit=(Admit(rid, slot, 7, reqs[slot][1]),), llm=(work,)))
+                assert not result.failed and rid in result.tokens  # the host has read this step's token
+                return result
+
+            seen = {"first chunk back": f"{tag}0" in chunk(0, wait=True).audio}
+            runner.execute(StepPlan(release=(Release(f"{tag}0", 0, drop=True),)))  # finished: pooled
+            seen["stalled"] = f"{tag}1" in chunk(1, stall=True).inflight
+            # the stream of request 0, with nothing in flight: no wait for request 1's chunk
+            seen["no wait"] = f"{tag}1" in admit_and_step(f"{tag}n0", 0).inflight
+            # request 1 cancelled with its chunk in flight; a new request takes its stream
+            runner.execute(StepPlan(release=(Release(f"{tag}1", 1, drop=True),)))
+            stream, last = runner._t2w_pool[-1]
+            seen["pooled in flight"] = last is not None and not last.query()
+            admit_and_step(f"{tag}n1", 1)
+            seen["waited"] = last is not None and last.query() and runner.live[f"{tag}n1"].t2w is stream
+            # request 2's second chunk stalled on the later chunks' lane; request 3's first chunk,
+            # waited for, comes back while it runs
+            chunk(2, wait=True)
+            seen["later stalled"] = f"{tag}2" in chunk(2, stall=True).inflight
+            first = chunk(3, wait=True)
+            seen["first beside"] = f"{tag}3" in first.audio and f"{tag}2" in first.inflight
+            runner.release_all()
+            return seen
+
+        scenario("warm")
+        seen = scenario("p")
+        assert all(seen.values()), seen
     finally:
         eng.close()

@@ -249,7 +249,12 @@ class Runner:
         #: Host copy of the cache lengths: no sync is needed to place rows or bound attention.
         self.slot_len = [0] * n_slots
         self.live: dict[str, _Live] = {}
-        self._t2w_pool: list[Token2WavStream] = []
+        #: Token2wav streams of dropped requests, for the next admissions, each with the event
+        #: of the last launch that used it (None: nothing of it is in flight).
+        self._t2w_pool: list[tuple[Token2WavStream, torch.cuda.Event | None]] = []
+        #: CUDA: the event of the latest launch that used each live token2wav stream (by id):
+        #: a stream reused after its request is dropped waits for that one launch alone.
+        self._last_launch: dict[int, torch.cuda.Event] = {}
         # voice -> device tensors (+ prepared flow prompt); the entry keeps the voice alive, so
         # its id cannot be reused while cached. Least recently used first; bounded.
         self._voice_cache: OrderedDict[int, tuple[FlowVoice, Tensor, Tensor, Tensor, object]] = OrderedDict()
@@ -308,13 +313,23 @@ class Runner:
             for item in vocode:
                 chunk = item[0].chunk
                 (lane if self.t2w.in_first_lane(chunk) else firsts if chunk.index == 0 else rest).append(item)
+            launched: set[int] = set()
             for part, side in ((lane, self._first_stream), (firsts, self._side_stream), (rest, self._side_stream)):
                 if part:
                     assert side is not None
                     self._launch_vocode(part, result, side)
+                    launched.add(side.cuda_stream)
             if llm or self._ahead:
                 self._llm_step(llm, result)
-            self._collect_vocode(result, block=not self.pipeline_vocode or plan.wait_vocode)
+            if not self.pipeline_vocode:
+                self._collect_vocode(result, block=True)
+            elif plan.wait_vocode:
+                # this step's chunks (a first chunk held for at light load): the other lane's
+                # launches are not waited for, which held such steps for a batch of later
+                # chunks (~120 ms at 16 streams); with none, every launch in flight
+                self._collect_vocode(result, block=True, streams=launched or None)
+            else:
+                self._collect_vocode(result, block=False)
             return result
         made: list[tuple[str, Tensor]] = []
         if llm or self._ahead:
@@ -358,17 +373,21 @@ class Runner:
                     result.failed[request_id] = _describe(e)
             done = torch.cuda.Event()
             done.record(side)
+        for _, t2w in vocode:
+            self._last_launch[id(t2w)] = done
         if host:
             self._inflight.append(_Inflight(host, done, side))
 
-    def _collect_vocode(self, result: StepResult, *, block: bool) -> None:
+    def _collect_vocode(self, result: StepResult, *, block: bool, streams: set[int] | None = None) -> None:
         """Hand back the audio of every finished launch (each stream's in launch order); with
-        ``block``, first wait for all of them (each stream's newest: a stream runs its launches
-        in order). The rest stay in ``result.inflight``."""
+        ``block``, first wait for all of them, or for those on ``streams`` (``cuda_stream``
+        handles) when given (each stream's newest: a stream runs its launches in order). The
+        rest stay in ``result.inflight``."""
         if block:
             newest = {f.stream.cuda_stream: f for f in self._inflight}
-            for f in newest.values():
-                f.done.synchronize()
+            for handle, f in newest.items():
+                if streams is None or handle in streams:
+                    f.done.synchronize()
         pending: list[_Inflight] = []
         for f in self._inflight:
             # a launch behind an unfinished one of its stream is not done either
@@ -410,7 +429,7 @@ class Runner:
         if rel.drop:
             del self.live[rel.request_id]
             self.t2w.release_state(live.t2w)  # a later stream may take its flow state now
-            self._t2w_pool.append(live.t2w)
+            self._t2w_pool.append((live.t2w, self._last_launch.pop(id(live.t2w), None)))
 
     @_on_main_stream
     def release_all(self) -> None:
@@ -491,9 +510,13 @@ class Runner:
             "first_prefix": self._first_prefix(flow_voice),
         }
         if self._t2w_pool:
-            stream = self._t2w_pool.pop()
-            if self._inflight:  # a cancelled request's chunk may still run on this stream's state
-                self._settle_vocode_reads()
+            stream, last = self._t2w_pool.pop()
+            if last is not None and not last.query():
+                # a cancelled request's chunk may still read this stream's state, which the
+                # reset below rewrites on the runner's stream: that stream waits for that launch
+                # alone (GPU side), not for every chunk in flight, which held a whole LLM step
+                # behind the later chunks of other streams (~120 ms at 16 streams)
+                torch.cuda.current_stream(self.device).wait_event(last)
             stream.reset(token, feat, emb, flow_prompt=prepared, **kw)
         else:
             stream = self.t2w.open_stream(token, feat, emb, flow_prompt=prepared, **kw)
@@ -542,7 +565,7 @@ class Runner:
             )
             for _ in self.t2w.stream_all(stream, list(range(1, 9))):
                 pass
-            self._t2w_pool.append(stream)
+            self._t2w_pool.append((stream, None))  # synchronised below
             self._voice_cache.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -140,8 +140,10 @@ class StepPlan:
     admit: tuple[Admit, ...] = ()
     llm: tuple[LlmWork, ...] = ()
     vocode: tuple[VocodeWork, ...] = ()
-    #: Block until the chunks in flight (this plan's included) are back: the plan has nothing
-    #: else to do, or it holds a first chunk at light load (``Scheduler.first_chunk_wait_rows``).
+    #: Block until this plan's chunks are back (with none, every chunk in flight): the plan
+    #: has nothing else to do, or it holds a first chunk at light load
+    #: (``Scheduler.first_chunk_wait_rows``). A pipelined runner waits for the streams this
+    #: plan's chunks run on, not for the other lane's launches.
     wait_vocode: bool = False
 
     @property
