@@ -788,6 +788,32 @@ def test_a_first_chunk_goes_beside_a_later_chunk_in_flight_only_with_the_first_c
         assert planned_at is None  # behind a's chunk
 
 
+def test_a_first_chunk_beside_chunks_in_flight_holds_no_steps() -> None:
+    """A stream's first chunk planned while another stream's chunk is in flight shares the GPU
+    with it: the plan keeps the stream's LLM step and does not wait (a wait would idle the host
+    until the chunk is back), and the plan before it launched its guess."""
+    sched = create_scheduler(first_chunk_lane=True)
+    (a,) = create_requests(sched, 1, text="a" * 20, prefix="a")
+    runner = PipelinedRunner(delay=200)  # a's chunks stay in flight for 200 steps
+    req_a = sched.requests[a]
+    while not (req_a.llm_done and req_a.vocode_inflight is not None):
+        plan = sched.plan()
+        sched.update(plan, runner.execute(plan))
+    (b,) = create_requests(sched, 1, text="a" * 60, prefix="b")
+    before: StepPlan | None = None
+    for _ in range(150):  # b's first chunk needs 28 tokens: ready well before a's chunk is back
+        plan = sched.plan()
+        if any(v.request_id == b for v in plan.vocode):
+            break
+        before = plan
+        sched.update(plan, runner.execute(plan))
+    else:
+        raise AssertionError("b's first chunk was not planned")
+    assert req_a.vocode_inflight is not None  # still in flight
+    assert [w.request_id for w in plan.llm] == [b] and not plan.wait_vocode
+    assert before is not None and [w.request_id for w in before.llm] == [b] and before.llm[0].guess is not None
+
+
 @pytest.mark.parametrize(("max_playing", "beside"), [(0, True), (2, True), (1, False)])
 def test_past_max_playing_streams_first_chunks_take_turns_with_the_others(max_playing: int, beside: bool) -> None:
     """engine.first_chunk_lane_max_playing: two streams playing, a later chunk in flight; a
