@@ -277,8 +277,8 @@ class Scheduler:
         #: A step that plans a first chunk and decodes at most this many rows, none of them a
         #: stream still waiting for its own first audio, waits for the chunk (``wait_vocode``):
         #: at light load the first chunk then has the GPU to itself (on an H200 it came ~8 ms
-        #: sooner at 1 stream). Under load, or while other first audio needs LLM steps, the
-        #: steps go on.
+        #: sooner at 1 stream). Under load, beside chunks in flight, or while other first audio
+        #: needs LLM steps, the steps go on.
         self.first_chunk_wait_rows = first_chunk_wait_rows
         #: Two token2wav lanes (see the module docstring): the runner runs first chunks beside
         #: the others (the engine sets it when its token2wav has the first-chunk lane's graphs).
