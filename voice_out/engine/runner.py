@@ -361,20 +361,23 @@ class Runner:
             # stream does not wait behind the LLM step launched ahead
             side.wait_stream(torch.cuda.current_stream(self.device))
             self._side_waits.discard(side.cuda_stream)
+        done = torch.cuda.Event()
+        host: list[tuple[str, Tensor]] = []
         with torch.cuda.stream(side):
-            made = self._vocode_step(vocode, result)
-            host: list[tuple[str, Tensor]] = []
-            for request_id, audio in made:
-                try:
-                    buf = torch.empty(audio.shape, dtype=torch.float32, pin_memory=True)
-                    buf.copy_(audio, non_blocking=True)
-                    host.append((request_id, buf))
-                except Exception as e:  # noqa: BLE001 - the copy to the host fails alone too
-                    result.failed[request_id] = _describe(e)
-            done = torch.cuda.Event()
-            done.record(side)
-        for _, t2w in vocode:
-            self._last_launch[id(t2w)] = done
+            try:
+                made = self._vocode_step(vocode, result)
+                for request_id, audio in made:
+                    try:
+                        buf = torch.empty(audio.shape, dtype=torch.float32, pin_memory=True)
+                        buf.copy_(audio, non_blocking=True)
+                        host.append((request_id, buf))
+                    except Exception as e:  # noqa: BLE001 - the copy to the host fails alone too
+                        result.failed[request_id] = _describe(e)
+            finally:
+                # after whatever was queued, a failed launch's included: the streams' reuse waits for it
+                done.record(side)
+                for _, t2w in vocode:
+                    self._last_launch[id(t2w)] = done
         if host:
             self._inflight.append(_Inflight(host, done, side))
 
@@ -401,7 +404,7 @@ class Runner:
 
     def _settle_vocode_reads(self) -> None:
         """Make the LLM stream wait for the launched chunks (GPU side, the host goes on): state
-        they read (a pooled token2wav stream, a voice's tensors) is about to be rewritten or freed."""
+        they may read (an evicted voice's tensors) is about to be freed."""
         for side in self._vocode_streams():
             torch.cuda.current_stream(self.device).wait_stream(side)
 
