@@ -33,7 +33,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench import engine_bench as eb  # noqa: E402
-from voice_out.bench.listener import Listener  # noqa: E402
 from voice_out.bench.timing import save_out  # noqa: E402
 from voice_out.bench.trace import Span, chrome_trace, merged  # noqa: E402
 from voice_out.engine.engine import Engine  # noqa: E402
@@ -137,17 +136,9 @@ def analyse(trace: dict[str, Any]) -> dict[str, Any]:
 
 
 async def utterance(engine: Engine, chars: int) -> tuple[float, float]:
-    """One long utterance read as fast as it comes -> (RTF, seconds of audio)."""
-    loop = asyncio.get_running_loop()
-    lis = Listener()
-    stream = engine.open_stream(seed=7)
-    lis.t_text = loop.time()
-    stream.push_text(eb.text_of(chars))
-    stream.end_text()
-    async for chunk in stream:
-        lis.on_chunk(loop.time(), chunk.start_sample, len(chunk.pcm))
-    if lis.rtf is None:
-        raise RuntimeError(f"the utterance gave no audio ({stream.state.value})")
+    """One long utterance read as fast as it comes (``--scenarios rtf``'s) -> (RTF, seconds of audio)."""
+    lis, _ = await eb.long_utterance(engine, chars, timeout_s=600.0)
+    assert lis.rtf is not None
     return lis.rtf, lis.audio_s
 
 

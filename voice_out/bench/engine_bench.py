@@ -390,6 +390,29 @@ def round_summary(r: CapacityRound) -> str:
 # the whole run
 
 
+async def long_utterance(engine: Engine, chars: int, timeout_s: float) -> tuple[Listener, list[tuple[float, float]]]:
+    """One stream of ``chars`` characters of text, its audio read as fast as it comes (the
+    ``rtf`` scenario): its listener, and each chunk's (s since the text, s of audio so far).
+    RuntimeError when it gives no audio."""
+    loop = asyncio.get_running_loop()
+    lis = Listener()
+    stream = engine.open_stream(seed=7)
+    lis.t_text = loop.time()
+    stream.push_text(text_of(chars))
+    stream.end_text()
+    arrivals: list[tuple[float, float]] = []
+
+    async def drain() -> None:
+        async for chunk in stream:
+            lis.on_chunk(loop.time(), chunk.start_sample, len(chunk.pcm))
+            arrivals.append((loop.time() - lis.t_text, (chunk.start_sample + len(chunk.pcm)) / SAMPLE_RATE))
+
+    await asyncio.wait_for(drain(), timeout_s)
+    if lis.rtf is None:
+        raise RuntimeError(f"the long utterance gave no audio ({stream.state.value})")
+    return lis, arrivals
+
+
 def _quantiles(values: list[float]) -> str:
     return " ".join(f"p{round(100 * q)} {percentile(values, q):.0f} ms" for q in QUANTILES)
 
@@ -402,7 +425,6 @@ async def _run_engine(
     log: Callable[[str], None],
     save: Callable[[], None],
 ) -> None:
-    loop = asyncio.get_running_loop()
     scen = set(opts.scenarios)
     peaks = {"allocated": 0.0, "reserved": 0.0}
 
@@ -455,23 +477,10 @@ async def _run_engine(
 
     if "rtf" in scen:
         log(f"rtf: 1 stream, {opts.long_chars} chars")
-        lis = Listener()
         before = engine.stats()
-        stream = engine.open_stream(seed=7)
-        lis.t_text = loop.time()
-        stream.push_text(text_of(opts.long_chars))
-        stream.end_text()
-        arrivals: list[tuple[float, float]] = []  # (s since the text, s of audio so far)
-
-        async def drain() -> None:
-            async for chunk in stream:
-                lis.on_chunk(loop.time(), chunk.start_sample, len(chunk.pcm))
-                arrivals.append((loop.time() - lis.t_text, (chunk.start_sample + len(chunk.pcm)) / SAMPLE_RATE))
-
-        await asyncio.wait_for(drain(), opts.timeout_s)
+        lis, arrivals = await long_utterance(engine, opts.long_chars, opts.timeout_s)
         after = engine.stats()
-        if lis.rtf is None:
-            raise RuntimeError(f"the long utterance gave no audio ({stream.state.value})")
+        assert lis.rtf is not None
         steps = after.steps - before.steps
         busy = after.busy_s - before.busy_s
         report.add("rtf.long_text", lis.rtf, "x", 1)
