@@ -30,14 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench import engine_bench as eb  # noqa: E402
-from voice_out.bench.listener import percentile, run_stream  # noqa: E402
+from voice_out.bench.listener import Listener, percentile  # noqa: E402
 from voice_out.bench.timing import save_out  # noqa: E402
 from voice_out.engine.engine import Engine  # noqa: E402
 from voice_out.engine.request import Request  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
-from voice_out.engine.scheduler import Scheduler, StepPlan, StepResult  # noqa: E402
+from voice_out.engine.scheduler import FirstAudioTrace, Scheduler, StepPlan, StepResult  # noqa: E402
 
 
 @dataclass
@@ -52,20 +54,9 @@ class Step:
 
 
 @dataclass
-class Marks:
-    """One request's engine times (monotonic seconds)."""
-
-    text: float
-    admit: float
-    ready: float
-    planned: float
-    audio: float
-
-
-@dataclass
 class Log:
     steps: list[Step] = field(default_factory=list)
-    marks: dict[str, Marks] = field(default_factory=dict)
+    audio_at: dict[str, float] = field(default_factory=dict)  # request -> its first audio (engine clock)
     ids: dict[int, str] = field(default_factory=dict)  # seed -> stream id
 
 
@@ -81,22 +72,15 @@ def instrument(engine: Engine, log: Log) -> None:
         t0 = time.monotonic()
         res = execute(self, plan)
         chunks = [chunk_tag(w.chunk.index, w.chunk.finalize, w.chunk.token_len) for w in plan.vocode]
-        rows = len(plan.llm)
-        log.steps.append(Step(t0, time.monotonic(), len(plan.admit), rows, chunks, plan.wait_vocode, len(res.inflight)))
+        step = Step(t0, time.monotonic(), len(plan.admit), len(plan.llm), chunks, plan.wait_vocode, len(res.inflight))
+        log.steps.append(step)
         return res
 
     Runner.execute = timed_execute  # type: ignore[method-assign]
     trace = Scheduler._trace_first_audio
 
     def marked(self: Scheduler, req: Request, audio: float) -> None:
-        start = req.first_text_time if req.first_text_time is not None else req.arrival_time
-        log.marks[req.request_id] = Marks(
-            text=start,
-            admit=req.admit_time or start,
-            ready=req.first_chunk_ready_time or audio,
-            planned=req.first_chunk_plan_time or audio,
-            audio=audio,
-        )
+        log.audio_at[req.request_id] = audio
         trace(self, req, audio)
 
     Scheduler._trace_first_audio = marked  # type: ignore[method-assign]
@@ -110,31 +94,21 @@ def instrument(engine: Engine, log: Log) -> None:
     engine.open_stream = recorded  # type: ignore[method-assign]
 
 
-async def one_round(engine: Engine, n: int, text: str, ramp_s: float) -> list[tuple[int, float, float]]:
-    """(stream index, t_text, t_first) per stream that spoke."""
-    tasks = [run_stream(engine, i, text, 0.0, ramp_s * i / n) for i in range(n)]
-    lis = await asyncio.gather(*tasks)
-    await engine.await_idle()
-    return [(i, x.t_text, x.t_first) for i, x in enumerate(lis) if x.t_first is not None]
-
-
-def describe(log: Log, sid: str, t_text: float, t_first: float) -> dict[str, Any]:
-    m = log.marks.get(sid)
-    out: dict[str, Any] = {"ttfa_ms": round(1e3 * (t_first - t_text), 1)}
-    if m is not None:
-        out.update(
-            inbox=round(1e3 * (m.text - t_text), 1),
-            slot=round(1e3 * (m.admit - m.text), 1),
-            tokens=round(1e3 * (min(max(m.ready, m.admit), m.planned) - m.admit), 1),
-            queue=round(1e3 * (m.planned - min(max(m.ready, m.admit), m.planned)), 1),
-            vocode=round(1e3 * (m.audio - m.planned), 1),
-            outbox=round(1e3 * (t_first - m.audio), 1),
-        )
+def describe(log: Log, trace: FirstAudioTrace | None, lis: Listener) -> dict[str, Any]:
+    """One stream's TTFA split (ms) and the worker steps from its first text to its first audio."""
+    assert lis.t_first is not None
+    out: dict[str, Any] = {"ttfa_ms": round(1e3 * (lis.t_first - lis.t_text), 1)}
+    if trace is not None:
+        outbox = lis.t_first - log.audio_at[trace.request_id]
+        inbox = lis.t_first - lis.t_text - outbox - trace.total_s
+        parts = (inbox, trace.slot_s, trace.tokens_s, trace.queue_s, trace.vocode_s, outbox)
+        names = ("inbox", "slot", "tokens", "queue", "vocode", "outbox")
+        out.update({name: round(1e3 * sec, 1) for name, sec in zip(names, parts, strict=True)})
     out["steps"] = [
-        f"{1e3 * (s.t0 - t_text):7.1f} +{1e3 * (s.t1 - s.t0):5.1f} a{s.admits} r{s.rows:<2d} "
+        f"{1e3 * (s.t0 - lis.t_text):7.1f} +{1e3 * (s.t1 - s.t0):5.1f} a{s.admits} r{s.rows:<2d} "
         f"[{' '.join(s.chunks)}]{' wait' if s.wait else ''} inflight {s.inflight}"
         for s in log.steps
-        if s.t1 >= t_text and s.t0 <= t_first
+        if s.t1 >= lis.t_text and s.t0 <= lis.t_first
     ]
     return out
 
@@ -154,6 +128,7 @@ def main() -> None:
     opts = eb.EngineBenchOptions(streams=(args.streams,), capacity_chars=args.chars, ramp_s=args.ramp)
     engine = eb.engine_from_args(args.model, args.device, args.set, opts)
     text = eb.text_of(args.chars)
+    device = torch.device(args.device)
     log = Log()
     engine.start()
     rounds: list[dict[str, Any]] = []
@@ -161,13 +136,17 @@ def main() -> None:
 
         async def run() -> None:
             for _ in range(args.warm):
-                await one_round(engine, args.streams, text, args.ramp)
+                await eb.capacity_round(engine, args.streams, text, opts, device)
             instrument(engine, log)
             for r in range(args.rounds):
                 log.steps.clear()
-                got = await one_round(engine, args.streams, text, args.ramp)
-                ttfa = [1e3 * (f - t) for _, t, f in got]
-                worst = sorted(got, key=lambda g: g[1] - g[2])[: args.worst]
+                got = await eb.capacity_round(engine, args.streams, text, opts, device)
+                ttfa = got.ttfa_ms
+                if len(ttfa) != args.streams:
+                    raise RuntimeError(f"round {r}: {args.streams - len(ttfa)} streams gave no audio")
+                traces = {t.request_id: t for t in got.first_audio}
+                # the listeners are in stream order (seed 1000 + i), as capacity_round starts them
+                order = sorted(range(len(ttfa)), key=lambda i: -ttfa[i])[: args.worst]
                 rounds.append(
                     {
                         "round": r,
@@ -175,7 +154,10 @@ def main() -> None:
                         "p95": round(percentile(ttfa, 0.95), 1),
                         "max": round(max(ttfa), 1),
                         "all": sorted(round(x, 1) for x in ttfa),
-                        "worst": [{"stream": i, **describe(log, log.ids[1000 + i], t, f)} for i, t, f in worst],
+                        "worst": [
+                            {"stream": i, **describe(log, traces.get(log.ids[1000 + i]), got.listeners[i])}
+                            for i in order
+                        ],
                     }
                 )
 
