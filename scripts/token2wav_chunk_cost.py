@@ -92,16 +92,7 @@ class TimedFlow:
         out: Tensor = self._timed(self.flow.stream_chunk, *args, **kwargs)
         return out
 
-    def prepare_prompt(self, *args: Any, **kwargs: Any) -> Any:
-        return self.flow.prepare_prompt(*args, **kwargs)
-
-    def new_stream_cache(self, *args: Any, **kwargs: Any) -> Any:
-        return self.flow.new_stream_cache(*args, **kwargs)
-
-    def reset_stream_cache(self, *args: Any, **kwargs: Any) -> None:
-        self.flow.reset_stream_cache(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:  # the prefix and state paths' calls, untimed
+    def __getattr__(self, name: str) -> Any:  # every other call (prompts, caches, prefix and state paths), untimed
         return getattr(self.flow, name)
 
 
