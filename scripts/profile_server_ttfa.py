@@ -209,7 +209,13 @@ class DelayEngine:
         return ["tone"]
 
     def open_stream(
-        self, voice: str | None = None, *, stream_id: str | None = None, auto_ack: bool = True
+        self,
+        voice: str | None = None,
+        *,
+        stream_id: str | None = None,
+        seed: int | None = None,
+        auto_ack: bool = True,
+        fast_first: int | None = None,
     ) -> EngineStream:
         self._n += 1
         sid = stream_id or f"s{self._n}"

@@ -19,6 +19,7 @@ import numpy as np
 
 from voice_out.engine.api import (
     SAMPLE_RATE,
+    BadOptionError,
     NoVoiceError,
     OverloadedError,
     PcmChunk,
@@ -53,6 +54,8 @@ class FakeStream:
         self.iterating = False
         self.auto_ack = True
         self.acks: list[int] = []
+        self.fast_first: int | None = None
+        self.seed: int | None = None
 
     @property
     def id(self) -> str:
@@ -160,10 +163,13 @@ class FakeEngine:
         *,
         capacity: int = 64,
         script: FakeScript | None = None,
+        first_hop_tokens: int = 4,
     ) -> None:
         self.voices = list(voices)
         self.default_voice = default_voice
         self.capacity = capacity
+        #: ``fast_first`` must be below it, as in the real engine (whose default is 25)
+        self.first_hop_tokens = first_hop_tokens
         self.script = script or FakeScript()
         self.active: set[FakeStream] = set()
         self.opened: list[FakeStream] = []
@@ -192,10 +198,18 @@ class FakeEngine:
         self.stopped += 1
 
     def open_stream(
-        self, voice: str | None = None, *, stream_id: str | None = None, auto_ack: bool = True
+        self,
+        voice: str | None = None,
+        *,
+        stream_id: str | None = None,
+        seed: int | None = None,
+        auto_ack: bool = True,
+        fast_first: int | None = None,
     ) -> FakeStream:
         from voice_out.voices.errors import InvalidVoiceNameError, VoiceStoreCorruptError
 
+        if fast_first is not None and not 0 <= fast_first < self.first_hop_tokens:
+            raise BadOptionError(f"fast_first = {fast_first} must be in 0..{self.first_hop_tokens - 1} tokens")
         name = voice or self.default_voice
         if name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
             raise InvalidVoiceNameError(f"invalid voice name {name!r}")
@@ -209,6 +223,8 @@ class FakeEngine:
             raise OverloadedError(f"all {self.capacity} stream slots are busy")
         s = FakeStream(self, name, stream_id or f"s{len(self.opened)}")
         s.auto_ack = auto_ack
+        s.fast_first = fast_first
+        s.seed = seed
         self.active.add(s)
         self.opened.append(s)
         return s

@@ -270,8 +270,8 @@ async def token_and_errors(profile: Path) -> dict[str, Any]:
         result["voices"] = await page.evaluate("voiceOut.listVoices()")
         bad = await page.evaluate("voiceOut.speak('Hello', {voice: 'nobody'})")
         await page.wait_for(f"voiceOut.utterances[{json.dumps(bad)}].status === 'error'", 10, "the error")
-        # "fast start" on: the first delta carries fast_first, which the fake engine has no
-        # option for (bad_field); the real engine's answer is in tests/test_server_engine.py
+        # "fast start" on: the first delta carries fast_first = 12, beyond the fake engine's
+        # 4-token first hop (bad_field); the real engine's answer is in tests/test_server_engine.py
         await page.evaluate("document.getElementById('fast-start').checked = true")
         fast = await page.evaluate("voiceOut.speak('Hello, quickly.', {voice: 'alice'})")
         await page.wait_for(f"voiceOut.utterances[{json.dumps(fast)}].status === 'error'", 10, "the fast_first error")

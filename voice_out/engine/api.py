@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from types import TracebackType
+from typing import Protocol, Self, runtime_checkable
 
 import numpy as np
 
@@ -126,27 +127,62 @@ class Stream(Protocol):
 
     def cancel(self) -> None: ...
 
+    def ack(self, samples_played: int) -> None:
+        """The listener has heard the first ``samples_played`` samples (24 kHz) of this stream;
+        monotone. Only a stream opened with ``auto_ack=False`` needs it (the engine paces its
+        look-ahead, ``engine.max_ahead_s``, on it); a no-op once the stream has ended."""
+        ...
+
     def __aiter__(self) -> AsyncIterator[PcmChunk]: ...
 
     def __iter__(self) -> Iterator[PcmChunk]: ...
 
 
 class EngineLike(Protocol):
-    """What a transport needs from an engine."""
+    """What a transport (the WebRTC session, a compatibility API, a placement layer over several
+    engines) needs from an engine. Every name here is a stable contract.
+
+    Lifecycle: ``async with engine:`` starts it (worker up, warmed; ``ready`` turns true) and
+    stops it (every open stream cancelled). A start failure raises out of ``__aenter__``.
+    """
 
     @property
-    def sample_rate(self) -> int: ...
+    def sample_rate(self) -> int:
+        """Of every :class:`PcmChunk` (Hz)."""
+        ...
 
     @property
     def ready(self) -> bool:
         """Warm and accepting streams."""
         ...
 
-    def open_stream(self, voice: str | None = None, *, stream_id: str | None = None) -> Stream:
+    def open_stream(
+        self,
+        voice: str | None = None,
+        *,
+        stream_id: str | None = None,
+        seed: int | None = None,
+        auto_ack: bool = True,
+        fast_first: int | None = None,
+    ) -> Stream:
         """Open a stream in ``voice`` (None: the configured default voice).
 
-        Raises NoVoiceError, UnknownVoiceError or OverloadedError.
+        ``stream_id``: the caller's name for it (logs, traces); None: the engine picks one.
+        ``seed``: of the stream's sampling (None: the engine's own sequence or a random one).
+        ``auto_ack``: True counts a chunk as played when the iterator hands it out; False when
+        the caller buffers ahead of playback and reports what was heard with
+        :meth:`Stream.ack`. ``fast_first``: speech tokens of a fast first chunk (0: upstream's
+        first hop; None: the engine's configured default).
+
+        Raises NoVoiceError, UnknownVoiceError, OverloadedError, or BadOptionError (an option
+        out of the engine's range; the message names it).
         """
         ...
 
     def voice_names(self) -> list[str]: ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...

@@ -338,9 +338,9 @@ def create_app(
     connect_timeout_s: float = 30.0,
     clock_factory: Callable[[], Clock] | None = None,
 ) -> web.Application:
-    """Build the server for ``engine`` (entered with ``async with`` when the app starts, if it
-    is an async context manager) and ``voice_store`` (None: voices are read-only, from the
-    engine). ``clock_factory`` gives each session's track its clock (tests)."""
+    """Build the server for ``engine`` (entered with ``async with`` when the app starts) and
+    ``voice_store`` (None: voices are read-only, from the engine). ``clock_factory`` gives each
+    session's track its clock (tests)."""
     cfg = config if isinstance(config, Config) else Config(server=config)
     server = cfg.server
     middlewares = [_auth_middleware(server.auth_token)] if server.auth_token else []
@@ -382,13 +382,12 @@ def create_app(
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     engine = app[ENGINE_KEY]
     async with AsyncExitStack() as stack:
-        if hasattr(engine, "__aenter__") and hasattr(engine, "__aexit__"):
-            try:
-                await stack.enter_async_context(engine)  # type: ignore[arg-type]
-            except VoiceOutError:
-                raise
-            except Exception as e:
-                raise EngineStartError(f"the engine failed to start: {e}") from e
+        try:
+            await stack.enter_async_context(engine)
+        except VoiceOutError:
+            raise
+        except Exception as e:
+            raise EngineStartError(f"the engine failed to start: {e}") from e
         await _warm_voices(app)
         yield
         # on_shutdown has closed every session before cleanup_ctx leaves the engine.

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import inspect
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from voice_out.engine.api import EngineError, EngineLike, PcmChunk, Stream
 from voice_out.errors import VoiceOutError
@@ -44,7 +43,7 @@ log = logging.getLogger(__name__)
 #: the time a pump waits on the engine is real synthesis time (the RTF metric), never the
 #: engine holding back for the listener.
 MAX_BUFFERED_S = 1.0
-#: Tell the engine what was played at most this often (samples), when it takes acks.
+#: Tell the engine what was played at most this often (samples).
 ACK_EVERY_SAMPLES = 2400
 #: Ids of ended utterances remembered to tell "closed" from "unknown" (bounded).
 REMEMBERED_IDS = 1024
@@ -127,11 +126,6 @@ class Session:
         self._sinks: list[Sink] = []
         self.closed = False
         self._closing: asyncio.Task[None] | None = None
-        # An engine whose open_stream takes ``auto_ack`` lets the transport say what was
-        # *played* (stream.ack), so its back-pressure follows the listener, not the buffer.
-        self._acks = "auto_ack" in inspect.signature(engine.open_stream).parameters
-        # ... and one whose open_stream takes ``fast_first`` serves a per-utterance first hop
-        self._fast_first = "fast_first" in inspect.signature(engine.open_stream).parameters
 
     # -- wiring --------------------------------------------------------------------------------
 
@@ -231,17 +225,12 @@ class Session:
             )
         if not self.engine.ready:
             raise p.ProtocolError(p.ErrorCode.NOT_READY, "the engine is not accepting streams now", msg.id)
-        options: dict[str, Any] = {}
-        if self._acks:
-            options["auto_ack"] = False
-        if msg.fast_first is not None:
-            if not self._fast_first:
-                raise p.ProtocolError(p.ErrorCode.BAD_FIELD, "this engine has no 'fast_first' option", msg.id)
-            options["fast_first"] = msg.fast_first
         try:
-            sid = f"{self.id}/{msg.id}"
-            open_stream: Any = self.engine.open_stream
-            stream = open_stream(msg.voice, stream_id=sid, **options)
+            # auto_ack off: the track acks what was *played*, so the engine's back-pressure
+            # follows the listener, not this session's buffer.
+            stream = self.engine.open_stream(
+                msg.voice, stream_id=f"{self.id}/{msg.id}", auto_ack=False, fast_first=msg.fast_first
+            )
         except VoiceOutError as e:
             code = _error_code(e)
             # bad_field: an option of this text.delta out of the engine's range (fast_first)
@@ -368,11 +357,9 @@ class Session:
                 self._broadcast(p.AudioStarted(ev.id, 1000.0 * ttfa_s))
         elif isinstance(ev, Played):
             u = self.live.get(ev.id)
-            if u is not None and self._acks and ev.n_samples - u.n_acked >= ACK_EVERY_SAMPLES:
+            if u is not None and ev.n_samples - u.n_acked >= ACK_EVERY_SAMPLES:
                 u.n_acked = ev.n_samples
-                ack: Any = getattr(u.stream, "ack", None)
-                if ack is not None:
-                    ack(ev.n_samples)
+                u.stream.ack(ev.n_samples)
         elif isinstance(ev, Done):
             u = self.live.get(ev.id)
             if u is not None:
