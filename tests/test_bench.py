@@ -201,6 +201,11 @@ def test_webrtc_mode_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         v[("e2e.server_ttfa.p50", 1)],
     )
     assert v[("e2e.barge_in.p50", 1)] < 1000
+    # the engine's own first audio of the same utterance, and what the server added to it
+    assert 0 < v[("engine.ttfa.p50", 1)] <= v[("e2e.server_ttfa.p50", 1)]
+    assert v[("e2e.server_ttfa_over_engine.p50", 1)] == pytest.approx(
+        v[("e2e.server_ttfa.p50", 1)] - v[("engine.ttfa.p50", 1)], abs=0.2
+    )
     assert 0 <= v[("server.late_frames.over_20ms", 1)] <= v[("server.late_frames", 1)]
     assert v[("server.late_frames.warmup", 1)] == 0  # --quick: no warm-up utterance
     assert 0 <= v[("server.late_frames.utterance.max", 1)] <= v[("server.late_frames", 1)]
@@ -226,7 +231,10 @@ def test_webrtc_mode_chromium_client(tmp_path: Path, capsys: pytest.CaptureFixtu
     names = ("ttfa", "server_ttfa", "barge_in", "jitter_buffer", "barge_in_over_jitter_buffer", "rtp_jitter")
     late = {f"server.late_frames{k}" for k in ("", ".over_20ms", ".warmup", ".utterance.max")}
     first = {"e2e.chromium.first_ttfa", "e2e.chromium.first_server_ttfa"}
-    assert {n for n, _ in v} == {f"e2e.chromium.{n}.{q}" for n in names for q in ("p50", "p95", "p99")} | late | first
+    qs = ("p50", "p95", "p99")
+    engine = {f"{n}.{q}" for n in ("engine.ttfa", "e2e.chromium.server_ttfa_over_engine") for q in qs}
+    quantiles = {f"e2e.chromium.{n}.{q}" for n in names for q in qs}
+    assert {n for n, _ in v} == quantiles | late | first | engine
     # the session's first utterance (no warm-up with --quick: the first of the two measured)
     assert v[("e2e.chromium.first_ttfa", 1)] > v[("e2e.chromium.first_server_ttfa", 1)] + 20
     assert 0 <= v[("server.late_frames.over_20ms", 1)] <= v[("server.late_frames", 1)]
@@ -372,6 +380,18 @@ def test_late_frames_are_read_from_the_servers_histogram() -> None:
     assert late_frames(m) == LateFrames(5, 2)  # 20 ms itself is within the 20 ms bucket
 
 
+def test_late_frames_are_read_from_a_servers_exposition() -> None:
+    """The aiortc client runs in a process of its own and reads the count from ``/metrics``."""
+    from voice_out.bench.webrtc_bench import LateFrames, parse_late_frames
+    from voice_out.server.metrics import Metrics
+
+    m = Metrics()
+    assert parse_late_frames(m.render().decode()) == LateFrames(0, 0)
+    for lag_s in (0.006, 0.012, 0.02, 0.021, 0.3):
+        m.late_frames.observe(lag_s)
+    assert parse_late_frames(m.render().decode()) == LateFrames(5, 2)
+
+
 @pytest.mark.asyncio
 async def test_each_utterance_counts_the_frames_built_late_meanwhile() -> None:
     from voice_out.bench.webrtc_bench import Utterance, WebrtcBenchOptions, _series, _watched, late_frames
@@ -386,11 +406,12 @@ async def test_each_utterance_counts_the_frames_built_late_meanwhile() -> None:
             m.late_frames.observe(lag)
         return Utterance(100.0, 60.0, 50.0)
 
+    async def late() -> int:
+        return late_frames(m).over_5ms
+
     lines: list[str] = []
     opts = WebrtcBenchOptions(reps=1, warmup_reps=1)
-    warm, measured = await _series(
-        opts, lines.append, lambda: late_frames(m).over_5ms, utterance, lambda r: f"TTFA {r.ttfa_ms:.0f} ms"
-    )
+    warm, measured = await _series(opts, lines.append, late, utterance, lambda r: f"TTFA {r.ttfa_ms:.0f} ms")
     assert ([w.late_frames for w in warm], [r.late_frames for r in measured]) == ([2], [0])
     assert lines == [
         "webrtc: warm-up utterance 1: TTFA 100 ms, 2 frames late",

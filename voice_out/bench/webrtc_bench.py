@@ -11,7 +11,8 @@ The server runs in this process on a free loopback port with the engine of the c
 
 Two clients (``client``):
 
-* ``aiortc``: :mod:`voice_out.client`. A frame's time is when aiortc handed it over decoded,
+* ``aiortc``: :mod:`voice_out.client`, in a process of its own (a listener is never in the
+  server's process: sharing its event loop and GIL would make the server's frames late). A frame's time is when aiortc handed it over decoded,
   and aiortc's receiver holds about 4 packets in its jitter buffer before it plays (40 ms of
   the server's default 10 ms frames, 80 ms of 20 ms ones), so both figures include that hold;
   a browser's jitter buffer differs.
@@ -29,15 +30,20 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import multiprocessing
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from voice_out.bench.chromium import Page, chromium, find_chromium
 from voice_out.bench.engine_bench import EngineBenchOptions, bench_config, gpu_name, load_engine, text_of
@@ -169,18 +175,39 @@ def late_frames(metrics: Metrics) -> LateFrames:
     return LateFrames(int(total), int(total - within_20ms))
 
 
-#: The server's late frames so far (an in-process server's metrics), or None (a remote one).
-LateCount = Callable[[], int] | None
+def parse_late_frames(exposition: str) -> LateFrames:
+    """Read :class:`LateFrames` from a server's ``GET /metrics`` text."""
+    total = within_20ms = 0.0
+    for family in text_string_to_metric_families(exposition):
+        if family.name != "voice_out_late_frame_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_count"):
+                total = sample.value
+            elif sample.name.endswith("_bucket") and sample.labels.get("le") == "0.02":
+                within_20ms = sample.value
+    return LateFrames(int(total), int(total - within_20ms))
+
+
+async def fetch_late_frames(url: str) -> LateFrames:
+    """The late frames of the server at ``url`` so far, from its ``/metrics``."""
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
+        resp.raise_for_status()
+        return parse_late_frames(await resp.text())
+
+
+#: The server's late frames so far, or None (not counted).
+LateCount = Callable[[], Awaitable[int]] | None
 
 
 async def _watched(late: LateCount, run: Awaitable[Utterance]) -> Utterance:
     """``run`` one utterance; with ``late``, it comes back with the count of frames the server
     built late meanwhile (``Utterance.late_frames``)."""
-    before = late() if late is not None else 0
+    before = await late() if late is not None else 0
     u = await run
     if late is None:
         return u
-    return dataclasses.replace(u, late_frames=late() - before)
+    return dataclasses.replace(u, late_frames=await late() - before)
 
 
 async def _series(
@@ -359,17 +386,53 @@ async def _measure(
         await client.close()
 
 
+def _stderr_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _client_process(url: str, opts: WebrtcBenchOptions, count_late: bool) -> tuple[list[Utterance], list[Utterance]]:
+    """The aiortc client's series in a process of its own (see :func:`_measure_apart`)."""
+
+    async def late() -> int:
+        return (await fetch_late_frames(url)).over_5ms
+
+    return asyncio.run(_measure(url, opts, _stderr_log, late if count_late else None))
+
+
+async def _measure_apart(
+    url: str, opts: WebrtcBenchOptions, count_late: bool
+) -> tuple[list[Utterance], list[Utterance]]:
+    """:func:`_measure` in a child process: the client's Opus decoding, jitter buffer and RMS
+    checks then neither share the server's event loop nor contend for its GIL, so a frame the
+    server sends late is the server's doing (a listener's browser is never in the server's
+    process either). The child counts late frames through the server's ``/metrics``."""
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return await loop.run_in_executor(pool, _client_process, url, opts, count_late)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one run measured: the utterances (warm-ups, measured), the server's late frames over
+    the whole run, and the engine's own time to first audio of each measured utterance (s),
+    for a server started here."""
+
+    warm: list[Utterance]
+    results: list[Utterance]
+    late: LateFrames | None = None
+    engine_ttfa_s: list[float] | None = None
+
+
 async def _run(
     cfg: Config,
     opts: WebrtcBenchOptions,
     log: Callable[[str], None],
     measure: Callable[[str, LateCount], Awaitable[tuple[list[Utterance], list[Utterance]]]],
-) -> tuple[list[Utterance], list[Utterance], LateFrames | None]:
+) -> Run:
     """``measure`` the server at ``opts.url`` (no late-frame count), or at one started here
-    (its base URL, and a count of its late frames); returns (warm-ups, measured, the server's
-    late frames over the whole run)."""
+    (its base URL, and a count of its late frames)."""
     if opts.url is not None:
-        return *await measure(opts.url.rstrip("/"), None), None
+        return Run(*await measure(opts.url.rstrip("/"), None))
     eopts = EngineBenchOptions(
         streams=(1,),
         tokens_per_text_token=opts.tokens_per_text_token,
@@ -388,8 +451,18 @@ async def _run(
         host, port = runner.addresses[0][:2]
         log(f"webrtc: server on http://{host}:{port}")
         metrics = app[METRICS_KEY]
-        warm, results = await measure(f"http://{host}:{port}", lambda: late_frames(metrics).over_5ms)
-        return warm, results, late_frames(metrics)
+
+        async def late() -> int:
+            return late_frames(metrics).over_5ms
+
+        before = engine.stats().first_audio_count
+        warm, results = await measure(f"http://{host}:{port}", late)
+        stats = engine.stats()
+        # one session speaks one utterance at a time: the engine's latest traces are its streams'
+        # first audio, in order; the measured ones are the last len(results)
+        traces = list(stats.first_audio)[-len(results) :] if stats.first_audio_count - before >= len(results) else []
+        engine_ttfa = [t.total_s for t in traces] if len(traces) == len(results) else None
+        return Run(warm, results, late_frames(metrics), engine_ttfa)
     finally:
         with contextlib.suppress(Exception):
             await runner.cleanup()
@@ -417,7 +490,7 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
 
     async def measure(url: str, late: LateCount) -> tuple[list[Utterance], list[Utterance]]:
         if binary is None:
-            return await _measure(url, opts, log, late)
+            return await _measure_apart(url, opts, late is not None)
         return await _measure_chromium(url, opts, binary, log, report.settings, late)
 
     if binary is not None:
@@ -425,7 +498,8 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
     if opts.url is None:
         report.settings.update(frame_ms=cfg.server.frame_ms)
     report.notes.append(JITTER_NOTE if binary is None else CHROMIUM_NOTE)
-    warm, results, late = asyncio.run(_run(cfg, opts, log, measure))
+    run = asyncio.run(_run(cfg, opts, log, measure))
+    warm, results, late = run.warm, run.results, run.late
     # The two clients measure differently, so their figures have names of their own.
     prefix = "e2e" if binary is None else f"e2e.{opts.client}"
     report.add_quantiles(f"{prefix}.ttfa", [r.ttfa_ms for r in results], "ms", 1, QUANTILES)
@@ -442,6 +516,13 @@ def run_webrtc_bench(cfg: Config, opts: WebrtcBenchOptions, command: str, log: C
     report.add_quantiles(f"{prefix}.barge_in_over_jitter_buffer", over, "ms", 1, QUANTILES)
     jitter = [r.rtp_jitter_ms for r in results if r.rtp_jitter_ms is not None]
     report.add_quantiles(f"{prefix}.rtp_jitter", jitter, "ms", 1, QUANTILES)
+    if run.engine_ttfa_s is not None:
+        # the engine's own first audio of the same utterances (its first text to its first PCM),
+        # and what the server adds to it: the hop to the event loop and the wait for a frame
+        engine_ms = [1000 * t for t in run.engine_ttfa_s]
+        report.add_quantiles("engine.ttfa", engine_ms, "ms", 1, QUANTILES)
+        over = [r.server_ttfa_ms - e for r, e in zip(results, engine_ms, strict=True)]
+        report.add_quantiles(f"{prefix}.server_ttfa_over_engine", over, "ms", 1, QUANTILES)
     if late is not None:
         report.add("server.late_frames", late.over_5ms, "count", 1)
         report.add("server.late_frames.over_20ms", late.over_20ms, "count", 1)
