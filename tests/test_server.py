@@ -864,3 +864,20 @@ async def test_sessions_are_isolated(server: Server) -> None:
     await until(lambda: len(server.sessions) == 1)
     assert server.sessions.get(calm.session_id) is not None
     await calm.close()
+
+
+def test_serving_freezes_start_up_objects_and_shortens_the_gil_switch() -> None:
+    """From warm-up to shutdown, start-up's objects are out of the collector's sight and the GIL
+    switch interval is short (a frame never waits 5 ms for the worker's Python); both undone after."""
+    import gc
+    import sys
+
+    from voice_out.server.app import SWITCH_INTERVAL_S, _serving_runtime
+
+    interval = sys.getswitchinterval()
+    frozen = gc.get_freeze_count()
+    with _serving_runtime():
+        assert sys.getswitchinterval() == pytest.approx(min(interval, SWITCH_INTERVAL_S))
+        assert gc.get_freeze_count() > frozen
+    assert sys.getswitchinterval() == pytest.approx(interval)
+    assert gc.get_freeze_count() == 0

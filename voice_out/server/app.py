@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 import os
 import signal
 import site
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any, Protocol
@@ -389,8 +390,37 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
         except Exception as e:
             raise EngineStartError(f"the engine failed to start: {e}") from e
         await _warm_voices(app)
+        stack.enter_context(_serving_runtime())
         yield
         # on_shutdown has closed every session before cleanup_ctx leaves the engine.
+
+
+#: How long a thread may hold the GIL while another waits for it, while serving (Python's default
+#: is 5 ms). The GPU worker runs Python between launches; with the default, a frame that falls
+#: due while the worker plans waits up to 5 ms before the event loop may build it.
+SWITCH_INTERVAL_S = 0.001
+
+
+@contextlib.contextmanager
+def _serving_runtime() -> Iterator[None]:
+    """The interpreter settings of a serving process, from the engine's warm-up to shutdown.
+
+    The model, the kernels and the libraries leave a large heap of long-lived objects; a full
+    garbage collection walks all of it, on whichever thread allocates at the time, and stalls
+    the event loop for tens of milliseconds (a gap in every session's audio). ``gc.freeze``
+    moves what start-up made out of the collector's sight, so collections look only at what
+    serving allocates. The GIL switch interval is shortened for the reason given at
+    :data:`SWITCH_INTERVAL_S`. Both are undone on exit (tests run several apps in one process).
+    """
+    gc.collect()
+    gc.freeze()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
+        gc.unfreeze()
 
 
 async def _warm_voices(app: web.Application) -> None:
