@@ -4,7 +4,16 @@ from pathlib import Path
 
 import pytest
 
-from voice_out.config import Config, ConfigError, EngineConfig, load_config, parse_overrides, replace
+from voice_out.config import (
+    Config,
+    ConfigError,
+    EngineConfig,
+    IceServer,
+    ServerConfig,
+    load_config,
+    parse_overrides,
+    replace,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,3 +117,72 @@ def test_frozen_and_replace() -> None:
     with pytest.raises(ConfigError):
         replace(cfg, "engine", max_streams=0)
     assert isinstance(cfg2.engine, EngineConfig)
+
+
+def test_ice_servers_from_toml_env_and_set(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text(
+        '[[server.ice_servers]]\nurls = "stun:stun.example.org"\n\n'
+        "[[server.ice_servers]]\n"
+        'urls = ["turn:turn.example.org:3478?transport=udp", "turns:turn.example.org:5349"]\n'
+        'username = "agent"\ncredential = "secret"\n'
+    )
+    servers = load_config(f, environ={}).server.ice_servers
+    assert servers == (
+        IceServer(urls=("stun:stun.example.org",)),
+        IceServer(
+            urls=("turn:turn.example.org:3478?transport=udp", "turns:turn.example.org:5349"),
+            username="agent",
+            credential="secret",
+        ),
+    )
+    assert servers[1].to_json() == {
+        "urls": ["turn:turn.example.org:3478?transport=udp", "turns:turn.example.org:5349"],
+        "username": "agent",
+        "credential": "secret",
+    }
+    assert servers[0].to_json() == {"urls": ["stun:stun.example.org"]}
+    # the environment and --set take the list as JSON
+    as_json = '[{"urls": "turn:10.0.0.1?transport=tcp", "username": "u", "credential": "p"}]'
+    expected = (IceServer(urls=("turn:10.0.0.1?transport=tcp",), username="u", credential="p"),)
+    assert load_config(None, environ={"VOICE_OUT_SERVER_ICE_SERVERS": as_json}).server.ice_servers == expected
+    overrides = parse_overrides([f"server.ice_servers={as_json}"])
+    assert load_config(f, environ={}, overrides=overrides).server.ice_servers == expected
+    assert load_config(f, environ={}, overrides=parse_overrides(["server.ice_servers="])).server.ice_servers == ()
+    assert load_config(None, environ={}).server.ice_servers == ()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('[{"urls": "turn:1.2.3.4"}]', "server.ice_servers[0].username is missing: a TURN server (turn:1.2.3.4)"),
+        (
+            '[{"urls": "stun:a"}, {"urls": "turns:b", "username": "u"}]',
+            "server.ice_servers[1].credential is missing",
+        ),
+        ('[{"urls": "turn:h", "username": "", "credential": "p"}]', "server.ice_servers[0].username is missing"),
+        ('[{"urls": "http://stun.example.org"}]', "server.ice_servers[0].urls: 'http://stun.example.org' is invalid"),
+        ('[{"urls": "stun:[::1]:3478"}]', "a host name or IPv4 address"),
+        ('[{"urls": "stuns:stun.example.org"}]', "expected stun:HOST[:PORT]"),
+        ('[{"urls": "stun:x:0"}]', "the port must be in 1..65535"),
+        ('[{"urls": "stun:x?transport=udp"}]', "a stun: URL takes no transport"),
+        ('[{"urls": "turns:x?transport=udp", "username": "u", "credential": "p"}]', "runs over TCP only"),
+        ('[{"urls": "turn:x?transport=sctp", "username": "u", "credential": "p"}]', "is invalid"),
+        ('[{"urls": []}]', "server.ice_servers[0].urls is empty"),
+        ('[{"url": "stun:x"}]', "server.ice_servers[0]: unknown key(s) url; known keys: urls, username, credential"),
+        ("[{}]", "server.ice_servers[0]: missing key(s) urls"),
+        ('[{"urls": "turn:x", "username": "u", "credential": 5}]', "server.ice_servers[0].credential = 5 is invalid"),
+        ('["stun:x"]', "server.ice_servers[0] = 'stun:x' is invalid: expected a table of urls, username, credential"),
+        ('{"urls": "stun:x"}', "expected a list"),
+        ("stun:x", "expected a JSON list of tables"),
+    ],
+)
+def test_bad_ice_servers(value: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, environ={}, overrides=parse_overrides([f"server.ice_servers={value}"]))
+    assert message in str(e.value)
+
+
+def test_bad_ice_server_built_in_python() -> None:
+    with pytest.raises(ConfigError, match=r"server.ice_servers\[0\].credential is missing"):
+        ServerConfig(ice_servers=(IceServer(urls=("turn:turn.example.org",), username="u"),))

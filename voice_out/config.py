@@ -13,7 +13,9 @@ Model dimensions never live here: they are read from the model directory (see
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 import tomllib
 import types
 import typing
@@ -332,6 +334,72 @@ class EngineConfig:
         _check(self.ras_tau_r > 0, s, "ras_tau_r", self.ras_tau_r, "a positive number")
 
 
+#: A STUN/TURN URL as RFC 7064/7065 write it and both WebRTC stacks (aiortc, the browser)
+#: read it: scheme, host name or IPv4 address, optional port, optional transport (TURN only).
+ICE_URL = re.compile(
+    r"(?P<scheme>stun|turns?):(?P<host>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)"
+    r"(?::(?P<port>[0-9]{1,5}))?(?:\?transport=(?P<transport>udp|tcp))?"
+)
+
+
+@dataclass(frozen=True)
+class IceServer:
+    """One STUN or TURN server for WebRTC's ICE (the fields of WebRTC's ``RTCIceServer``).
+
+    ``urls``: ``stun:HOST[:PORT]``, ``turn:HOST[:PORT][?transport=udp|tcp]`` or
+    ``turns:HOST[:PORT][?transport=tcp]`` (TURN over TLS). A server with a ``turn:``/``turns:``
+    URL needs ``username`` and ``credential`` (coturn's long-term credentials). Validated by
+    :class:`ServerConfig`, which knows its place in the list.
+    """
+
+    urls: tuple[str, ...]
+    username: str | None = None
+    credential: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        """The ``RTCIceServer`` dictionary a browser takes (credentials only where set)."""
+        out: dict[str, object] = {"urls": list(self.urls)}
+        if self.username is not None:
+            out["username"] = self.username
+        if self.credential is not None:
+            out["credential"] = self.credential
+        return out
+
+
+def _check_ice_server(index: int, server: IceServer) -> None:
+    where = f"server.ice_servers[{index}]"
+    if not isinstance(server, IceServer):
+        raise ConfigError(f"{where} = {server!r} is invalid: expected a table with urls, username, credential")
+    if not server.urls:
+        raise ConfigError(f"{where}.urls is empty: expected at least one stun:, turn: or turns: URL")
+    turn = False
+    for url in server.urls:
+        m = ICE_URL.fullmatch(url) if isinstance(url, str) else None
+        if m is None:
+            raise ConfigError(
+                f"{where}.urls: {url!r} is invalid: expected stun:HOST[:PORT], "
+                "turn:HOST[:PORT][?transport=udp|tcp] or turns:HOST[:PORT][?transport=tcp] "
+                "(a host name or IPv4 address)"
+            )
+        port = m.group("port")
+        if port is not None and not 1 <= int(port) <= 65535:
+            raise ConfigError(f"{where}.urls: {url!r} is invalid: the port must be in 1..65535")
+        scheme, transport = m.group("scheme"), m.group("transport")
+        if scheme == "stun" and transport is not None:
+            raise ConfigError(f"{where}.urls: {url!r} is invalid: a stun: URL takes no transport")
+        if scheme == "turns" and transport == "udp":
+            # TURN over DTLS: neither aiortc nor Chromium speaks it
+            raise ConfigError(f"{where}.urls: {url!r} is invalid: turns: (TLS) runs over TCP only")
+        turn = turn or scheme != "stun"
+    if turn:
+        for name in ("username", "credential"):
+            value = getattr(server, name)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(
+                    f"{where}.{name} is missing: a TURN server ({', '.join(server.urls)}) needs username and credential"
+                )
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """HTTP / WebRTC server, admission control and the voice store."""
@@ -352,9 +420,15 @@ class ServerConfig:
     #: H200). 20 halves the packets per second each session costs the event loop
     #: (docs/browser.md, "Frame size").
     frame_ms: int = 10
+    #: STUN/TURN servers for WebRTC beyond the LAN: the server's peer connections gather
+    #: candidates through them, and the demo page gets them from ``GET /ice-servers``. Empty:
+    #: host candidates only (a LAN or this machine). docs/browser.md, "WebRTC through TURN".
+    ice_servers: tuple[IceServer, ...] = ()
 
     def __post_init__(self) -> None:
         s = "server"
+        for i, server in enumerate(self.ice_servers):
+            _check_ice_server(i, server)
         _check(self.frame_ms in (10, 20), s, "frame_ms", self.frame_ms, "10 or 20")
         _check(0 <= self.port <= 65535, s, "port", self.port, "an integer in 0..65535")
         _check(bool(self.host), s, "host", self.host, "a host name or address")
@@ -401,13 +475,23 @@ def _convert(section: str, name: str, tp: Any, raw: object) -> object:
         if raw not in args:
             raise ConfigError(f"{where} = {raw!r} is invalid: expected one of {', '.join(map(str, args))}")
         return raw
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _convert_table(where, tp, raw)
     if origin is tuple:
+        if isinstance(raw, str) and dataclasses.is_dataclass(args[0]):
+            # a list of tables from the environment or --set: JSON
+            try:
+                raw = json.loads(raw) if raw.strip() else []
+            except ValueError as e:
+                raise ConfigError(f"{where} = {raw!r} is invalid: expected a JSON list of tables ({e})") from None
         if isinstance(raw, str):
             items: list[object] = [p.strip() for p in raw.split(",") if p.strip()]
         elif isinstance(raw, list | tuple):
             items = list(raw)
         else:
             raise ConfigError(f"{where} = {raw!r} is invalid: expected a list")
+        if dataclasses.is_dataclass(args[0]):
+            return tuple(_convert(section, f"{name}[{i}]", args[0], it) for i, it in enumerate(items))
         return tuple(_convert(section, name, args[0], it) for it in items)
     if tp is bool:
         if isinstance(raw, bool):
@@ -436,6 +520,27 @@ def _convert(section: str, name: str, tp: Any, raw: object) -> object:
             raise ConfigError(f"{where} = {raw!r} is invalid: expected a string")
         return raw
     raise ConfigError(f"{where}: unsupported field type {tp!r}")  # pragma: no cover
+
+
+def _convert_table(where: str, cls: type[Any], raw: object) -> object:
+    """A TOML table (or JSON object) into the dataclass ``cls``; a single string for a
+    tuple field (``urls = "stun:..."``) becomes a one-item tuple."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where} = {raw!r} is invalid: expected a table of {', '.join(f.name for f in fields(cls))}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(known)}")
+    kwargs: dict[str, object] = {}
+    for name, value in raw.items():
+        if typing.get_origin(hints[name]) is tuple and isinstance(value, str):
+            value = [value]
+        kwargs[name] = _convert(where, name, hints[name], value)
+    missing = [f.name for f in fields(cls) if f.name not in kwargs and f.default is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where}: missing key(s) {', '.join(missing)}")
+    return cls(**kwargs)
 
 
 def _build(section: str, values: Mapping[str, object]) -> Any:
