@@ -2,7 +2,7 @@
 
 * ``requires_cuda`` tests are skipped when torch sees no CUDA device.
 * ``browser`` tests are skipped when no Chromium binary is installed (or named by
-  ``$VOICE_OUT_CHROMIUM``).
+  ``$VOICE_OUT_CHROMIUM``); under CI (``CI`` set) they fail instead: CI installs it.
 * ``parity_dir``: the parity model directory, from ``VOICE_OUT_PARITY_DIR`` (default
   ``../shared/parity/tiny-a`` relative to the repository root). Parity tests read every
   dimension from it.
@@ -37,12 +37,18 @@ def _cuda_available() -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     cuda = _cuda_available()
-    chromium = find_chromium() is not None
+    chromium = find_chromium() is not None or bool(os.environ.get("CI"))  # CI: fail in setup
     for item in items:
         if "requires_cuda" in item.keywords and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "browser" in item.keywords and not chromium:
             item.add_marker(pytest.mark.skip(reason="needs Chromium (apt-get install chromium)"))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if "browser" in item.keywords and os.environ.get("CI") and find_chromium() is None:
+        # CI installs Chromium (.ci/run): missing, the browser tests must not pass silently
+        pytest.fail("needs Chromium (apt-get install chromium), which CI must have")
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,9 @@ const CLOCK_WINDOW_REPORTS = 50; // level reports (~10 ms each) that set the aud
 const LEVEL_HISTORY_BLOCKS = 8192; // ~20 s of 128-frame blocks, for voiceOut.levels()
 const MAX_LOG_ROWS = 400; // rows kept in the DOM; voiceOut.log keeps everything
 const TERMINAL = new Set(["done", "cancelled", "error"]);
+// ?ice=relay: connect through the server's TURN relays only, as a client behind a NAT that
+// lets nothing else through would (the TURN test uses it); else every candidate type.
+const ICE_TRANSPORT_POLICY = new URLSearchParams(location.search).get("ice") === "relay" ? "relay" : "all";
 const ERRORS_ENDING_UTTERANCE = new Set([
   "unknown_voice",
   "no_voice",
@@ -96,6 +99,7 @@ const voiceOut = {
   },
   summary,
   rtpStats,
+  candidatePair,
   resetMeasurements,
   /** [[block end ms, rms]] of the received audio between two times (the latest ~20 s). */
   levels(from = -Infinity, to = Infinity) {
@@ -152,6 +156,35 @@ async function rtpStats() {
     }
   }
   return null;
+}
+
+/** The ICE candidate pair the connection uses (WebRTC's statistics), each side's type (host,
+ * srflx, prflx, relay) and address, and the candidate types each side offered in its SDP. */
+async function candidatePair() {
+  if (!state.pc) return null;
+  const stats = await state.pc.getStats();
+  const candidate = (id) => {
+    const c = stats.get(id);
+    if (!c) return null;
+    const { candidateType: type, protocol, address, port } = c;
+    return { type, protocol, address, port, relayProtocol: c.relayProtocol ?? null };
+  };
+  const sdpTypes = (desc) => [...new Set(Array.from((desc?.sdp ?? "").matchAll(/ typ (\w+)/g), (m) => m[1]))];
+  let pair = null;
+  for (const r of stats.values()) {
+    if (r.type === "transport" && r.selectedCandidatePairId) pair = stats.get(r.selectedCandidatePairId) ?? null;
+  }
+  return {
+    policy: ICE_TRANSPORT_POLICY,
+    iceServers: state.pc.getConfiguration().iceServers.map((s) => s.urls),
+    offered: { local: sdpTypes(state.pc.localDescription), remote: sdpTypes(state.pc.remoteDescription) },
+    selected: pair && {
+      state: pair.state,
+      bytesReceived: pair.bytesReceived,
+      local: candidate(pair.localCandidateId),
+      remote: candidate(pair.remoteCandidateId),
+    },
+  };
 }
 
 function resetMeasurements() {
@@ -484,7 +517,14 @@ async function connect() {
   mark("connectStarted");
   setStatus("connecting", "busy");
   await ensureAudio();
-  const pc = new RTCPeerConnection({ iceServers: [] });
+  let iceServers;
+  try {
+    // server.ice_servers (STUN/TURN, with credentials): empty on a LAN
+    iceServers = (await api("GET", "/ice-servers")).ice_servers;
+  } catch (err) {
+    throw connectFailed(err);
+  }
+  const pc = new RTCPeerConnection({ iceServers, iceTransportPolicy: ICE_TRANSPORT_POLICY });
   state.pc = pc;
   updateButtons();
   const dc = pc.createDataChannel(CHANNEL_LABEL, { ordered: true });
@@ -516,13 +556,17 @@ async function connect() {
     await pc.setRemoteDescription({ type: "answer", sdp: answer.sdp });
     await ready;
   } catch (err) {
-    record("page", "error", { code: "connect", message: String(err.message || err) });
-    disconnect();
-    setStatus("error", "error");
-    throw err;
+    throw connectFailed(err);
   }
   setStatus("connected", "ok");
   return state.sessionId;
+}
+
+function connectFailed(err) {
+  record("page", "error", { code: "connect", message: String(err.message || err) });
+  disconnect();
+  setStatus("error", "error");
+  return err;
 }
 
 function iceGatheringComplete(pc) {

@@ -5,6 +5,7 @@ Routes::
     GET    /                        the demo page (web/index.html), when server.serve_web
     GET    /{file}                  the page's static files (web/), when server.serve_web
     POST   /offer                   SDP offer -> answer + session_id (503 beyond max_sessions)
+    GET    /ice-servers             {"ice_servers": [RTCIceServer, ...]}: server.ice_servers, for the page
     GET    /voices                  {"voices": [{name, ...}]}
     POST   /voices                  multipart name, audio, transcript -> 201 {"voice": {...}}
     DELETE /voices/{name}           204
@@ -171,6 +172,13 @@ async def offer(request: web.Request) -> web.Response:
         headers = {"Retry-After": "1"} if e.status == 503 else None
         return json_error(e.status, e.code, e.message, headers)
     return web.json_response(answer)
+
+
+async def ice_servers(request: web.Request) -> web.Response:
+    """``server.ice_servers`` as WebRTC's ``RTCIceServer`` dictionaries, for the page's
+    ``RTCPeerConnection`` (TURN credentials included: behind the bearer token when one is set)."""
+    servers = request.app[CONFIG_KEY].server.ice_servers
+    return web.json_response({"ice_servers": [s.to_json() for s in servers]}, headers={"Cache-Control": "no-store"})
 
 
 def _voice_json(v: Any) -> dict[str, Any]:
@@ -361,6 +369,7 @@ def create_app(
         connect_timeout_s=connect_timeout_s,
         clock_factory=clock_factory,
         frame_ms=server.frame_ms,
+        ice_servers=server.ice_servers,
     )
     app.cleanup_ctx.append(_engine_ctx)
     app.on_shutdown.append(_close_sessions)
@@ -369,6 +378,7 @@ def create_app(
     if server.serve_web:
         r.add_get("/", index, name="index")
     r.add_post("/offer", offer, name="offer")
+    r.add_get("/ice-servers", ice_servers, name="ice_servers")
     r.add_get("/voices", list_voices, name="voices")
     r.add_post("/voices", add_voice, name="add_voice")
     r.add_delete("/voices/{name}", delete_voice, name="delete_voice")

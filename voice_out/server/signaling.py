@@ -17,14 +17,14 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from aiortc.rtcdatachannel import RTCDataChannel
 
-from voice_out.config import ServerConfig
+from voice_out.config import IceServer, ServerConfig
 from voice_out.engine.api import EngineLike
 from voice_out.errors import VoiceOutError
 from voice_out.server.metrics import Metrics
@@ -43,6 +43,18 @@ class AdmissionError(VoiceOutError):
         self.status = status
         self.code = code
         self.message = message
+
+
+def ice_configuration(servers: Sequence[IceServer]) -> RTCConfiguration:
+    """The peer connection's configuration for ``server.ice_servers``.
+
+    None configured: host candidates only, nothing is ever sent to a STUN server (aiortc's
+    default would be a public one). aiortc gathers through the first ``stun:`` URL and the
+    first ``turn:``/``turns:`` URL of the list only (the page's browser uses them all); each
+    session's answer waits for that gathering, a TURN allocation included."""
+    return RTCConfiguration(
+        iceServers=[RTCIceServer(urls=list(s.urls), username=s.username, credential=s.credential) for s in servers]
+    )
 
 
 class ChannelSink:
@@ -81,6 +93,7 @@ class SessionManager:
         connect_timeout_s: float = 30.0,
         clock_factory: Callable[[], Clock] | None = None,
         frame_ms: int = ServerConfig.frame_ms,
+        ice_servers: Sequence[IceServer] = (),
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -90,6 +103,7 @@ class SessionManager:
         self.connect_timeout_s = connect_timeout_s
         self.clock_factory = clock_factory
         self.frame_ms = frame_ms
+        self.ice_servers = tuple(ice_servers)
         self.peers: dict[str, Peer] = {}
         self.accepting = True
         self._tasks: set[asyncio.Task[None]] = set()
@@ -146,8 +160,7 @@ class SessionManager:
             max_text_chars=self.max_text_chars,
             track=track,
         )
-        # No ICE servers: host candidates only, nothing is ever sent to a STUN server.
-        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        pc = RTCPeerConnection(ice_configuration(self.ice_servers))
         peer = Peer(session, pc, asyncio.Event())
         self.peers[session_id] = peer  # counted from now on, so concurrent offers respect the limit
         self.metrics.active_sessions.inc()
