@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from voice_out.bench.report import CPU_LABEL, Report, update_docs
+from voice_out.bench.report import RESULTS_FILE, Report, metric_history, read_results, update_docs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,19 +153,17 @@ def test_engine_mode_smoke(tmp_path: Path) -> None:
     # the table on stdout, and the docs
     assert "| metric | streams | value | unit |" in proc.stdout
     assert "| capacity.max_streams | 2 |" in proc.stdout
-    md = (docs / "benchmarks.md").read_text()
-    assert md.startswith("# Benchmarks") and CPU_LABEL in md and f"```\n{command}\n```" in md
-    records = json.loads((docs / "benchmarks.json").read_text())
-    assert records == sorted(doc["metrics"], key=lambda r: (r["gpu"], r["mode"], r["name"], r["streams"]))
+    (run,) = read_results(docs / RESULTS_FILE)  # the history: this run, one line
+    assert run["kind"] == "run" and run["command"] == command and run["gpu"] == "cpu"
+    assert Report.from_json(run).to_json() == {k: v for k, v in doc.items() if k != "kind"}
 
-    # a result brought back from another machine goes into the docs the same way
+    # a result brought back from another machine goes into the history the same way
     from voice_out.cli import main
 
     docs2 = tmp_path / "docs2"
     docs2.mkdir()
     assert main(["bench", "--from-json", str(out), "--update-docs", "--docs-dir", str(docs2)]) == 0
-    assert json.loads((docs2 / "benchmarks.json").read_text()) == records
-    assert (docs2 / "benchmarks.md").read_text().split("## Results\n", 1)[1] == md.split("## Results\n", 1)[1]
+    assert read_results(docs2 / RESULTS_FILE) == [run]
 
 
 def test_webrtc_mode_without_aiortc_is_a_one_line_error() -> None:
@@ -293,39 +291,55 @@ def test_webrtc_mode_refused_utterance_is_a_one_line_error(capsys: pytest.Captur
     )
 
 
-def test_update_docs_keeps_other_runs(tmp_path: Path) -> None:
-    def report(mode: str, gpu: str, value: float, name: str = "x.p50", extra: str = "") -> Report:
-        r = Report(mode, gpu, f"voice-out bench --mode {mode}{extra}", date="2026-01-01T00:00:00+00:00")
+def test_update_docs_appends_to_the_history_and_reads_one_metric_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def report(gpu: str, value: float, date: str, name: str = "x.p50") -> Report:
+        r = Report("engine", gpu, f"voice-out bench --value {value}", date=date)
         r.add(name, value, "ms", 1)
+        r.add("other", -1.0, "ms", 1)
         return r
 
-    first = report("engine", "cpu", 1.0)
+    first = report("cpu", 1.0, "2026-01-01T00:00:00+00:00")
     assert Report.from_json(first.to_json()) == first
-    update_docs(first, tmp_path)
-    update_docs(report("webrtc", "cpu", 2.0), tmp_path)
-    update_docs(report("engine", "NVIDIA H100", 3.0), tmp_path)
-    update_docs(report("engine", "NVIDIA H100", 5.0, name="y.p50"), tmp_path)  # another scenario adds up
-    update_docs(report("engine", "cpu", 4.0), tmp_path)  # replaces the first
-    # a variant (--set ...) keeps its own figures beside the defaults'; a rerun replaces it
-    update_docs(report("engine", "NVIDIA H100", 6.0, extra=" --set engine.fast_first_tokens=12"), tmp_path)
-    update_docs(report("engine", "NVIDIA H100", 7.0, extra=" --set=engine.fast_first_tokens=12 --reps 3"), tmp_path)
-    records = json.loads((tmp_path / "benchmarks.json").read_text())
-    assert sorted((r["gpu"], r["mode"], r["name"], r["value"]) for r in records) == [
-        ("NVIDIA H100", "engine", "x.p50", 3.0),
-        ("NVIDIA H100", "engine", "x.p50", 7.0),
-        ("NVIDIA H100", "engine", "y.p50", 5.0),
-        ("cpu", "engine", "x.p50", 4.0),
-        ("cpu", "webrtc", "x.p50", 2.0),
+    path = update_docs(first, tmp_path)
+    assert path == tmp_path / RESULTS_FILE
+    update_docs(report("NVIDIA H100", 3.0, "2026-01-03T00:00:00+00:00"), tmp_path)
+    update_docs(report("NVIDIA H200", 2.0, "2026-01-02T00:00:00+00:00"), tmp_path)
+    update_docs(report("NVIDIA H100", 5.0, "2026-01-04T00:00:00+00:00", name="y.p50"), tmp_path)
+    # nothing is rewritten: every run stays, in the order recorded
+    runs = read_results(path)
+    assert [r["metrics"][0]["value"] for r in runs] == [1.0, 3.0, 2.0, 5.0]
+    assert Report.from_json(runs[0]) == first
+    # one metric's course, oldest first, across GPUs or on one
+    assert [(p.gpu, p.value) for p in metric_history(path, "x.p50")] == [
+        ("cpu", 1.0),
+        ("NVIDIA H200", 2.0),
+        ("NVIDIA H100", 3.0),
     ]
-    # same metric, defaults and a variant: the defaults' record first, whichever ran last
-    h100_x = [r["value"] for r in records if r["gpu"] == "NVIDIA H100" and r["name"] == "x.p50"]
-    assert h100_x == [3.0, 7.0]
-    update_docs(report("engine", "NVIDIA H100", 8.0), tmp_path)  # the defaults again, after the variant
-    records = json.loads((tmp_path / "benchmarks.json").read_text())
-    assert [r["value"] for r in records if r["gpu"] == "NVIDIA H100" and r["name"] == "x.p50"] == [8.0, 7.0]
-    md = (tmp_path / "benchmarks.md").read_text()
-    assert md.count("\n### ") == 8 and md.count(CPU_LABEL) == 6  # heading + gpu line of each CPU run
-    assert "### 2026-01-01 00:00 UTC, engine mode, NVIDIA H100\n" in md
+    assert [p.value for p in metric_history(path, "x.p50", gpu="h100")] == [3.0]
+    assert metric_history(path, "nothing") == []
+
+    from voice_out.cli import main
+
+    assert main(["bench", "--history", "x.p50", "--history-gpu", "nvidia h", "--docs-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("x.p50: 2 recorded values")
+    assert "| 2026-01-02T00:00:00+00:00 | NVIDIA H200 | 1 | 2 | ms | `voice-out bench --value 2.0` |" in out
+    assert main(["bench", "--history", "nothing", "--docs-dir", str(tmp_path)]) == 2
+    assert "no recorded value of 'nothing'" in capsys.readouterr().err
+    path.write_text(path.read_text() + "not json\n")
+    with pytest.raises(ValueError, match=r"results.jsonl:5: not JSON"):
+        read_results(path)
+
+
+def test_the_projects_history_holds_every_recorded_run() -> None:
+    """docs/results.jsonl parses, and its runs carry what a figure needs to be quoted."""
+    records = read_results(ROOT / "docs" / RESULTS_FILE)
+    runs = [r for r in records if r["kind"] == "run"]
+    assert runs and {r["kind"] for r in records} <= {"run", "round"}
+    for r in runs:
+        assert r["command"].startswith("voice-out bench") and r["gpu"] and r["date"] and r["metrics"]
 
 
 def test_bad_options_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:

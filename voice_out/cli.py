@@ -184,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="webrtc mode: who listens, the aiortc client (default) or the demo page in headless Chromium",
     )
     p.add_argument("--chromium", metavar="PATH", help="webrtc mode, --client chromium: the browser binary")
-    p.add_argument("--update-docs", action="store_true", help="append to docs/benchmarks.md, rewrite benchmarks.json")
+    p.add_argument("--update-docs", action="store_true", help="append the run to docs/results.jsonl (the history)")
+    p.add_argument("--history", metavar="METRIC", help="print every recorded value of METRIC; measure nothing")
+    p.add_argument("--history-gpu", metavar="NAME", help="--history: only runs on GPUs whose name contains NAME")
     p.add_argument("--from-json", metavar="FILE", help="report a result written by --out elsewhere; measure nothing")
     p.add_argument("--docs-dir", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)

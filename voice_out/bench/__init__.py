@@ -9,8 +9,8 @@ loopback, the aiortc client or the demo page in headless Chromium (``--client ch
 aiortc and av).
 
 Results: a markdown table on stdout, a JSON document with ``--out FILE``, and with
-``--update-docs`` a dated section in docs/benchmarks.md and the latest records in
-docs/benchmarks.json.
+``--update-docs`` one line appended to docs/results.jsonl, the history of every recorded run;
+``--history METRIC`` prints one figure's course through it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from voice_out.bench.report import Report, update_docs, write_json
+from voice_out.bench.report import RESULTS_FILE, Report, history_markdown, metric_history, update_docs, write_json
 from voice_out.config import DEFAULT_MODEL, Config
 from voice_out.config import replace as replace_config
 
@@ -116,13 +116,23 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
     """``voice-out bench``: run the mode's scenarios, print the table, write the results."""
     from voice_out.cli import UserError
 
+    docs = Path(getattr(args, "docs_dir", None) or DOCS_DIR)
+    history = getattr(args, "history", None)
+    if history:
+        try:
+            points = metric_history(docs / RESULTS_FILE, history, getattr(args, "history_gpu", None))
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"--history: cannot read {docs / RESULTS_FILE}: {e}") from None
+        if not points:
+            raise UserError(f"--history: no recorded value of {history!r} in {docs / RESULTS_FILE}")
+        print(history_markdown(history, points), end="", flush=True)
+        return 0
     mode = getattr(args, "mode", None) or "engine"
     cfg = bench_model_config(cfg, args)
     command = command_line(args)
     log = _logger()
     if mode not in ("engine", "webrtc"):
         raise UserError(f"unknown bench mode {mode!r} (engine or webrtc)")
-    docs = Path(getattr(args, "docs_dir", None) or DOCS_DIR)
     if getattr(args, "update_docs", False) and not docs.is_dir():
         raise UserError(f"--update-docs: no docs directory at {docs}")
     from_json = getattr(args, "from_json", None)
@@ -174,6 +184,5 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
         write_json(report, out)
         log(f"wrote {out}")
     if getattr(args, "update_docs", False):
-        md, js = update_docs(report, docs)
-        log(f"appended to {md}, rewrote {js}")
+        log(f"appended to {update_docs(report, docs)}")
     return 0

@@ -1,4 +1,4 @@
-"""Benchmark results: metric records, the JSON document, the markdown table, docs/benchmarks.*.
+"""Benchmark results: metric records, the JSON document, the markdown table, docs/results.jsonl.
 
 Every figure is one :class:`Metric` record ``{name, value, unit, streams, gpu, command, date}``
 (plus ``mode``): what was measured, with how many concurrent streams, on which GPU (``"cpu"``
@@ -73,7 +73,8 @@ class Report:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Report:
-        """The report of a JSON document written by :func:`write_json`."""
+        """The report of a JSON document written by :func:`write_json` (or a run of a results
+        file, whose metrics leave out what the run states once)."""
         report = cls(
             mode=doc["mode"],
             gpu=doc["gpu"],
@@ -83,7 +84,8 @@ class Report:
             notes=list(doc.get("notes", [])),
             complete=bool(doc.get("complete", True)),
         )
-        report.metrics = [Metric(**m) for m in doc["metrics"]]
+        shared = {"gpu": report.gpu, "command": report.command, "date": report.date, "mode": report.mode}
+        report.metrics = [Metric(**{**shared, **m}) for m in doc["metrics"]]
         return report
 
     def to_json(self) -> dict[str, Any]:
@@ -132,55 +134,73 @@ def write_json(report: Report, path: str | Path) -> None:
     Path(path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
 
 
-def variant(command: str) -> tuple[str, ...]:
-    """What makes a run's figures a variant of the defaults: its ``--set`` overrides and its
-    ``--flow-path`` / ``--dtype`` / ``--tokens-per-text-token`` options, sorted."""
-    words = command.split()
-    out = []
-    for i, w in enumerate(words):
-        name, eq, value = w.partition("=")
-        if name in ("--set", "--flow-path", "--dtype", "--tokens-per-text-token"):
-            out.append(f"{name} {value}" if eq else f"{name} {words[i + 1] if i + 1 < len(words) else ''}")
-    return tuple(sorted(out))
+#: The history of every recorded run and round, one JSON object a line, oldest first.
+RESULTS_FILE = "results.jsonl"
 
 
-def update_docs(report: Report, docs_dir: str | Path) -> tuple[Path, Path]:
-    """Append a dated section (command + table) to ``benchmarks.md`` and rewrite
-    ``benchmarks.json``: the latest figures, one list of metric records, where this run's
-    records replace earlier records of the same GPU, mode, metric, stream count and
-    :func:`variant` (so runs of separate scenarios add up, and a run with ``--set
-    engine.fast_first_tokens=12`` keeps its own figures beside the defaults'; each record keeps
-    its own command and date)."""
-    docs = Path(docs_dir)
-    md, js = docs / "benchmarks.md", docs / "benchmarks.json"
-    if not md.exists():
-        md.write_text("# Benchmarks\n\n## Results\n")
-    title = f"{report.date[:16].replace('T', ' ')} UTC, {report.mode} mode, {report.gpu}"
-    if report.gpu == "cpu":
-        title += " — " + CPU_LABEL
-    section = f"\n### {title}\n\n```\n{report.command}\n```\n\n{report.markdown()}"
-    with md.open("a") as f:
-        f.write(section)
-    old: list[dict[str, Any]] = []
-    if js.exists():
-        loaded = json.loads(js.read_text())
-        old = loaded if isinstance(loaded, list) else []
+def update_docs(report: Report, docs_dir: str | Path) -> Path:
+    """Append ``report`` to ``results.jsonl`` in ``docs_dir`` as one line: ``{"kind": "run",
+    mode, gpu, command, date, complete, settings, notes, metrics: [{name, value, unit,
+    streams}]}``. Nothing is ever rewritten: the file is the history, and
+    :func:`metric_history` reads one figure's course through it."""
+    path = Path(docs_dir) / RESULTS_FILE
+    run = report.to_json()
+    run["metrics"] = [{"name": m.name, "value": m.value, "unit": m.unit, "streams": m.streams} for m in report.metrics]
+    with path.open("a") as f:
+        f.write(json.dumps({"kind": "run", **run}, ensure_ascii=False) + "\n")
+    return path
 
-    def key(r: dict[str, Any]) -> tuple[object, ...]:
-        return (r.get("gpu"), r.get("mode"), r.get("name"), r.get("streams"), variant(str(r.get("command", ""))))
 
-    new = {key(m.as_dict()) for m in report.metrics}
-    kept = [r for r in old if key(r) not in new]
-    records = kept + [m.as_dict() for m in report.metrics]
-    # the defaults' record first, then each variant's: the order never depends on which ran last
-    records.sort(
-        key=lambda r: (
-            str(r.get("gpu")),
-            str(r.get("mode")),
-            str(r.get("name")),
-            int(r.get("streams", 0)),
-            variant(str(r.get("command", ""))),
-        )
-    )
-    js.write_text(json.dumps(records, indent=2) + "\n")
-    return md, js
+@dataclass(frozen=True)
+class HistoryPoint:
+    """One recorded value of a metric."""
+
+    date: str
+    gpu: str
+    streams: int
+    value: float
+    unit: str
+    command: str
+
+
+def read_results(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a results file (``kind`` ``"run"`` or ``"round"``), in file order.
+    A line that is not a JSON object raises ValueError naming the line."""
+    records = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{i}: not JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{i}: not a JSON object")
+        records.append(record)
+    return records
+
+
+def metric_history(path: str | Path, name: str, gpu: str | None = None) -> list[HistoryPoint]:
+    """Every recorded value of metric ``name``, oldest first; with ``gpu``, only runs whose GPU
+    name contains it (case-insensitive)."""
+    points = []
+    for run in read_results(path):
+        if run.get("kind") != "run" or (gpu is not None and gpu.lower() not in str(run.get("gpu", "")).lower()):
+            continue
+        for m in run.get("metrics", []):
+            if m.get("name") == name:
+                points.append(
+                    HistoryPoint(
+                        run["date"], run["gpu"], int(m["streams"]), float(m["value"]), m["unit"], run["command"]
+                    )
+                )
+    points.sort(key=lambda p: p.date)
+    return points
+
+
+def history_markdown(name: str, points: list[HistoryPoint]) -> str:
+    """``points`` as a markdown table (what ``voice-out bench --history`` prints)."""
+    lines = [f"{name}: {len(points)} recorded values", "", "| date | gpu | streams | value | unit | command |"]
+    lines.append("|---|---|---:|---:|---|---|")
+    lines += [f"| {p.date} | {p.gpu} | {p.streams} | {_fmt(p.value)} | {p.unit} | `{p.command}` |" for p in points]
+    return "\n".join(lines) + "\n"

@@ -12,7 +12,8 @@ The server runs in this process on a free loopback port with the engine of the c
 Two clients (``client``):
 
 * ``aiortc``: :mod:`voice_out.client`, in a process of its own (a listener is never in the
-  server's process: sharing its event loop and GIL would make the server's frames late). A frame's time is when aiortc handed it over decoded,
+  server's process: sharing its event loop and GIL would make the server's frames late). A
+  frame's time is when aiortc handed it over decoded,
   and aiortc's receiver holds about 4 packets in its jitter buffer before it plays (40 ms of
   the server's default 10 ms frames, 80 ms of 20 ms ones), so both figures include that hold;
   a browser's jitter buffer differs.
