@@ -422,10 +422,19 @@ async def test_shutdown_closes_sessions_and_stops_the_engine(make_server: Callab
     assert len(server.sessions) == 0 and server.sessions.n_tasks == 0
     assert session.closed and session.track.readyState == "ended"
     assert engine.stopped == 1 and not engine.ready and engine.active == set()
-    # The agent's control socket was closed by the server, and the browser was hung up on.
+    # Both clients were told before being hung up on: the playing utterance was cancelled
+    # (with what was heard) and the session ends because the server shuts down.
+    told = [json.loads((await asyncio.wait_for(ws.receive(), 5)).data) for _ in range(2)]
+    assert [(m["type"], m.get("id"), m.get("code")) for m in told] == [
+        ("cancelled", "u", None),
+        ("error", None, "shutting_down"),
+    ]
+    assert told[0]["played_ms"] > 0
     assert (await asyncio.wait_for(ws.receive(), 5)).type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
     await ws.close()
     await until(lambda: client.pc.connectionState == "closed" or client.channel.readyState == "closed")
+    heard = [(e.message.TYPE, getattr(e.message, "id", None), getattr(e.message, "code", None)) for e in client.events]
+    assert heard[-2:] == [("cancelled", "u", None), ("error", None, "shutting_down")], heard
     await client.close()
 
 

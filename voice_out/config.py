@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from voice_out.errors import VoiceOutError
 from voice_out.model.chunk_schedule import CHUNK_SIZE_TOKENS, HOP_GROWTHS
@@ -424,11 +425,27 @@ class ServerConfig:
     #: candidates through them, and the demo page gets them from ``GET /ice-servers``. Empty:
     #: host candidates only (a LAN or this machine). docs/browser.md, "WebRTC through TURN".
     ice_servers: tuple[IceServer, ...] = ()
+    #: Origins (``scheme://host[:port]``) besides the server's own whose pages may call the
+    #: state-changing routes (POST /offer, POST/DELETE /voices, the control WebSocket); ``*``
+    #: allows any. A browser names its page's origin in ``Origin``; requests without one (curl,
+    #: an agent backend) are not browsers and pass.
+    allowed_origins: tuple[str, ...] = ()
+    #: A request body must keep arriving: at most this long without a byte (s), and an offer
+    #: whole within it. Guards against bodies trickled to hold connections open.
+    body_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         s = "server"
         for i, server in enumerate(self.ice_servers):
             _check_ice_server(i, server)
+        for origin in self.allowed_origins:
+            problem = origin_problem(origin)
+            if problem is not None:
+                raise ConfigError(
+                    f"server.allowed_origins: {origin!r} is invalid: {problem} "
+                    "(expected scheme://host[:port] with scheme http or https, or *)"
+                )
+        _check(0 < self.body_timeout_s <= 3600, s, "body_timeout_s", self.body_timeout_s, "seconds in (0, 3600]")
         _check(self.frame_ms in (10, 20), s, "frame_ms", self.frame_ms, "10 or 20")
         _check(0 <= self.port <= 65535, s, "port", self.port, "an integer in 0..65535")
         _check(bool(self.host), s, "host", self.host, "a host name or address")
@@ -447,6 +464,31 @@ class ServerConfig:
             "<hidden>",
             "at least 8 characters, or unset",
         )
+
+
+def origin_problem(origin: str) -> str | None:
+    """Why ``origin`` is not a web origin as a browser sends it in ``Origin`` (None: it is)."""
+    if origin == "*":
+        return None
+    scheme, sep, rest = origin.partition("://")
+    if not sep:
+        return "no scheme"
+    if scheme not in ("http", "https"):
+        return f"scheme {scheme!r} is not http or https"
+    if any(c in rest for c in "/?#@ \\"):
+        return "an origin has no path, query, user or spaces"
+    if origin != origin.lower():
+        return "browsers send origins in lower case"
+    try:
+        parts = urlsplit(origin)
+        port = parts.port  # raises on a port that is not a number in 0..65535
+    except ValueError as e:
+        return str(e)
+    if not parts.hostname:
+        return "no host"
+    if port == 0:
+        return "port 0"
+    return None
 
 
 @dataclass(frozen=True)

@@ -28,22 +28,25 @@ import asyncio
 import contextlib
 import gc
 import hmac
+import json
 import logging
 import os
 import signal
 import site
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
+import aiohttp
 from aiohttp import BodyPartReader, WSMsgType, web
+from aiohttp.streams import EofStream
 
 from voice_out.config import Config, ServerConfig
 from voice_out.engine.api import EngineLike
 from voice_out.errors import VoiceOutError
-from voice_out.server import protocol as p
 from voice_out.server.metrics import Metrics
 from voice_out.server.session import Session
 from voice_out.server.signaling import AdmissionError, SessionManager
@@ -73,6 +76,22 @@ MAX_UPLOAD_BYTES = 16 * 1024 * 1024
 MAX_OFFER_BYTES = 256 * 1024
 #: Outgoing messages a slow control WebSocket may have queued before it is dropped.
 MAX_WS_BACKLOG = 1000
+#: A control-WebSocket message up to this size is read and answered (over the protocol's
+#: 64 KiB: ``message_too_large``, the session goes on); a larger one closes the socket (1009).
+MAX_WS_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Routes that change state, which a page of another origin must not call (CSRF).
+STATE_CHANGING_ROUTES = frozenset({"offer", "add_voice", "delete_voice", "control"})
+#: Stable ``code`` of the HTTP errors aiohttp raises itself (routing, body size).
+HTTP_ERROR_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "timeout",
+    413: "too_large",
+    414: "too_large",
+    415: "bad_request",
+    431: "too_large",
+}
 
 
 class VoiceStoreLike(Protocol):
@@ -98,12 +117,123 @@ WEB_DIR_KEY: web.AppKey[Path | None] = web.AppKey("voice_out.web_dir")
 PUBLIC_ROUTES = frozenset({"index", "static", "healthz"})
 
 
-def json_error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
+def json_error(status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status, headers=headers)
+
+
+class HttpError(Exception):
+    """Raised by a handler (or a helper it calls) to answer with a JSON error."""
+
+    def __init__(self, status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers
+
+
+class ClientGoneError(Exception):
+    """The client reset or closed its connection while sending its request body."""
 
 
 # --------------------------------------------------------------------------------------------
 # Middleware
+
+
+@web.middleware
+async def _errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every HTTP error as JSON ``{"error": {"code", "message"}}``: aiohttp's own (no route,
+    wrong method, body over ``client_max_size``), ours, and an unexpected exception (500,
+    logged). A client gone mid-body is one log line, not a traceback."""
+    try:
+        return await handler(request)
+    except HttpError as e:
+        return json_error(e.status, e.code, e.message, e.headers)
+    except web.HTTPMethodNotAllowed:
+        return await _no_route(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        code = HTTP_ERROR_CODES.get(e.status, f"http_{e.status}")
+        message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
+        headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
+        return json_error(e.status, code, f"{request.method} {request.path}: {message}", headers)
+    except ClientGoneError as e:
+        log.info("%s %s: %s", request.method, request.path, e)
+        return json_error(400, "bad_request", str(e))
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return json_error(500, "internal", "internal error; the server goes on")
+
+
+async def _no_route(request: web.Request) -> web.Response:
+    """405 for a path some route serves with other methods; 404 for one only the static
+    catch-all (``GET /{file}``) matched and that names no file."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource.name != "static":
+            allowed |= (await resource.resolve(request))[1]
+    if not allowed and _static_file(request.app, request.path.lstrip("/")) is not None:
+        allowed = {"GET", "HEAD"}
+    if not allowed:
+        return json_error(404, "not_found", f"no route {request.method} {request.path}")
+    methods = ", ".join(sorted(allowed))
+    return json_error(
+        405,
+        "method_not_allowed",
+        f"{request.path} answers {methods}, not {request.method}",
+        headers={"Allow": methods},
+    )
+
+
+def _origin_middleware(allowed: tuple[str, ...]) -> Callable[..., Awaitable[web.StreamResponse]]:
+    allow_any = "*" in allowed
+    allowed_set = frozenset(allowed)
+
+    @web.middleware
+    async def origin(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        route = request.match_info.route
+        given = request.headers.get("Origin")
+        if given is None or allow_any or route.name not in STATE_CHANGING_ROUTES:
+            return await handler(request)
+        if given in allowed_set or _same_origin(given, request.host):
+            return await handler(request)
+        return json_error(
+            403,
+            "forbidden_origin",
+            f"a page of origin {given[:200]!r} may not call {request.method} {request.path}; "
+            "add it to server.allowed_origins",
+        )
+
+    return origin
+
+
+def _same_origin(origin: str, host: str) -> bool:
+    """Whether ``origin`` (the Origin header) names the host the request was sent to (its Host
+    header). The scheme is not compared: behind a TLS proxy the page is https, the hop to us
+    http."""
+    try:
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return False
+        default_port = 443 if parts.scheme == "https" else 80
+        port = parts.port or default_port
+    except ValueError:
+        return False
+    req = urlsplit(f"//{host}")
+    try:
+        req_port = req.port
+    except ValueError:
+        return False
+    if req.hostname is None or req.hostname != parts.hostname:
+        return False
+    return (req_port or default_port) == port
 
 
 def _auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]:
@@ -141,23 +271,61 @@ async def index(request: web.Request) -> web.StreamResponse:
     return web.FileResponse(web_dir / "index.html", headers={"Cache-Control": "no-cache"})
 
 
-async def static(request: web.Request) -> web.StreamResponse:
-    web_dir = request.app[WEB_DIR_KEY]
-    name = request.match_info["path"]
-    if web_dir is not None:
-        root = web_dir.resolve()
+def _static_file(app: web.Application, name: str) -> Path | None:
+    web_dir = app[WEB_DIR_KEY]
+    if web_dir is None:
+        return None
+    root = web_dir.resolve()
+    try:
         path = (root / name).resolve()
-        if path.is_relative_to(root) and path.is_file():
-            return web.FileResponse(path, headers={"Cache-Control": "no-cache"})
-    return json_error(404, "not_found", f"no route or file {request.path!r}")
+    except (OSError, ValueError):  # a NUL byte, a name too long
+        return None
+    return path if path.is_relative_to(root) and path.is_file() else None
+
+
+async def static(request: web.Request) -> web.StreamResponse:
+    path = _static_file(request.app, request.match_info["path"])
+    if path is not None:
+        return web.FileResponse(path, headers={"Cache-Control": "no-cache"})
+    return await _no_route(request)  # e.g. GET /offer: 405, not "no such file"
+
+
+async def _read(request: web.Request, what: str, read: Awaitable[bytes], timeout_s: float) -> bytes:
+    """One read of the request body, at most ``timeout_s`` (the client stalled: 408) and
+    never a traceback when the client resets (:class:`ClientGoneError`)."""
+    try:
+        return await asyncio.wait_for(read, timeout_s)
+    except TimeoutError:
+        raise HttpError(408, "timeout", f"the {what} did not arrive within {timeout_s:g} s") from None
+    except (ConnectionError, aiohttp.ClientPayloadError, EofStream) as e:
+        raise ClientGoneError(f"the client went away while sending the {what} ({type(e).__name__})") from None
+
+
+async def read_body(request: web.Request, limit: int, what: str) -> bytes:
+    """The whole request body, enforcing ``limit`` on the bytes read (a chunked body has no
+    Content-Length) and ``server.body_timeout_s`` on the whole of it."""
+    if (request.content_length or 0) > limit:
+        raise HttpError(413, "too_large", f"the {what} is at most {limit} bytes")
+    timeout_s = request.app[CONFIG_KEY].server.body_timeout_s
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    body = bytearray()
+    while True:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise HttpError(408, "timeout", f"the {what} did not arrive within {timeout_s:g} s")
+        chunk = await _read(request, what, request.content.readany(), left)
+        if not chunk:
+            return bytes(body)
+        body += chunk
+        if len(body) > limit:
+            raise HttpError(413, "too_large", f"the {what} is at most {limit} bytes")
 
 
 async def offer(request: web.Request) -> web.Response:
-    if (request.content_length or 0) > MAX_OFFER_BYTES:
-        return json_error(413, "too_large", f"an SDP offer is at most {MAX_OFFER_BYTES} bytes")
+    raw = await read_body(request, MAX_OFFER_BYTES, "SDP offer")
     try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError):
+        body = json.loads(raw)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return json_error(400, "bad_json", 'the body must be JSON: {"sdp": ..., "type": "offer"}')
     if not isinstance(body, dict):
         return json_error(400, "bad_json", 'the body must be a JSON object: {"sdp": ..., "type": "offer"}')
@@ -217,22 +385,33 @@ async def add_voice(request: web.Request) -> web.Response:
         return json_error(501, "no_voice_store", "this server has no voice store")
     if not request.content_type.startswith("multipart/"):
         return json_error(400, "bad_request", "send multipart/form-data with fields name, audio, transcript")
+    if (request.content_length or 0) > MAX_UPLOAD_BYTES:
+        return json_error(413, "too_large", f"upload larger than {MAX_UPLOAD_BYTES} bytes")
+    # no byte for body_timeout_s: 408 (an upload may be slow, not stalled)
+    idle_s = request.app[CONFIG_KEY].server.body_timeout_s
     fields: dict[str, bytes] = {}
-    reader = await request.multipart()
-    total = 0
-    while True:
-        part = await reader.next()
-        if part is None:
-            break
-        if not isinstance(part, BodyPartReader) or part.name not in ("name", "audio", "transcript"):
-            continue
-        data = bytearray()
-        while chunk := await part.read_chunk():
-            total += len(chunk)
-            if total > MAX_UPLOAD_BYTES:
-                return json_error(413, "too_large", f"upload larger than {MAX_UPLOAD_BYTES} bytes")
-            data += chunk
-        fields[str(part.name)] = bytes(data)
+    try:
+        reader = await request.multipart()
+        total = 0
+        while True:
+            part = await _read_part(request, reader.next(), idle_s)
+            if part is None:
+                break
+            if not isinstance(part, BodyPartReader):
+                return json_error(400, "bad_request", "nested multipart bodies are not accepted")
+            keep = part.name in ("name", "audio", "transcript")
+            data = bytearray()
+            # an unknown part is read and dropped, but counted: it cannot grow memory or run on
+            while chunk := await _read(request, "upload", part.read_chunk(), idle_s):
+                total += len(chunk)
+                if total > MAX_UPLOAD_BYTES:
+                    return json_error(413, "too_large", f"upload larger than {MAX_UPLOAD_BYTES} bytes")
+                if keep:
+                    data += chunk
+            if keep:
+                fields[str(part.name)] = bytes(data)
+    except ValueError as e:  # a malformed multipart body (boundary, headers)
+        return json_error(400, "bad_request", f"malformed multipart body: {e}")
     for name in ("name", "audio", "transcript"):
         if name not in fields:
             return json_error(400, "missing_field", f"missing multipart field {name!r}")
@@ -249,6 +428,15 @@ async def add_voice(request: web.Request) -> web.Response:
         return json_error(_voice_status(code), code, str(e))
     body = _voice_json(voice) if voice is not None else {"name": voice_name}
     return web.json_response({"voice": body}, status=201)
+
+
+async def _read_part(request: web.Request, read: Awaitable[Any], timeout_s: float) -> Any:
+    try:
+        return await asyncio.wait_for(read, timeout_s)
+    except TimeoutError:
+        raise HttpError(408, "timeout", f"the upload did not arrive within {timeout_s:g} s") from None
+    except (ConnectionError, aiohttp.ClientPayloadError, EofStream) as e:
+        raise ClientGoneError(f"the client went away while sending the upload ({type(e).__name__})") from None
 
 
 async def delete_voice(request: web.Request) -> web.Response:
@@ -301,9 +489,23 @@ class WebSocketSink:
             self.queue.put_nowait(None)
 
     async def write(self, ws: web.WebSocketResponse) -> None:
-        while (text := await self.queue.get()) is not None:
-            await ws.send_str(text)
-        await ws.close(message=b"session closed" if not self.overflowed else b"too slow")
+        """Send queued messages until the session ends, then close. A message that fails to
+        send is logged and dropped; a socket that is gone ends the writer (logged), which
+        closes the socket: never a silent writer death behind an open socket."""
+        try:
+            while (text := await self.queue.get()) is not None:
+                try:
+                    await ws.send_str(text)
+                except (ConnectionError, RuntimeError) as e:  # closed or closing under us
+                    log.info("control WebSocket: the socket is gone (%s); its writer stops", e)
+                    return
+                except Exception:
+                    log.exception("control WebSocket: a message could not be sent; dropped")
+            await ws.close(message=b"session closed" if not self.overflowed else b"too slow")
+        finally:
+            if not ws.closed:
+                with contextlib.suppress(Exception):
+                    await ws.close(message=b"writer stopped")
 
 
 async def control(request: web.Request) -> web.StreamResponse:
@@ -311,7 +513,7 @@ async def control(request: web.Request) -> web.StreamResponse:
     session: Session | None = request.app[SESSIONS_KEY].get(request.match_info["session_id"])
     if session is None:
         return json_error(404, "unknown_session", "no such session (it may have ended)")
-    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=p.MAX_MESSAGE_BYTES * 2)
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=MAX_WS_MESSAGE_BYTES)
     await ws.prepare(request)
     sink = WebSocketSink()
     writer = asyncio.get_running_loop().create_task(sink.write(ws), name=f"control-writer {session.id}")
@@ -352,7 +554,9 @@ def create_app(
     session's track its clock (tests)."""
     cfg = config if isinstance(config, Config) else Config(server=config)
     server = cfg.server
-    middlewares = [_auth_middleware(server.auth_token)] if server.auth_token else []
+    middlewares = [_errors_middleware, _origin_middleware(server.allowed_origins)]
+    if server.auth_token:
+        middlewares.append(_auth_middleware(server.auth_token))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_UPLOAD_BYTES + 64 * 1024)
     metrics_ = Metrics()
     app[CONFIG_KEY] = cfg

@@ -4,7 +4,16 @@ as in tests, never share counters). Updated on the asyncio thread; scraped at ``
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS_S = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
@@ -21,6 +30,11 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # process_* (CPU seconds, resident memory, open fds, threads on Linux), python_gc_*
+        # and python_info, as prometheus_client's default registry has them
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
+        PlatformCollector(registry=r)
         self.ttfa = Histogram(
             "voice_out_ttfa_seconds",
             "First text.delta of an utterance to its first audio frame on the track",

@@ -55,6 +55,7 @@ class ErrorCode(enum.StrEnum):
     OVERLOADED = "overloaded"  # the engine has no capacity for another stream now
     NOT_READY = "not_ready"  # the engine is starting or stopping
     INTERNAL = "internal"  # a failure inside the server or engine; the session goes on
+    SHUTTING_DOWN = "shutting_down"  # the server is stopping: the session ends after this message
 
 
 class ProtocolError(VoiceOutError):
@@ -191,8 +192,49 @@ def to_dict(msg: ServerMessage) -> dict[str, Any]:
 
 
 def dumps(msg: ServerMessage) -> str:
-    """Serialize a server message to JSON text."""
-    return json.dumps(to_dict(msg), ensure_ascii=False, separators=(",", ":"))
+    """Serialize a server message to JSON text, always encodable as UTF-8: a lone surrogate
+    (which :func:`parse` refuses, so only a bug could bring one here) is written as a JSON
+    ``\\uXXXX`` escape rather than break the transport's encoding."""
+    body = to_dict(msg)
+    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    if has_surrogate(text):
+        text = json.dumps(body, ensure_ascii=True, separators=(",", ":"))
+    return text
+
+
+def has_surrogate(text: str) -> bool:
+    """Whether ``text`` holds a UTF-16 surrogate code point (JSON's ``\\ud800``), which is not
+    Unicode text: UTF-8 cannot encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def is_high_surrogate(ch: str) -> bool:
+    return "\ud800" <= ch <= "\udbff"
+
+
+def is_low_surrogate(ch: str) -> bool:
+    return "\udc00" <= ch <= "\udfff"
+
+
+def _check_delta_surrogates(delta: str, uid: str) -> None:
+    """A delta may start with a low surrogate and end with a high one: JavaScript slices strings
+    by UTF-16 unit, so a character outside the BMP (an emoji) can be split across two deltas
+    (the session joins them). A surrogate anywhere else is not text."""
+    if not has_surrogate(delta):
+        return
+    last = len(delta) - 1
+    for i, ch in enumerate(delta):
+        if is_high_surrogate(ch) and i != last or is_low_surrogate(ch) and i != 0:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"text.delta: 'delta' holds a lone surrogate {ch!r} at {i}: not Unicode text "
+                "(only a character split across two deltas may leave one at an end)",
+                uid,
+            )
 
 
 def error_from(exc: ProtocolError) -> Error:
@@ -213,8 +255,10 @@ def _id(obj: dict[str, Any], mtype: str, *, required: bool = True) -> str | None
     if not required and obj.get("id") is None:
         return None
     value = _field(obj, "id", mtype)
-    if not isinstance(value, str) or not value:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{mtype}: 'id' must be a non-empty string, got {value!r:.40}")
+    if not isinstance(value, str) or not value or has_surrogate(value):
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, f"{mtype}: 'id' must be a non-empty string of Unicode text, got {value!r:.40}"
+        )
     if len(value) > MAX_ID_CHARS:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{mtype}: 'id' is longer than {MAX_ID_CHARS} characters")
     return value
@@ -243,8 +287,12 @@ def parse(text: str | bytes) -> ClientMessage:
         delta = _field(obj, "delta", mtype, uid)
         if not isinstance(delta, str):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"text.delta: 'delta' must be a string, got {delta!r:.40}", uid)
+        assert uid is not None
+        _check_delta_surrogates(delta, uid)
         voice = obj.get("voice")
-        if voice is not None and (not isinstance(voice, str) or not voice or len(voice) > MAX_VOICE_CHARS):
+        if voice is not None and (
+            not isinstance(voice, str) or not voice or len(voice) > MAX_VOICE_CHARS or has_surrogate(voice)
+        ):
             raise ProtocolError(
                 ErrorCode.BAD_FIELD, f"text.delta: 'voice' must be a voice name, got {voice!r:.40}", uid
             )
@@ -255,7 +303,6 @@ def parse(text: str | bytes) -> ClientMessage:
                 f"text.delta: 'fast_first' must be a whole number of speech tokens, got {fast_first!r:.40}",
                 uid,
             )
-        assert uid is not None
         return TextDelta(id=uid, delta=delta, voice=voice, fast_first=fast_first)
     if mtype == "text.done":
         uid = _id(obj, mtype)

@@ -80,6 +80,37 @@ class Utterance:
     engine_wait_s: float = 0.0
     n_samples: int = 0
     n_acked: int = 0
+    #: A high surrogate that ended the last delta, joined to the low one the next begins with.
+    held: str = ""
+
+
+def _lone_low_surrogate(uid: str) -> p.ProtocolError:
+    return p.ProtocolError(
+        p.ErrorCode.BAD_FIELD,
+        f"utterance {uid!r}: the delta starts with a low surrogate that no high surrogate precedes (not text)",
+        uid,
+    )
+
+
+def _join_split_character(u: Utterance, delta: str) -> tuple[str, bool]:
+    """The text of ``delta`` to push, joining a character split across deltas by UTF-16 unit
+    (``"Hi \\ud83d"`` then ``"\\ude00 there"``), and whether a held half had to be dropped.
+
+    A high surrogate ending ``delta`` is held in ``u.held`` for the next one. Raises
+    ProtocolError (bad_field) for a low surrogate with nothing to join (:func:`parse` refuses
+    surrogates anywhere else)."""
+    held, dropped = u.held, False
+    u.held = ""
+    if delta and p.is_low_surrogate(delta[0]):
+        if not held:
+            raise _lone_low_surrogate(u.id)
+        # one code point from the pair, as a UTF-16 decoder makes it
+        delta = (held + delta[0]).encode("utf-16-le", "surrogatepass").decode("utf-16-le") + delta[1:]
+    elif held:
+        dropped = True
+    if delta and p.is_high_surrogate(delta[-1]):
+        u.held, delta = delta[-1], delta[:-1]
+    return delta, dropped
 
 
 def _error_code(exc: VoiceOutError) -> p.ErrorCode:
@@ -172,6 +203,11 @@ class Session:
             log.exception("session %s: internal error handling a message", self.id)
             self._reply(reply, p.Error(None, p.ErrorCode.INTERNAL, "internal error; the session goes on"))
 
+    def reply_error(self, code: p.ErrorCode, message: str, reply: Sink | None = None) -> None:
+        """Tell ``reply`` (None: everyone) about bad input that never became a message (e.g. a
+        data-channel text that is not UTF-8); the session goes on."""
+        self._reply(reply, p.Error(None, code, message))
+
     def _reply(self, reply: Sink | None, msg: p.ServerMessage) -> None:
         if reply is None:
             self._broadcast(msg)
@@ -196,6 +232,8 @@ class Session:
                 raise p.ProtocolError(
                     p.ErrorCode.UTTERANCE_CLOSED, f"utterance {msg.id!r} has ended; start a new id", msg.id
                 )
+            if msg.delta and p.is_low_surrogate(msg.delta[0]):
+                raise _lone_low_surrogate(msg.id)
             u = self._start(msg)
         elif u.state is not UtteranceState.OPEN:
             raise p.ProtocolError(
@@ -207,10 +245,18 @@ class Session:
                 f"utterance {msg.id!r} would exceed {self.max_text_chars} characters; this delta was dropped",
                 msg.id,
             )
+        delta, dropped = _join_split_character(u, msg.delta)
         try:
-            u.stream.push_text(msg.delta)
+            u.stream.push_text(delta)
         except VoiceOutError as e:
             raise p.ProtocolError(_error_code(e), str(e), msg.id) from None
+        if dropped:
+            raise p.ProtocolError(
+                p.ErrorCode.BAD_FIELD,
+                f"utterance {msg.id!r}: the previous delta ended in a lone high surrogate (half a character); "
+                "it was dropped and this delta applied",
+                msg.id,
+            )
 
     def _start(self, msg: p.TextDelta) -> Utterance:
         if len(self.live) >= self.max_queued_utterances:
@@ -374,19 +420,19 @@ class Session:
 
     # -- shutdown ------------------------------------------------------------------------------
 
-    async def close(self) -> None:
-        """Cancel every stream, cancel and await every task, stop the track. Idempotent."""
+    async def close(self, notice: p.Error | None = None) -> None:
+        """Cancel every stream (each live utterance's clients get ``cancelled``, then
+        ``notice`` if given, e.g. ``shutting_down``), cancel and await every task, stop the
+        track (its codec freed now, not when the garbage collector runs). Idempotent."""
         if self._closing is None:
-            self._closing = asyncio.get_running_loop().create_task(self._close())
+            self._closing = asyncio.get_running_loop().create_task(self._close(notice))
         await asyncio.shield(self._closing)
 
-    async def _close(self) -> None:
+    async def _close(self, notice: p.Error | None) -> None:
         self.closed = True
-        for u in list(self.live.values()):
-            u.stream.cancel()
-            if u.task is not None:
-                u.task.cancel()
-            self._retire(u, UtteranceState.CANCELLED)
+        self.cancel()  # every live utterance: cancelled (what was heard), stream and pump stopped
+        if notice is not None:
+            self._broadcast(notice)
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()

@@ -22,17 +22,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+from aiortc import sdp as aiortc_sdp
 from aiortc.rtcdatachannel import RTCDataChannel
 
 from voice_out.config import IceServer, ServerConfig
 from voice_out.engine.api import EngineLike
 from voice_out.errors import VoiceOutError
 from voice_out.server.metrics import Metrics
-from voice_out.server.protocol import CHANNEL_LABEL
+from voice_out.server.protocol import CHANNEL_LABEL, Error, ErrorCode
 from voice_out.server.session import Session
 from voice_out.server.track import Clock, UtteranceTrack
 
 log = logging.getLogger(__name__)
+
+#: Media sections an offer may carry: ours needs two (audio, data); a page may add a few.
+MAX_OFFER_SECTIONS = 8
+#: Lines an offer may have (a browser's has ~100-150): bounds the cost of parsing it.
+MAX_OFFER_LINES = 2000
+#: ICE candidates per media section (a host with many interfaces offers a dozen or two).
+MAX_OFFER_CANDIDATES = 64
+#: How long a closing session waits for its last messages to leave on the data channel (s).
+DRAIN_TIMEOUT_S = 1.0
 
 
 class AdmissionError(VoiceOutError):
@@ -57,6 +67,66 @@ def ice_configuration(servers: Sequence[IceServer]) -> RTCConfiguration:
     )
 
 
+def canonical_offer(sdp: str) -> str:
+    """Parse ``sdp`` and write it back as aiortc does (any thread; pure Python, ~1 ms per 100
+    lines, so the server runs it in an executor). What aiortc does not read is dropped, so the
+    parse ``setRemoteDescription`` repeats on the event loop is of a short text. Raises
+    AdmissionError (400 bad_offer) for an offer that cannot be parsed or is too large."""
+    try:
+        description = aiortc_sdp.SessionDescription.parse(sdp)
+    except Exception as e:  # aiortc's parser raises whatever its input trips (IndexError, ...)
+        raise AdmissionError(400, "bad_offer", f"the offer is not valid SDP ({type(e).__name__}: {e})") from None
+    for media in description.media:
+        if len(media.ice_candidates) > MAX_OFFER_CANDIDATES:
+            raise AdmissionError(
+                400,
+                "bad_offer",
+                f"the offer's {media.kind} section has {len(media.ice_candidates)} ICE candidates; "
+                f"at most {MAX_OFFER_CANDIDATES}",
+            )
+    return str(description)
+
+
+def check_offer_size(sdp: str) -> None:
+    """Cheap bounds checked on the event loop before the offer is parsed at all."""
+    n_lines = sdp.count("\n") + 1
+    if n_lines > MAX_OFFER_LINES:
+        raise AdmissionError(400, "bad_offer", f"the offer has {n_lines} lines; at most {MAX_OFFER_LINES}")
+    n_sections = sdp.startswith("m=") + sdp.count("\nm=")
+    if n_sections > MAX_OFFER_SECTIONS:
+        raise AdmissionError(
+            400, "bad_offer", f"the offer has {n_sections} media sections (m= lines); at most {MAX_OFFER_SECTIONS}"
+        )
+    if "m=audio" not in sdp:
+        raise AdmissionError(
+            400, "bad_offer", "the offer has no audio section: add a recvonly audio transceiver before the offer"
+        )
+
+
+def guard_text_decoding(pc: RTCPeerConnection, on_bad_text: Callable[[UnicodeDecodeError], None]) -> None:
+    """Keep a data-channel text message that is not UTF-8 from ending the connection.
+
+    aiortc decodes each string message with ``data.decode("utf8")`` inside its SCTP receive
+    path (aiortc 1.x ``RTCSctpTransport._data_channel_receive``); the UnicodeDecodeError ends
+    the association, so the session would close without a word while the client believes it
+    is connected. Wrapped here at our boundary: such a message is dropped and
+    ``on_bad_text`` reports it. (A channel-open request whose label is not UTF-8 is dropped
+    the same way: that channel never opens.) Call after ``setRemoteDescription``, which
+    creates the SCTP transport."""
+    sctp = pc.sctp
+    receive = getattr(sctp, "_data_channel_receive", None)
+    if sctp is None or receive is None:
+        raise RuntimeError("aiortc's SCTP transport has changed: update guard_text_decoding for this version")
+
+    async def guarded(stream_id: int, pp_id: int, data: bytes) -> None:
+        try:
+            await receive(stream_id, pp_id, data)
+        except UnicodeDecodeError as e:
+            on_bad_text(e)
+
+    sctp._data_channel_receive = guarded  # type: ignore[method-assign]  # this connection only
+
+
 class ChannelSink:
     """Sends a session's messages on its data channel (dropped once the channel is not open)."""
 
@@ -77,6 +147,8 @@ class Peer:
     pc: RTCPeerConnection
     connected: asyncio.Event
     watch: asyncio.Task[None] | None = None
+    channel: RTCDataChannel | None = None
+    sink: ChannelSink | None = None
 
 
 class SessionManager:
@@ -145,10 +217,10 @@ class SessionManager:
     async def offer(self, sdp: str) -> dict[str, str]:
         """Admit a client and answer its SDP offer: ``{"sdp", "type": "answer", "session_id"}``."""
         self.check_admission()
-        if "m=audio" not in sdp:
-            raise AdmissionError(
-                400, "bad_offer", "the offer has no audio section: add a recvonly audio transceiver before the offer"
-            )
+        check_offer_size(sdp)
+        # parsed off the event loop: even a bounded offer costs ~10 ms of pure Python
+        sdp = await asyncio.get_running_loop().run_in_executor(None, canonical_offer, sdp)
+        self.check_admission()  # it may have changed while the offer was parsed
         session_id = uuid.uuid4().hex
         clock = self.clock_factory() if self.clock_factory is not None else None
         track = UtteranceTrack(sample_rate=self.engine.sample_rate, clock=clock, frame_ms=self.frame_ms, encode=True)
@@ -172,6 +244,7 @@ class SessionManager:
                 channel.close()
                 return
             sink = ChannelSink(channel)
+            peer.channel, peer.sink = channel, sink
 
             @channel.on("message")
             def on_message(message: str | bytes) -> None:
@@ -191,8 +264,17 @@ class SessionManager:
             elif state in ("failed", "closed"):
                 self.end(session_id, f"connection {state}")
 
+        def on_bad_text(e: UnicodeDecodeError) -> None:
+            log.warning("session %s: dropped a data-channel text message that is not UTF-8 (%s)", session_id, e)
+            session.reply_error(
+                ErrorCode.BAD_JSON,
+                f"a text message that is not UTF-8 was dropped (byte {e.start}); send JSON text",
+                peer.sink,
+            )
+
         try:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+            guard_text_decoding(pc, on_bad_text)
             pc.addTrack(track)
             answer = await pc.createAnswer()
             await pc.setLocalDescription(answer)
@@ -216,8 +298,10 @@ class SessionManager:
             log.info("session %s: ending (%s)", session_id, reason)
             self._spawn(self.close(session_id), name=f"close {session_id}")
 
-    async def close(self, session_id: str) -> None:
-        """Close one session and its peer connection (idempotent)."""
+    async def close(self, session_id: str, notice: Error | None = None) -> None:
+        """Close one session and its peer connection (idempotent). With ``notice`` the
+        client is told (each live utterance ``cancelled``, then ``notice``) and those messages
+        leave on the data channel before the connection closes."""
         peer = self.peers.pop(session_id, None)
         if peer is None:
             return
@@ -225,14 +309,29 @@ class SessionManager:
         if peer.watch is not None and peer.watch is not asyncio.current_task():
             peer.watch.cancel()
         try:
-            await peer.session.close()
+            await peer.session.close(notice)
+            if notice is not None and peer.channel is not None:
+                await _drain(peer.channel, DRAIN_TIMEOUT_S)
         finally:
             with contextlib.suppress(Exception):
                 await peer.pc.close()
 
     async def close_all(self) -> None:
-        """Stop admitting, close every session, then await every task the manager started."""
+        """Stop admitting, close every session (telling its clients: ``shutting_down``), then
+        await every task the manager started."""
         self.accepting = False
-        await asyncio.gather(*(self.close(sid) for sid in list(self.peers)), return_exceptions=True)
+        notice = Error(None, ErrorCode.SHUTTING_DOWN, "the server is shutting down; this session ends")
+        await asyncio.gather(*(self.close(sid, notice) for sid in list(self.peers)), return_exceptions=True)
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+async def _drain(channel: RTCDataChannel, timeout_s: float) -> None:
+    """Wait until ``channel`` has handed every queued message to the network (or it closed,
+    or ``timeout_s`` passed)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while channel.readyState == "open" and channel.bufferedAmount > 0:
+        if asyncio.get_running_loop().time() > deadline:
+            log.info("data channel %s: %d bytes not sent at close", channel.label, channel.bufferedAmount)
+            return
+        await asyncio.sleep(0.01)

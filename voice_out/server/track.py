@@ -323,6 +323,7 @@ class UtteranceTrack(MediaStreamTrack):
             raise ValueError(f"output_rate must be {sample_rate} or {2 * sample_rate}, not {output_rate}")
         self.output_rate = output_rate
         self._upsampler = Upsampler2x() if output_rate != sample_rate else None
+        self._encode = encode
         self._encoder = OpusFrameEncoder(output_rate, frame_ms) if encode else None
         self.clock: Clock = clock or MonotonicClock()
         self.on_event = on_event
@@ -488,7 +489,12 @@ class UtteranceTrack(MediaStreamTrack):
             samples = self._upsampler.process(samples)
             factor = 2
         frame = s16_frame(samples, self.output_rate, self._pts * factor)
-        out = self._encoder.encode(frame) if self._encoder is not None else frame
+        if self._encode:
+            if self._encoder is None:  # stopped while this frame was being paced
+                raise MediaStreamError
+            out: AudioFrame | Packet = self._encoder.encode(frame)
+        else:
+            out = frame
         self.frames_sent += 1
         if self.on_event is not None:
             for ev in events:
@@ -498,6 +504,9 @@ class UtteranceTrack(MediaStreamTrack):
     def stop(self) -> None:
         for p in self._queue:
             p.room.set()
+        # libav's encoder keeps two threads until it is freed: free it now, not when the
+        # garbage collector next reaches the session's reference cycles
+        self._encoder = None
         super().stop()
 
 
