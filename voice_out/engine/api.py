@@ -16,6 +16,7 @@ from typing import Protocol, Self, runtime_checkable
 
 import numpy as np
 
+from voice_out.engine.alignment import Alignment
 from voice_out.errors import VoiceOutError
 
 SAMPLE_RATE = 24000
@@ -86,12 +87,16 @@ class PcmChunk:
     token of this chunk was generated. The transport uses it to report what was heard.
     ``start_sample``: position of the first sample within the utterance.
     ``final``: the last chunk of the stream.
+    ``alignment``: the characters this chunk speaks and when (estimated from the bistream
+    interleave, :mod:`voice_out.engine.alignment`); over a stream's chunks every input character
+    appears exactly once, in order. None from engines that do not estimate it.
     """
 
     pcm: np.ndarray
     start_sample: int
     text_end: int
     final: bool = False
+    alignment: Alignment | None = None
 
     @property
     def duration_s(self) -> float:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from voice_out.engine.alignment import AlignmentTracker
 from voice_out.engine.api import SAMPLE_RATE, StreamState
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
 
@@ -208,6 +209,8 @@ class Request:
     speech_tokens: list[int] = field(default_factory=list)
     #: For each speech token, the input characters fed to the LLM when it was generated.
     speech_text_end: list[int] = field(default_factory=list)
+    #: Character timings estimated from the interleave (voice_out.engine.alignment).
+    alignment: AlignmentTracker = field(default_factory=AlignmentTracker)
     llm_steps: int = 0
     llm_done: bool = False
 

@@ -638,6 +638,7 @@ class Scheduler:
             if outcome is TokenOutcome.SPEECH:
                 req.speech_tokens.append(token)
                 req.speech_text_end.append(req.chars_fed())
+                req.alignment.on_speech_token(req.speech_text_end[-1], req.text_id_char_end)
                 req.status = RequestStatus.RUNNING
                 if len(req.speech_tokens) >= guard * max(1, req.n_text_ids) and req.feed.final_phase:
                     outcome = TokenOutcome.END  # a model that never stops (spec 2.7 quirk C)
@@ -661,7 +662,10 @@ class Scheduler:
             req.schedule.commit(chunk)
             end = chunk.token_offset + chunk.hop_tokens
             text_end = req.speech_text_end[end - 1] if end > 0 else req.chars_fed()
-            pcm_chunk = PcmChunk(pcm=pcm, start_sample=req.samples_produced, text_end=text_end, final=chunk.finalize)
+            spoken = req.alignment.chunk(req.samples_produced, len(pcm), chunk.finalize, req.chars_received)
+            pcm_chunk = PcmChunk(
+                pcm=pcm, start_sample=req.samples_produced, text_end=text_end, final=chunk.finalize, alignment=spoken
+            )
             req.samples_produced += len(pcm)
             req.chunks_produced += 1
             if req.first_audio_time is None:
