@@ -102,7 +102,8 @@ class AlignmentTracker:
             last = self.reported
             while last < int(grid[-1]) and _crossing(grid, last) * SAMPLES_PER_TOKEN < end_sample:
                 last += 1
-        starts, ends = [], []
+        starts: list[int] = []
+        ends: list[int] = []
         for c in range(self.reported, last):
             s = max(start_sample, round(_crossing(grid, c) * SAMPLES_PER_TOKEN))
             e = round(_crossing(grid, c + 1) * SAMPLES_PER_TOKEN)

@@ -47,6 +47,7 @@ from aiohttp.streams import EofStream
 from voice_out.config import Config, ServerConfig
 from voice_out.engine.api import EngineLike
 from voice_out.errors import VoiceOutError
+from voice_out.server import elevenlabs
 from voice_out.server.metrics import Metrics
 from voice_out.server.session import Session
 from voice_out.server.signaling import AdmissionError, SessionManager
@@ -242,7 +243,7 @@ def _auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]
     @web.middleware
     async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Any:
         route = request.match_info.route
-        if route.name in PUBLIC_ROUTES:
+        if route.name in PUBLIC_ROUTES or route.name in elevenlabs.OWN_AUTH_ROUTES:
             return await handler(request)
         header = request.headers.get("Authorization", "")
         scheme, _, given = header.partition(" ")
@@ -589,6 +590,9 @@ def create_app(
     r.add_get("/healthz", healthz, name="healthz")
     r.add_get("/metrics", metrics, name="metrics")
     r.add_get("/sessions/{session_id}/control", control, name="control")
+    elevenlabs.add_routes(
+        app, engine, auth_token=server.auth_token, max_text_chars=cfg.engine.max_text_chars, metrics=metrics_
+    )
     if server.serve_web:
         r.add_get("/{path:[^/].*}", static, name="static")
     return app
