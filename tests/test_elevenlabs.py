@@ -52,7 +52,7 @@ class Server:
             async def __aexit__(self, *exc: object) -> None:
                 return None
 
-        self.app = create_app(cfg, Borrowed())  # type: ignore[arg-type]
+        self.app = create_app(cfg, Borrowed())
         self.runner = web.AppRunner(self.app)
         self.url = ""
 
