@@ -111,7 +111,7 @@ def test_pipecat_elevenlabs_service(server: str) -> None:
     el = need("pipecat.services.elevenlabs.tts")
     tts_service = need("pipecat.services.tts_service")
 
-    class Sink(fp.FrameProcessor):  # type: ignore[misc]
+    class Sink(fp.FrameProcessor):  # type: ignore[name-defined]
         def __init__(self, queue: asyncio.Queue[Any]) -> None:
             super().__init__()
             self.queue = queue
