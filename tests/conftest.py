@@ -1,5 +1,6 @@
 """Shared fixtures and marker handling.
 
+* ``slow`` tests are skipped unless selected (``-m slow`` or ``--run-slow``).
 * ``requires_cuda`` tests are skipped when torch sees no CUDA device.
 * ``browser`` tests are skipped when no Chromium binary is installed (or named by
   ``$VOICE_OUT_CHROMIUM``); under CI (``CI`` set) they fail instead: CI installs it.
@@ -35,10 +36,31 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        default=False,
+        help="run the tests marked slow too (also selected by a -m expression naming slow, e.g. -m slow)",
+    )
+
+
+def slow_selected(config: pytest.Config) -> bool:
+    """``slow`` tests are opt-in: ``--run-slow``, or a ``-m`` expression that asks for them
+    (``-m slow``, ``-m "slow and not browser"``; not ``-m "not slow"``)."""
+    if config.getoption("--run-slow"):
+        return True
+    markexpr = str(config.getoption("markexpr") or "")
+    return "slow" in markexpr and "not slow" not in markexpr
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     cuda = _cuda_available()
     chromium = find_chromium() is not None or bool(os.environ.get("CI"))  # CI: fail in setup
+    slow = slow_selected(config)
     for item in items:
+        if "slow" in item.keywords and not slow:
+            item.add_marker(pytest.mark.skip(reason="slow: select with -m slow or --run-slow"))
         if "requires_cuda" in item.keywords and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "browser" in item.keywords and not chromium:

@@ -466,13 +466,8 @@ def test_a_hundred_short_streams_with_random_cancels_leak_nothing(engine: Engine
 
 
 @pytest.mark.slow
-def test_a_thousand_short_streams_with_random_cancels_leak_nothing(
-    engine: Engine, request: pytest.FixtureRequest
-) -> None:
-    # about 100 s on 2 busy cores: only when slow tests are asked for (-m slow)
-    markexpr = str(request.config.option.markexpr or "")
-    if "slow" not in markexpr or "not slow" in markexpr:
-        pytest.skip("the 1,000-stream run is slow: select it with -m slow")
+def test_a_thousand_short_streams_with_random_cancels_leak_nothing(engine: Engine) -> None:
+    # about 100 s on 2 busy cores: only when slow tests are asked for (tests/conftest.py)
     leak_round(engine, 1000, seed=1)
 
 

@@ -28,8 +28,6 @@ engine_module = pytest.importorskip(
 )
 scheduler_module = pytest.importorskip("voice_out.engine.scheduler")
 
-pytestmark = pytest.mark.slow
-
 #: Generous: CI machines have 2 shared cores and the tiny model still runs the full pipeline.
 EVENT_TIMEOUT_S = 180.0
 
