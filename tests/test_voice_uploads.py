@@ -101,14 +101,15 @@ async def test_hostile_uploads_write_nothing_outside_the_voices_dir(tmp_path: Pa
                     assert r.status in (400, 404, 405), (name, r.status)  # %2e%2e: the path is /: 405
                     assert r.content_type == "application/json"
             # garbage audio, a huge transcript, a traversal filename on a good name: refused
-            for fields, code in [
-                ({"audio": b"\x00" * 5000}, None),
-                ({"transcript": "word " * 100_000}, "transcript_too_long"),
-            ]:
+            refused: list[tuple[bytes, str, str | None]] = [
+                (b"\x00" * 5000, "Hello there.", None),
+                (audio, "word " * 100_000, "transcript_too_long"),
+            ]
+            for upload, transcript, code in refused:
                 form = aiohttp.FormData()
                 form.add_field("name", "mallory")
-                form.add_field("transcript", fields.get("transcript", "Hello there."))
-                form.add_field("audio", fields.get("audio", audio), filename="../../evil.wav")
+                form.add_field("transcript", transcript)
+                form.add_field("audio", upload, filename="../../evil.wav")
                 async with http.post(url + "/voices", data=form) as r:
                     body = await r.json()
                     assert r.status == 400 and (code is None or body["error"]["code"] == code), body
