@@ -1,4 +1,4 @@
-"""``voice-out``: serve | say | voices | bench | download.
+"""``voice-out``: serve | say | voices | bench | download | ray-deploy.
 
 Every subcommand takes ``--config FILE`` and ``--set SECTION.FIELD=VALUE`` (repeatable), plus
 its own flags. Errors a user can fix (bad config, missing model, unknown voice) print one line
@@ -58,6 +58,7 @@ def load_cli_config(args: argparse.Namespace) -> Config:
         "host": ("server", "host"),
         "port": ("server", "port"),
         "voices_dir": ("server", "voices_dir"),
+        "engine": ("server", "engine"),
     }.items():
         value = getattr(args, flag, None)
         if value is not None:
@@ -103,6 +104,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return _part("voice_out.bench", "bench", "the benchmark suite")(cfg, args)
 
 
+def cmd_ray_deploy(args: argparse.Namespace) -> int:
+    cfg = load_cli_config(args)
+    return _part("voice_out.engine.ray_serve.deploy_cli", "ray_deploy", "`ray-deploy` (the ray extra)")(cfg, args)
+
+
 def cmd_download(args: argparse.Namespace) -> int:
     from voice_out.hub import download
 
@@ -129,7 +135,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8080)")
     p.add_argument("--voices-dir", dest="voices_dir", help="voice store directory")
+    p.add_argument("--engine", choices=["local", "ray"], help="engines in this process or in Ray Serve replicas")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("ray-deploy", help="deploy the engines as a Ray Serve application (one replica per GPU)")
+    _common(p)
+    _model_flags(p)
+    p.add_argument("--voices-dir", dest="voices_dir", help="voice store directory every replica can read")
+    p.add_argument("--address", help="the Ray cluster (default: server.ray_address)")
+    p.add_argument("--app", help="Serve application name (default: server.ray_app)")
+    p.add_argument("--replicas", type=int, help="a fixed number of replicas (default: autoscale)")
+    p.add_argument("--min-replicas", type=int, default=1, help="autoscaling: at least this many (default 1)")
+    p.add_argument("--max-replicas", type=int, default=8, help="autoscaling: at most this many (default 8)")
+    p.add_argument("--target-streams", type=float, default=16.0, help="autoscaling: streams per replica (default 16)")
+    p.add_argument("--num-gpus", type=float, default=1.0, help="GPUs per replica (default 1; 0 runs on CPUs)")
+    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica (default 1)")
+    p.set_defaults(func=cmd_ray_deploy)
 
     p = sub.add_parser("say", help="speak text to a WAV file")
     _common(p)

@@ -433,6 +433,13 @@ class ServerConfig:
     #: A request body must keep arriving: at most this long without a byte (s), and an offer
     #: whole within it. Guards against bodies trickled to hold connections open.
     body_timeout_s: float = 20.0
+    #: Where the engines run: ``local`` (in this process) or ``ray`` (replicas of a Ray Serve
+    #: deployment started with ``voice-out ray-deploy``; docs/scale-out.md).
+    engine: Literal["local", "ray"] = "local"
+    #: ``engine = "ray"``: the Ray cluster to join (``auto``: the one on this host) and the
+    #: Serve application holding the engines.
+    ray_address: str = "auto"
+    ray_app: str = "voice_out"
 
     def __post_init__(self) -> None:
         s = "server"
@@ -446,6 +453,8 @@ class ServerConfig:
                     "(expected scheme://host[:port] with scheme http or https, or *)"
                 )
         _check(0 < self.body_timeout_s <= 3600, s, "body_timeout_s", self.body_timeout_s, "seconds in (0, 3600]")
+        _check(bool(self.ray_address), s, "ray_address", self.ray_address, "auto or a Ray address (ray://host:10001)")
+        _check(bool(self.ray_app) and "/" not in self.ray_app, s, "ray_app", self.ray_app, "a Serve application name")
         _check(self.frame_ms in (10, 20), s, "frame_ms", self.frame_ms, "10 or 20")
         _check(0 <= self.port <= 65535, s, "port", self.port, "an integer in 0..65535")
         _check(bool(self.host), s, "host", self.host, "a host name or address")

@@ -764,5 +764,10 @@ def load_runtime(cfg: Config) -> tuple[EngineLike, VoiceStoreLike | None]:
     # A real model directory brings the prompt networks, so voices can be added over HTTP;
     # random weights have none and the store is read-only (POST /voices answers 501).
     store = VoiceStore(cfg.server.voices_dir, source.path)
+    if cfg.server.engine == "ray":
+        # the engines live in Ray Serve replicas reading the same voices directory
+        from voice_out.engine.ray_serve.client import RayEngine
+
+        return RayEngine(cfg, store), store
     engine = Engine.load(cfg, voices=store)
     return engine, store
