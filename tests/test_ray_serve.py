@@ -308,3 +308,12 @@ async def test_killed_replica_fails_only_its_own_utterances(cfg: Config, handle:
             assert n.state is StreamState.FINISHED
     with pytest.raises(OverloadedError):
         eng.open_stream(None)  # closed: not connected any more
+
+
+def test_serve_with_the_ray_engine_builds_a_front(tmp_path: Path) -> None:
+    """``server.engine = "ray"``: the front's runtime is a RayEngine over the shared voices
+    directory; it connects when the server starts (``async with``), not here."""
+    from voice_out.server.app import load_runtime
+
+    engine, store = load_runtime(tiny_config(tmp_path / "voices"))
+    assert isinstance(engine, RayEngine) and engine.voices is store and not engine.ready
