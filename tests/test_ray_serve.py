@@ -27,6 +27,10 @@ from voice_out.engine.ray_serve.messages import EngineFailedError, Failed, TextE
 from voice_out.engine.ray_serve.relay import TextChannels
 from voice_out.engine.ray_serve.replica import DeploymentOptions
 
+# Serve's router asks two replicas for their queue lengths and waits 0.1 s by default; on two
+# shared cores an answer can take longer, and the router then picks without it
+os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
+
 if os.environ.get("CI"):
     import ray  # CI installs the ray extra: a missing Ray must fail here, not skip
     from ray import serve
