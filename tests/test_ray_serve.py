@@ -276,7 +276,7 @@ async def test_server_front_over_ray(cfg: Config, handle: Any) -> None:
 
 @pytest.mark.asyncio
 async def test_killed_replica_fails_only_its_own_utterances(cfg: Config, handle: Any) -> None:
-    """Runs last: it kills a replica (Serve starts a replacement)."""
+    """Runs after the tests that need both replicas: it kills one (Serve starts a replacement)."""
     async with RayEngine(cfg, None, handle=handle) as eng:
         victim = eng.open_stream(None)
         victim.push_text("This utterance is on the replica that dies, and it is long. " * 4)
@@ -321,3 +321,20 @@ def test_serve_with_the_ray_engine_builds_a_front(tmp_path: Path) -> None:
 
     engine, store = load_runtime(tiny_config(tmp_path / "voices"))
     assert isinstance(engine, RayEngine) and engine.voices is store and not engine.ready
+
+
+def test_ray_deploy_command(cfg: Config, handle: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``voice-out ray-deploy`` deploys a second application on the running cluster; it answers."""
+    from voice_out.cli import main
+
+    argv = ["ray-deploy", "--model", "random:tiny", "--device", "cpu", "--voices-dir", cfg.server.voices_dir]
+    argv += ["--app", "voice_out_cli", "--replicas", "1", "--num-gpus", "0", "--num-cpus", "0"]
+    try:
+        assert main(argv) == 0
+        assert "'voice_out_cli' is running (1 replicas" in capsys.readouterr().out
+        info = serve.get_app_handle("voice_out_cli").info.remote().result(timeout_s=TIMEOUT_S)
+        assert info.builtin_voices == ("noise",) and info.sample_rate == 24000
+    finally:
+        serve.delete("voice_out_cli")
+    assert main(["ray-deploy", "--replicas", "0", "--model", "random:tiny"]) == 2
+    assert "num_replicas = 0 is invalid" in capsys.readouterr().err

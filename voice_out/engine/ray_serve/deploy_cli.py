@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from voice_out.config import Config, ConfigError
+from voice_out.config import Config
 from voice_out.errors import VoiceOutError
 from voice_out.hub import resolve_model
 
@@ -31,18 +31,15 @@ def ray_deploy(cfg: Config, args: argparse.Namespace) -> int:
     # fail here, in one line, rather than in every replica: the model must resolve (each host
     # of the cluster needs it at the same path or in its hub cache)
     resolve_model(mc.model, mc.cache_dir, revision=mc.revision, offline=mc.offline)
-    try:
-        options = DeploymentOptions(
-            app_name=args.app or cfg.server.ray_app,
-            num_replicas=args.replicas,
-            min_replicas=args.min_replicas,
-            max_replicas=args.max_replicas,
-            target_streams=args.target_streams,
-            num_gpus=args.num_gpus,
-            num_cpus=args.num_cpus,
-        )
-    except ConfigError as e:
-        raise RayUnavailableError(str(e)) from None
+    options = DeploymentOptions(  # raises ConfigError, printed in one line by the CLI
+        app_name=args.app or cfg.server.ray_app,
+        num_replicas=args.replicas,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        target_streams=args.target_streams,
+        num_gpus=args.num_gpus,
+        num_cpus=args.num_cpus,
+    )
     deploy(cfg, options, address=args.address or cfg.server.ray_address)
     layout = (
         f"{options.num_replicas} replicas"
