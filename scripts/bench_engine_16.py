@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=150, help="speech tokens of the synthetic voice prompt")
     p.add_argument("--max-ahead-s", type=float, default=4.0)
     p.add_argument(
-        "--max-chunks-per-step", type=int, default=None, help="default: the engine's (8 with CUDA graphs, else 4)"
+        "--max-chunks-per-step", type=int, default=None, help="default: the plan's (8 with CUDA graphs, else 4)"
     )
     p.add_argument("--flow-path", default="rerun", choices=["rerun", "cached"])
     p.add_argument("--kv-len", type=int, default=2048)
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="engine.cuda_graphs: the LLM step and token2wav from CUDA graphs, 8 chunks per step (default: eager)",
+        help="the LLM step and token2wav from CUDA graphs, 8 chunks per step (default: eager, engine.eager)",
     )
     p.add_argument("--fast-first", type=int, default=0, help="tokens of a fast first chunk (0: upstream's 25)")
     p.add_argument("--json", help="also write the JSON result here")
@@ -96,9 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             max_streams=max(args.streams, 1),
             max_ahead_s=args.max_ahead_s,
             max_text_chars=100_000,
-            cuda_graphs=args.cuda_graphs,
+            eager=not args.cuda_graphs,
             fast_first_tokens=args.fast_first,
-            max_chunks_per_step=args.max_chunks_per_step,
         ),
         server=ServerConfig(voices_dir=str(Path(os.devnull) / "none")),
     )
@@ -110,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         flow_path=args.flow_path,
         noise_prompt_tokens=args.prompt_tokens,
         text_normalizer="none",
+        pins={} if args.max_chunks_per_step is None else {"max_chunks_per_step": args.max_chunks_per_step},
     )
     engine_stats: dict[str, float] = {}
     listeners = asyncio.run(bench(engine, args, engine_stats))

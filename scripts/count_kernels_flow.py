@@ -267,7 +267,7 @@ def main() -> None:
     ap.add_argument(
         "--fused",
         action="store_true",
-        help="CUDA: stateless estimator calls through the fused Triton kernels (engine.fused_flow); their "
+        help="CUDA: stateless estimator calls through the fused Triton kernels (the plan's fused_flow); their "
         "kernels are counted under 'Estimator (own)', as they bypass the blocks' forward",
     )
     args = ap.parse_args()

@@ -10,7 +10,7 @@ each voice's first utterance and prints where it was (a first-use cost shows up 
 a compile or a capture there).
 
     python scripts/first_utterances.py --model random:0.5b --device cuda [--voice-prompts 100,75] [--stacks]
-        [--chars 100] [--set engine.capture_voice_tokens=50]
+        [--chars 100] [--pin capture_voice_tokens=50]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from voice_out.bench import parse_pin
 from voice_out.bench.engine_bench import EngineBenchOptions, bench_config, load_engine, text_of  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.engine import Engine  # noqa: E402
@@ -95,13 +96,20 @@ async def main() -> None:
     ap.add_argument("--voice-prompts", default="", help="comma-separated prompt lengths of extra noise voices")
     ap.add_argument("--stacks", action="store_true", help="sample the worker's stack in each voice's first utterance")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="config override")
+    ap.add_argument("--pin", action="append", default=[], metavar="NAME=VALUE", help="a plan choice by hand")
     args = ap.parse_args()
     # the start-up's own account: kernels compiled ahead, graphs captured per prompt length
     logging.basicConfig(format="%(message)s")
     logging.getLogger("voice_out.engine.loading").setLevel(logging.INFO)
     over = parse_overrides([f"model.model={args.model}", f"model.device={args.device}", *args.set])
     cfg = load_config(overrides=over)
-    opts = EngineBenchOptions(streams=(1,), tokens_per_text_token=3, prompt_tokens=150, long_chars=args.chars)
+    opts = EngineBenchOptions(
+        streams=(1,),
+        tokens_per_text_token=3,
+        prompt_tokens=150,
+        long_chars=args.chars,
+        pins=tuple(parse_pin(p) for p in args.pin),
+    )
     engine = load_engine(bench_config(cfg, opts), opts)
     voices: list[str | None] = [None]
     for p in (int(x) for x in args.voice_prompts.split(",") if x):

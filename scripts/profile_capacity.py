@@ -8,7 +8,7 @@ capacity round of ``--streams`` streams and prints, per kind of call, the count,
 the longest. ``--sync`` makes every timer synchronise the GPU (true per-call GPU cost, but it
 serialises the token2wav side stream with the LLM step); without it the figures are host time
 (launch cost, and any wait the call itself makes). ``--no-pipeline`` turns pipelined token2wav
-off (``engine.pipeline_vocode``, on by default); ``--llm-priority`` sets the priority of the
+off (the plan's ``pipeline_vocode``, pinned; on by default); ``--llm-priority`` sets the priority of the
 runner's own CUDA stream (``Runner.llm_stream_priority``).
 
 Diagnostics for a round that stalls: ``--stall S`` prints the state of both CUDA streams, of
@@ -65,7 +65,7 @@ def main() -> None:
         "--pipeline",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="pipelined token2wav (engine.pipeline_vocode; default on)",
+        help="pipelined token2wav (the plan's pipeline_vocode; default on)",
     )
     p.add_argument("--quick", action="store_true", help="short texts and a 25-token prompt (CPU smoke run)")
     p.add_argument(
@@ -86,12 +86,12 @@ def main() -> None:
         "--stacks", type=float, default=0.0, metavar="S", help="print every thread's stack every S seconds of the round"
     )
     args = p.parse_args()
-    sets = [f"model.model={args.model}", f"model.device={args.device}", f"engine.pipeline_vocode={args.pipeline}"]
+    sets = [f"model.model={args.model}", f"model.device={args.device}"]
     cfg = load_config(None, environ={}, overrides=parse_overrides(sets))
     opts = (
-        eb.EngineBenchOptions.quick(streams=(args.streams,))
+        eb.EngineBenchOptions.quick(streams=(args.streams,), pins=(("pipeline_vocode", args.pipeline),))
         if args.quick
-        else eb.EngineBenchOptions(streams=(args.streams,))
+        else eb.EngineBenchOptions(streams=(args.streams,), pins=(("pipeline_vocode", args.pipeline),))
     )
     cfg = eb.bench_config(cfg, opts)
     Runner.llm_stream_priority = None if args.llm_priority == "none" else int(args.llm_priority)

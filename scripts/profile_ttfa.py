@@ -7,7 +7,7 @@ steps (count and total), sampling of prefill rows, token2wav first chunk (flow +
 the rest (scheduling, queues, host work). The timers synchronise the GPU, so the total is a
 little above the unprofiled TTFA; the shares are what matter.
 
-    python scripts/profile_ttfa.py --model random:0.5b --device cuda [--fast-first 12] [--set engine.fused_flow=false]
+    python scripts/profile_ttfa.py --model random:0.5b --device cuda [--fast-first 12] [--set engine.eager=true]
 """
 
 from __future__ import annotations

@@ -5,12 +5,14 @@ from pathlib import Path
 import pytest
 
 from voice_out.config import (
+    REMOVED_ENGINE_KEYS,
     Config,
     ConfigError,
     EngineConfig,
     IceServer,
     ServerConfig,
     load_config,
+    parse_gpu_memory,
     parse_overrides,
     replace,
 )
@@ -34,17 +36,16 @@ def test_priority_file_env_overrides(tmp_path: Path) -> None:
         f,
         environ={
             "VOICE_OUT_SERVER_PORT": "9002",
-            "VOICE_OUT_ENGINE_CUDA_GRAPHS": "off",
-            "VOICE_OUT_ENGINE_MAX_CHUNKS_PER_STEP": "6",
+            "VOICE_OUT_ENGINE_EAGER": "on",
+            "VOICE_OUT_ENGINE_GPU_MEMORY": "80%",
         },
-        overrides=parse_overrides(["server.port=9003", "engine.graph_batch_buckets=1,2,4"]),
+        overrides=parse_overrides(["server.port=9003", "engine.gpu_memory=22"]),
     )
     assert cfg.server.port == 9003
     assert cfg.server.host == "0.0.0.0"
     assert cfg.engine.max_streams == 8
-    assert cfg.engine.cuda_graphs is False
-    assert cfg.engine.graph_batch_buckets == (1, 2, 4)
-    assert cfg.engine.max_chunks_per_step == 6 and Config().engine.max_chunks_per_step is None
+    assert cfg.engine.eager is True and Config().engine.eager is False
+    assert cfg.engine.gpu_memory == 22.0 and Config().engine.gpu_memory is None
 
 
 def test_config_env_var_names_file(tmp_path: Path) -> None:
@@ -61,13 +62,14 @@ def test_config_env_var_names_file(tmp_path: Path) -> None:
         (["model.dtype=float8"], "model.dtype = 'float8' is invalid"),
         (["model.device=tpu"], "model.device = 'tpu' is invalid"),
         (["engine.top_p=1.5"], "engine.top_p = 1.5 is invalid"),
-        (["engine.cuda_graphs=maybe"], "expected true or false"),
-        (["engine.graph_batch_buckets=4,2"], "strictly increasing"),
+        (["engine.eager=maybe"], "expected true or false"),
+        (["engine.gpu_memory=lots"], "engine.gpu_memory = 'lots' is invalid: expected GiB as a number"),
+        (["engine.gpu_memory=0"], "engine.gpu_memory = 0.0 is invalid"),
+        (["engine.gpu_memory=150%"], "a percentage must be in (0, 100]"),
         (["engine.first_hop_tokens=200"], "engine.first_hop_tokens = 200 is invalid"),
         (["engine.max_ahead_s=0"], "engine.max_ahead_s = 0.0 is invalid"),
-        (["engine.max_chunks_per_step=0"], "engine.max_chunks_per_step = 0 is invalid"),
-        (["engine.first_chunk_lane_max_playing=-1"], "engine.first_chunk_lane_max_playing = -1 is invalid"),
-        (["engine.capture_voice_tokens=-5"], "engine.capture_voice_tokens = -5 is invalid: expected a number of"),
+        (["engine.cuda_graphs=false"], "engine.cuda_graphs is no longer a setting: engine.eager"),
+        (["engine.capture_tokens=500"], "engine.capture_tokens is no longer a setting: derived from engine.gpu_memory"),
         (["server.auth_token=short"], "at least 8 characters"),
         (["server.nope=1"], "unknown key(s) in [server]: nope"),
         (["server.frame_ms=15"], "server.frame_ms = 15 is invalid: expected 10 or 20"),
@@ -186,3 +188,40 @@ def test_bad_ice_servers(value: str, message: str) -> None:
 def test_bad_ice_server_built_in_python() -> None:
     with pytest.raises(ConfigError, match=r"server.ice_servers\[0\].credential is missing"):
         ServerConfig(ice_servers=(IceServer(urls=("turn:turn.example.org",), username="u"),))
+
+
+@pytest.mark.parametrize(
+    ("value", "parsed"),
+    [
+        (22, ("gib", 22.0)),
+        ("22", ("gib", 22.0)),
+        ("0.8", ("fraction", 0.8)),
+        ("80%", ("fraction", 0.8)),
+        (1, ("fraction", 1.0)),
+        ("8 GiB", ("gib", 8.0)),
+        ("0.5GiB", ("gib", 0.5)),
+    ],
+)
+def test_gpu_memory_is_gib_or_a_share_of_the_card(value: float | str, parsed: tuple[str, float]) -> None:
+    assert parse_gpu_memory(value)[0] == parsed[0]
+    assert parse_gpu_memory(value)[1] == pytest.approx(parsed[1])
+
+
+def test_a_removed_engine_key_fails_in_one_line_naming_its_replacement(tmp_path: Path) -> None:
+    """A config file, an environment variable or ``--set`` naming one of the GPU-mechanics keys
+    that the plan now derives fails with one line saying what replaced it; the default config
+    file sets none of them."""
+    f = tmp_path / "old.toml"
+    f.write_text("[engine]\nmax_streams = 8\nfirst_chunk_prefix_voices = 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f, environ={})
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert (
+        msg == f"engine.first_chunk_prefix_voices is no longer a setting: {REMOVED_ENGINE_KEYS['flow_state_streams']}"
+    )
+    with pytest.raises(ConfigError, match="engine.step_ahead_rows is no longer a setting"):
+        load_config(None, environ={"VOICE_OUT_ENGINE_STEP_AHEAD_ROWS": "0"})
+    assert len(REMOVED_ENGINE_KEYS) == 21
+    default = load_config(REPO / "configs" / "default.toml", environ={})
+    assert default.engine == EngineConfig(max_streams=64)

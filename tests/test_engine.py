@@ -11,7 +11,7 @@ import random
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +46,7 @@ from voice_out.engine.scheduler import (
     StepResult,
     VocodeWork,
 )
+from voice_out.fast.plan import PINNABLE
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
 from voice_out.model.token2wav import Token2Wav, Token2WavStream
 
@@ -92,11 +93,15 @@ FORCED_3 = ForcedTokens(3)
 def make_engine(
     tmp: Path, *, hook: Hook | None = None, forced: ForcedTokens | None = FORCED_3, **engine: object
 ) -> Engine:
+    """A tiny random CPU engine over ``engine`` settings; plan choices among them
+    (``step_ahead_rows``, ...) are pinned in its plan (``Engine.load``'s ``pins``)."""
     kw: dict[str, object] = {"max_streams": 8, "max_ahead_s": 1.0, "max_text_chars": 200}
     kw.update(engine)
+    pins = {k: kw.pop(k) for k in list(kw) if k in PINNABLE}
     cfg = Config(server=ServerConfig(voices_dir=str(tmp / "no-voices")), engine=EngineConfig(**kw))  # type: ignore[arg-type]
     return Engine.load(
         cfg,
+        pins=pins,
         model="random:tiny",
         device="cpu",
         forced=forced,
@@ -165,14 +170,14 @@ def test_engine_implements_the_api(engine: Engine) -> None:
 
 
 def test_chunks_per_step_default_follows_token2wav_graphs(tmp_path: Path) -> None:
-    """Unset, ``engine.max_chunks_per_step`` is 4 off CUDA (token2wav graphs are CUDA only,
-    whatever the LLM does); the config, then ``Engine.load``'s argument, override it."""
-    assert make_engine(tmp_path)._max_chunks_per_step == 4
-    cfg = make_engine(tmp_path, max_chunks_per_step=6).config
-    assert Engine.load(cfg, model="random:tiny", device="cpu")._max_chunks_per_step == 6
-    assert Engine.load(cfg, model="random:tiny", device="cpu", max_chunks_per_step=3)._max_chunks_per_step == 3
-    plain = Config(server=cfg.server)
-    assert Engine.load(plain, model="random:tiny", device="cpu", llm_graphs=True)._max_chunks_per_step == 4
+    """The plan's ``max_chunks_per_step`` is 4 off CUDA (token2wav graphs are CUDA only,
+    whatever the LLM does); a pin overrides it, and the scheduler takes the plan's."""
+    assert make_engine(tmp_path).plan.max_chunks_per_step == 4
+    eng = make_engine(tmp_path, max_chunks_per_step=6)
+    assert eng.plan.max_chunks_per_step == 6 and eng._new_worker().scheduler.max_chunks_per_step == 6
+    plain = Config(server=eng.config.server)
+    graphed = Engine.load(plain, model="random:tiny", device="cpu", pins={"cuda_graphs": True})
+    assert graphed.plan.max_chunks_per_step == 4 and graphed.plan.cuda_graphs
 
 
 def test_one_stream_speaks_all_its_tokens(engine: Engine) -> None:
@@ -632,7 +637,8 @@ def test_the_graphed_llm_path_speaks_like_the_eager_one(engine: Engine) -> None:
     texts = [["graphs ", "or not"], ["x"]]
     eager = [solo(engine, 60 + i, t) for i, t in enumerate(texts)]
     kw: dict[str, object] = {"warmup": True, "text_normalizer": "none", "noise_prompt_tokens": 0, "kv_len": 512}
-    eng = Engine.load(engine.config, forced=ForcedTokens(3), llm_graphs=True, **kw)  # type: ignore[arg-type]
+    graphs = {"cuda_graphs": True}
+    eng = Engine.load(engine.config, forced=ForcedTokens(3), pins=graphs, **kw)  # type: ignore[arg-type]
     eng.start(timeout=120)
     try:
         graphed = [solo(eng, 60 + i, t) for i, t in enumerate(texts)]
@@ -641,7 +647,7 @@ def test_the_graphed_llm_path_speaks_like_the_eager_one(engine: Engine) -> None:
     for a, b in zip(graphed, eager, strict=True):
         assert signature(a) == signature(b)
         np.testing.assert_array_equal(np.concatenate([c.pcm for c in a]), np.concatenate([c.pcm for c in b]))
-    sampled = Engine.load(engine.config, llm_graphs=True, **kw)  # type: ignore[arg-type]
+    sampled = Engine.load(engine.config, pins=graphs, **kw)  # type: ignore[arg-type]
     sampled.start(timeout=120)
     try:
         chunks = solo(sampled, 1, ["ab"])
@@ -689,7 +695,7 @@ def test_sampled_streams_are_isolated_in_the_batched_llm(engine: Engine) -> None
 
 @pytest.mark.parametrize("forced", [True, False], ids=["forced_tokens", "sampled"])
 def test_planning_ahead_speaks_exactly_as_without(tmp_path: Path, forced: bool) -> None:
-    """``engine.step_ahead_rows``: three streams with text arriving in pieces, their tokens forced
+    """The plan's ``step_ahead_rows``: three streams with text arriving in pieces, their tokens forced
     (text groups after forced FILLs) or sampled (EOS included): the same audio, bit for bit,
     with the next steps launched ahead as without, and most of those guesses confirmed."""
     texts = ["hello there", "a b c", "quick fox"]
@@ -807,13 +813,21 @@ def test_a_warm_engine_s_first_utterances_import_nothing(tmp_path: Path) -> None
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
-def engine_with_voices(tmp: Path, ec: EngineConfig, device: str, default_tokens: int, others: Sequence[int]) -> Engine:
+def engine_with_voices(
+    tmp: Path,
+    ec: EngineConfig,
+    device: str,
+    default_tokens: int,
+    others: Sequence[int],
+    pins: Mapping[str, object] | None = None,
+) -> Engine:
     """A tiny random engine (not started, warmed up when started) whose default voice is a
     noise voice of ``default_tokens`` flow prompt tokens, with built-in noise voices ``n<P>``
-    of each of ``others`` prompt lengths."""
+    of each of ``others`` prompt lengths; ``pins``: plan choices set by hand."""
     cfg = Config(server=ServerConfig(voices_dir=str(tmp / "no-voices")), engine=ec)
     eng = Engine.load(
         cfg,
+        pins=pins,
         model="random:tiny",
         device=device,
         forced=FORCED_3,
@@ -828,7 +842,7 @@ def engine_with_voices(tmp: Path, ec: EngineConfig, device: str, default_tokens:
 
 def test_first_chunks_come_from_the_voices_prompt_prefixes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A warmed-up engine keeps the prompt prefixes of its default voice and its other voices
-    up to ``engine.first_chunk_prefix_voices`` (here 2 of 3: the third re-runs its prompt),
+    up to the plan's ``first_chunk_prefix_voices`` (here 2 of 3: the third re-runs its prompt),
     and a first chunk of a voice with one is computed from it: the same audio as an engine
     that keeps none (0), within float rounding."""
     calls: list[int] = []
@@ -841,8 +855,8 @@ def test_first_chunks_come_from_the_voices_prompt_prefixes(tmp_path: Path, monke
     monkeypatch.setattr(Token2Wav, "_prefix_chunk", spy)
 
     def run(n_voices: int) -> tuple[int, list[np.ndarray]]:
-        ec = EngineConfig(max_streams=2, first_chunk_prefix_voices=n_voices)
-        eng = engine_with_voices(tmp_path, ec, "cpu", 60, (40, 75))
+        ec = EngineConfig(max_streams=2)
+        eng = engine_with_voices(tmp_path, ec, "cpu", 60, (40, 75), {"first_chunk_prefix_voices": n_voices})
         eng.start(timeout=300)
         try:
             kept = len(engine_runner(eng)._first_prefixes)
@@ -867,7 +881,7 @@ def test_first_chunks_come_from_the_voices_prompt_prefixes(tmp_path: Path, monke
 
 
 def test_later_chunks_extend_a_flow_state_of_the_stream_s_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``engine.flow_state_streams`` = 1, one of two concurrent streams holds the engine's
+    """With the plan's ``flow_state_streams`` = 1, one of two concurrent streams holds the engine's
     one flow state and makes its later chunks on it (the other re-runs), and the next request
     takes it again once given back; the audio is that of an engine with none (0), within
     float rounding, over the same chunks (``flow_state_max_hop_tokens`` = 0: the usual hops).
@@ -886,8 +900,9 @@ def test_later_chunks_extend_a_flow_state_of_the_stream_s_own(tmp_path: Path, mo
     text = "Hello there, and a bit more. " * 3
 
     def run(n_states: int, state_hop: int = 0, rounds: int = 2, text: str = text) -> tuple[int, list[np.ndarray]]:
-        ec = EngineConfig(max_streams=2, flow_state_streams=n_states, flow_state_max_hop_tokens=state_hop)
-        eng = engine_with_voices(tmp_path, ec, "cpu", 60, ())
+        ec = EngineConfig(max_streams=2)
+        pins = {"flow_state_streams": n_states, "flow_state_max_hop_tokens": state_hop}
+        eng = engine_with_voices(tmp_path, ec, "cpu", 60, (), pins)
         eng.start(timeout=300)
         try:
             kept = len(engine_runner(eng).t2w._state_slots)
@@ -926,13 +941,14 @@ def test_a_start_captures_every_voice_s_prompt_length(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, voice_tokens: int, text: str
 ) -> None:
     """A voice whose prompt length differs from the default voice's has its token2wav graphs
-    captured at start-up (``engine.capture_voice_tokens``; its first chunk's whatever the
+    captured at start-up (the plan's ``capture_voice_tokens``; its first chunk's whatever the
     setting), so its first utterance captures none (the capture was 0.5 to 0.9 s of that
     utterance's first audio on an H200)."""
     from voice_out.model.cuda_graphs import GraphedFn
 
-    ec = EngineConfig(max_streams=2, capture_tokens=100, capture_batch_tokens=60, capture_voice_tokens=voice_tokens)
-    eng = engine_with_voices(tmp_path, ec, "cuda", 50, (25, 75))
+    ec = EngineConfig(max_streams=2)
+    pins = {"capture_tokens": 100, "capture_batch_tokens": 60, "capture_voice_tokens": voice_tokens}
+    eng = engine_with_voices(tmp_path, ec, "cuda", 50, (25, 75), pins)
     eng.start(timeout=600)
     try:
         captured: list[object] = []
@@ -1076,7 +1092,7 @@ def run_guess_script(runner: Runner, guesses: bool) -> list[dict[str, int]]:
 
 
 def test_steps_launched_ahead_change_nothing_and_roll_back_what_the_plan_drops(engine: Engine) -> None:
-    """``LlmWork.guess`` (engine.step_ahead_rows): a guessed next step launched before the host has
+    """``LlmWork.guess`` (the plan's step_ahead_rows): a guessed next step launched before the host has
     the token is used when the next plan confirms it and dropped (its slot's length rolled back
     on the device) when not; the sampled tokens and the KV cache are those of a runner that
     never guesses."""

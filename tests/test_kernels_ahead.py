@@ -50,10 +50,18 @@ def test_launch_runs_the_kernel_outside_a_recording_and_records_it_inside() -> N
     assert k.launched == [((2,), (x, 7))]
     with recording() as launches:
         launch(k, (3,), x, 8, BLOCK=16)
+        launch(k, (3,), x[1:], 8, BLOCK=16)  # 4 bytes past a 16-byte boundary
         with pytest.raises(RuntimeError, match="already"), recording():
             pass
     assert k.launched == [((2,), (x, 7))]  # recorded, not run
-    assert launches == [Launch(k, (3,), (x, 8), {"BLOCK": 16})]
+    # recorded with a stand-in of each tensor: what Triton specialises on (dtype, alignment to
+    # 16 bytes), none of the dry run's memory (its tensors are freed as it goes)
+    assert [(ln.kernel, ln.grid, ln.args[1:], ln.kwargs) for ln in launches] == [(k, (3,), (8,), {"BLOCK": 16})] * 2
+    for ln, real in zip(launches, (x, x[1:]), strict=True):
+        stand_in = ln.args[0]
+        assert stand_in.numel() == 1 and stand_in.dtype == real.dtype and stand_in.device == real.device
+        assert stand_in.data_ptr() % 16 == real.data_ptr() % 16
+        assert stand_in.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     assert launch_mod._recorded is None  # the recording ended with its block
     launch(k, (1,), x, 1)
     assert len(k.launched) == 2
@@ -174,9 +182,7 @@ def test_a_start_and_its_first_utterances_launch_no_kernel_its_dry_runs_missed(m
     launched during the start already (its first launch loads it). A 150-token prompt (the
     benchmark's) with the 25-token warm-up voice: the long chunks captured reach the tall
     tile tier."""
-    import dataclasses
 
-    from voice_out.config import EngineConfig
     from voice_out.engine import kernels as kernels_mod
     from voice_out.engine.engine import Engine
     from voice_out.engine.scheduler import ForcedTokens
@@ -201,13 +207,12 @@ def test_a_start_and_its_first_utterances_launch_no_kernel_its_dry_runs_missed(m
         return out
 
     monkeypatch.setattr(kernels_mod, "dry_run_launches", keep)
-    ec = dataclasses.replace(EngineConfig(), capture_tokens=400, capture_batch_tokens=300)
     eng = Engine.load(
         model="random:tiny",
         device="cuda",
         text_normalizer="none",
         noise_prompt_tokens=150,
-        engine=ec,
+        pins={"capture_tokens": 400, "capture_batch_tokens": 300},
         forced=ForcedTokens(3),
     )
     eng.start(timeout=600)

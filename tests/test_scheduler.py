@@ -34,6 +34,7 @@ from voice_out.engine.scheduler import (
     StepResult,
 )
 from voice_out.engine.textfeed import BistreamFeed, CharPipeline
+from voice_out.fast.plan import PINNABLE, cpu_plan
 from voice_out.model.chunk_schedule import ChunkPlan
 
 FORCED = ForcedTokens(3)
@@ -57,14 +58,17 @@ def create_scheduler(
     first_chunk_lane: bool = False,
     **engine: object,
 ) -> Scheduler:
+    """A scheduler over ``engine`` settings; plan choices among them (``step_ahead_rows``,
+    ``first_audio_priority``, ...) are pinned in its plan, as the engine's planner would."""
+    pins = {k: engine.pop(k) for k in list(engine) if k in PINNABLE}
+    pins.update(max_chunks_per_step=max_chunks_per_step, first_chunk_lane=first_chunk_lane)
     cfg = EngineConfig(max_streams=max_streams, max_ahead_s=max_ahead_s, **engine)  # type: ignore[arg-type]
     return Scheduler(
         cfg,
         CharPipeline,
         clock=clock or FakeClock(),
         forced=forced,
-        max_chunks_per_step=max_chunks_per_step,
-        first_chunk_lane=first_chunk_lane,
+        plan=cpu_plan(max_streams, pins),
     )
 
 

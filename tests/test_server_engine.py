@@ -62,7 +62,11 @@ async def test_real_engine_session() -> None:
     try:
         async with aiohttp.ClientSession() as http:
             async with http.get(url + "/healthz") as r:
-                assert r.status == 200 and (await r.json())["engine_ready"] is True
+                health = await r.json()
+                assert r.status == 200 and health["engine_ready"] is True
+                # the engine's plan: a CPU engine's (no budget, no graphs), its streams
+                assert health["plan"]["device_type"] == "cpu" and health["plan"]["max_streams"] == 64
+                assert health["plan"]["cuda_graphs"] is False and health["plan"]["left_out"] == {}
             async with http.get(url + "/voices") as r:
                 assert await r.json() == {"voices": [{"name": "noise", "builtin": True}]}
 

@@ -191,6 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ramp-s", type=float, help="capacity streams start spread over this many seconds (default 1)")
     p.add_argument("--flow-path", choices=["rerun", "cached"], help="token2wav flow path (default rerun)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument(
+        "--gpu-memory",
+        metavar="GIB",
+        help='engine.gpu_memory: GiB (22), or a share of the card ("0.8", "80%%"); the engine plans within it '
+        "and caps torch's allocator at it",
+    )
+    p.add_argument(
+        "--pin",
+        action="append",
+        metavar="NAME=VALUE",
+        help="set one fast-path plan choice by hand (voice_out.fast.plan.Plan field, or capability=8.9); repeatable",
+    )
     p.add_argument("--url", help="webrtc mode: measure this running server instead of starting one")
     p.add_argument("--voice", help="webrtc mode: the voice the utterances name (default: the server's)")
     p.add_argument(

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from voice_out.errors import VoiceOutError
-from voice_out.model.chunk_schedule import CHUNK_SIZE_TOKENS, HOP_GROWTHS
+from voice_out.model.chunk_schedule import HOP_GROWTHS
 
 ENV_PREFIX = "VOICE_OUT_"
 DEFAULT_MODEL = "FunAudioLLM/CosyVoice2-0.5B"
@@ -83,9 +83,77 @@ class ModelConfig:
         _check(bool(self.cache_dir), s, "cache_dir", self.cache_dir, "a directory path")
 
 
+#: Engine keys that are no longer settings, and what replaced them: the fast path's choices
+#: and sizes follow from ``engine.gpu_memory`` and the GPU (voice_out.fast.plan).
+_PLANNED = "derived from engine.gpu_memory and the GPU (voice_out.fast.plan)"
+REMOVED_ENGINE_KEYS: dict[str, str] = {
+    "cuda_graphs": "engine.eager (eager = true for no CUDA graphs)",
+    **{
+        k: _PLANNED
+        for k in (
+            "fused_decode",
+            "fused_linear",
+            "dependent_launch",
+            "fused_flow",
+            "fused_vocoder",
+            "graph_batch_buckets",
+            "batched_input_rows",
+            "max_chunks_per_step",
+            "pipeline_vocode",
+            "first_chunk_lane",
+            "first_chunk_lane_max_playing",
+            "capture_tokens",
+            "capture_batch_tokens",
+            "capture_voice_tokens",
+            "first_chunk_prefix_voices",
+            "flow_state_streams",
+            "flow_state_tokens",
+            "flow_state_max_hop_tokens",
+            "step_ahead_rows",
+            "first_audio_priority",
+        )
+    },
+}
+
+
+def parse_gpu_memory(value: float | str) -> tuple[str, float]:
+    """``engine.gpu_memory`` -> ("gib", GiB) or ("fraction", share of the card in (0, 1]).
+
+    A number above 1 (or any with the unit, "0.5 GiB") is GiB; a number in (0, 1] or a
+    percentage is a share of the card.
+    Raises ValueError saying what is accepted."""
+    expected = 'GiB as a number (e.g. 22), or a share of the card ("0.8" or "80%")'
+    if isinstance(value, bool):
+        raise ValueError(f"expected {expected}")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        unit = text.endswith("gib")
+        text = text.removesuffix("gib").strip()
+        pct = text.endswith("%")
+        try:
+            number = float(text.removesuffix("%"))
+        except ValueError:
+            raise ValueError(f"expected {expected}") from None
+        if pct:
+            if not 0 < number <= 100:
+                raise ValueError(f"a percentage must be in (0, 100]; expected {expected}")
+            return "fraction", number / 100
+        if unit and number > 0:
+            return "gib", number
+    else:
+        number = float(value)
+    if not number > 0 or number != number or number == float("inf"):
+        raise ValueError(f"expected {expected}")
+    return ("fraction", number) if number <= 1 else ("gib", number)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Scheduling, streaming and safety limits of the GPU worker."""
+    """What a deployer sets for the GPU worker: its memory budget, limits, chunking, sampling.
+
+    The GPU mechanics (CUDA graphs, Triton kernels, captured ranges, flow states, prompt
+    prefixes) are not settings: the engine derives them from ``gpu_memory`` and the GPU
+    (``voice_out.fast.plan``)."""
 
     #: Static KV-cache slots: the most streams that can decode at once.
     max_streams: int = 64
@@ -107,113 +175,15 @@ class EngineConfig:
     fast_first_tokens: int = 0
     #: How far (seconds of audio) the engine may run ahead of the consumer.
     max_ahead_s: float = 4.0
-    #: Use CUDA graphs for the decode step and token2wav (GPU only).
-    cuda_graphs: bool = True
-    #: CUDA graphs: the decode step's RoPE, K/V append and attention as one Triton kernel per
-    #: layer, the MLP gate as one, and the whole sampling draw as one
-    #: (voice_out.model.decode_kernels), where Triton can run them (it ships with PyTorch's
-    #: CUDA builds; bf16/fp16); else the plain-torch step.
-    fused_decode: bool = True
-    #: With fused_decode: a decode step of at most 16 rows runs its GEMMs as Triton kernels
-    #: too, each RMSNorm inside the GEMM after it, the MLP gate inside the [gate; up] GEMM and
-    #: the residual adds inside wo and w2 (5 kernels a layer instead of 10); False (and steps
-    #: of more rows): the library's GEMMs.
-    fused_linear: bool = True
-    #: With fused_decode, on a Hopper or later GPU: the decode step's Triton kernels launched
-    #: programmatically dependent: each is launched while the kernel before it still runs and
-    #: waits for that kernel's results before it touches memory, so their launch latency is
-    #: hidden (~7% of a step). False: each kernel is launched when the one before has finished.
-    dependent_launch: bool = True
-    #: The flow estimator's stateless calls (first chunks, re-run chunks, final chunks) with
-    #: fused Triton kernels (voice_out.model.flow_kernels: LayerNorm, GELU, Mish, residuals and
-    #: the attention mask inside the GEMM and attention kernels), where Triton can run them
-    #: (CUDA, bf16/fp16); else the plain-torch estimator.
-    fused_flow: bool = True
-    #: The vocoder's Snake activations as one Triton kernel each (seven torch kernels each
-    #: otherwise), where Triton can run it (CUDA); else the torch form.
-    fused_vocoder: bool = True
-    #: Batch buckets for graph capture; a decode step of n rows runs in the smallest bucket >= n
-    #: (the largest: max_streams + batched_input_rows).
-    graph_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
-    #: Most rows of multi-row LLM inputs (bistream text groups, a first input after its voice
-    #: prefix) one decode step takes beside the other streams' decode rows; an input that does
-    #: not fit is prefilled into its slot by itself. 0: every multi-row input is prefilled.
-    batched_input_rows: int = 128
-    #: Most token2wav chunks per engine step. None: 8 when token2wav runs CUDA graphs (a step's
-    #: chunks of one length are one batched graph replay of up to 8 rows, so 16 first chunks
-    #: take two steps), else 4 (eager chunks cost compute; the other streams' LLM step waits).
-    max_chunks_per_step: int | None = None
-    #: CUDA: launch a step's token2wav chunks on the side stream and hand their audio back in a
-    #: later step, so LLM steps go on while the flow runs (docs/engine.md); off: every step
-    #: waits for its own chunks (they still overlap that step's LLM work).
-    pipeline_vocode: bool = True
-    #: CUDA graphs, with ``pipeline_vocode``: first chunks (non-final) run on a token2wav stream
-    #: and graphs of their own: a first chunk is launched as soon as it is ready instead of
-    #: queueing behind the later chunks in flight (docs/engine.md). Off (or no CUDA graphs):
-    #: one token2wav stream; no chunk is planned while one is in flight.
-    first_chunk_lane: bool = True
-    #: With ``first_chunk_lane``: while more than this many streams are playing (audio started,
-    #: not finished), first chunks and the others take turns, one launch in flight at a time,
-    #: as with one lane: under that load, first chunks beside the later ones took the GPU from
-    #: listeners about to run dry (48 streams on an H100: an underrun or a few in some runs
-    #: with the lane, none without it; docs/benchmarks.md). 0: the lane at any load.
-    first_chunk_lane_max_playing: int = 32
-    #: CUDA graphs: the token2wav graphs start-up captures for the default voice's prompt
-    #: length cover an utterance of up to this many speech tokens (25 per second of audio:
-    #: 1500 = 60 s); a longer utterance's chunks beyond it run eagerly (a key is never
-    #: captured mid-stream: that would stall every stream). 1500 instead of 500 cost about
-    #: 2 s more of start-up on an H100 (docs/benchmarks.md, fifth round).
-    capture_tokens: int = 1500
-    #: The batched-chunk graphs (several streams' chunks of one length in one replay) within
-    #: the first this many speech tokens (at most capture_tokens); a batched chunk beyond it
-    #: replays each stream's own graph. They are the costliest to capture (up to 8 rows of a
-    #: whole utterance each), and streams rarely meet at the same length late in an utterance.
-    capture_batch_tokens: int = 500
-    #: CUDA graphs: for the prompt length of every other voice the engine knows at start-up
-    #: (one capture per distinct length), its single-chunk and final-chunk graphs of an
-    #: utterance's first this many speech tokens (capture_tokens where that is fewer; the
-    #: first chunk is always captured): ~2.6 s of start-up a length for 500 on an H200.
-    #: Uncaptured, a voice's first chunk was captured in its first utterance (0.5 to 0.9 s on
-    #: an H200) and its later chunks ran eagerly (a 12 s utterance: 0.7 to 0.85 s against 0.4).
-    capture_voice_tokens: int = 500
-    #: A first chunk computed from its voice's prompt prefix for up to this many voices known
-    #: at start-up (the default voice first; 0: off): the flow's 10 estimator calls then run
-    #: the prompt's tail and the new tokens only, reading the prefix's keys, values and conv
-    #: contexts (exact: chunk-causal; docs/token2wav.md), where they re-ran the whole prompt.
-    #: Each voice keeps its prefix on the device (~0.6 GB for a 150-token prompt at full size
-    #: in bf16), plus one buffer of that size per prefix length; a voice beyond the limit, or
-    #: added after start-up, re-runs its prompt. On a GPU it needs ``fused_flow`` (off without it).
-    first_chunk_prefix_voices: int = 4
-    #: Up to this many streams at once (of the voices with a prompt prefix, above) make their
-    #: later chunks from a flow state of their own (0: off): the 10 estimator calls of a chunk
-    #: then run its new tokens only, reading and extending the stream's keys, values and conv
-    #: contexts, where a re-run recomputes the prompt and every token so far (exact either
-    #: way; docs/token2wav.md). Each state is allocated at start-up for the longest prepared
-    #: prompt plus ``flow_state_tokens`` (~4.6 MB a token at full size in bf16: ~7.6 GB for
-    #: 1500); streams beyond the limit, and a stream past its state's capacity, re-run. On a
-    #: GPU it needs ``fused_flow`` (off without it).
-    flow_state_streams: int = 1
-    #: The speech tokens a stream's own flow state holds beyond its prompt (1500 = 60 s).
-    flow_state_tokens: int = 1500
-    #: The largest hop of a stream on a flow state of its own, where larger than
-    #: ``max_hop_tokens`` (a multiple of 25; 0: ``max_hop_tokens``): such a chunk costs about
-    #: the same whatever its length, so its hop grows on to this many tokens (25, 25, 50, 100,
-    #: 200 ...); its final chunk stays within ``max_hop_tokens`` (voice_out.model.chunk_schedule).
-    flow_state_max_hop_tokens: int = 200
-    #: Plan LLM steps one ahead while a step feeds at most this many streams (light load; 0:
-    #: never; a stream counts once, whatever its input rows): the next step of every stream
-    #: likely to go on (its input the token being sampled, on the device; after a forced FILL,
-    #: the next text group) is launched behind the current one, so the host's planning between
-    #: two steps overlaps the GPU work. A guess the next plan does not confirm is dropped (its
-    #: KV rows rolled back): the output is the same either way. Under load the GPU has
-    #: token2wav work for those gaps anyway, and a step queued ahead only takes it from the
-    #: chunks (docs/llm.md).
-    step_ahead_rows: int = 4
-    #: While an admitted stream waits for its first audio, the GPU goes to first audio: the
-    #: scheduler plans first chunks and the chunks of streams about to run dry, and defers the
-    #: rest (other streams' audio already buffered) so they do not slow the first chunks and
-    #: the LLM steps that make them (docs/engine.md). Off: every ready chunk, by deadline.
-    first_audio_priority: bool = True
+    #: Device memory the engine may hold on its GPU, the whole process counted (CUDA context,
+    #: ONNX Runtime, weights, caches, graphs): GiB as a number (``22``), or a share of the card
+    #: as a fraction or percentage (``"0.8"``, ``"80%"``); unset: 90% of what is free when the
+    #: engine starts. The engine plans every buffer to fit it (voice_out.fast.plan), lowering
+    #: ``max_streams`` if it must, and enforces it (torch's per-process memory fraction).
+    gpu_memory: float | str | None = None
+    #: No fast path: plain PyTorch, no CUDA graphs, no Triton kernels (debugging, or a GPU the
+    #: kernels do not support).
+    eager: bool = False
     #: Nucleus / top-k / repetition-aware sampling parameters (spec 2.6).
     top_p: float = 0.8
     top_k: int = 25
@@ -255,80 +225,11 @@ class EngineConfig:
             f"0 (off) or a number of tokens below first_hop_tokens ({self.first_hop_tokens})",
         )
         _check(self.max_ahead_s > 0, s, "max_ahead_s", self.max_ahead_s, "a positive number of seconds")
-        buckets = self.graph_batch_buckets
-        _check(
-            len(buckets) > 0 and all(b >= 1 for b in buckets) and list(buckets) == sorted(set(buckets)),
-            s,
-            "graph_batch_buckets",
-            buckets,
-            "a non-empty, strictly increasing list of positive integers",
-        )
-        _check(self.batched_input_rows >= 0, s, "batched_input_rows", self.batched_input_rows, "0 or a number of rows")
-        # the flow's fixed noise covers 7500 tokens of prompt + speech (spec: 15000 frames)
-        _check(
-            1 <= self.capture_tokens <= 6000,
-            s,
-            "capture_tokens",
-            self.capture_tokens,
-            "a number of speech tokens in 1..6000",
-        )
-        _check(
-            0 <= self.capture_batch_tokens <= self.capture_tokens,
-            s,
-            "capture_batch_tokens",
-            self.capture_batch_tokens,
-            f"a number of speech tokens in 0..capture_tokens ({self.capture_tokens})",
-        )
-        _check(
-            0 <= self.capture_voice_tokens <= 6000,
-            s,
-            "capture_voice_tokens",
-            self.capture_voice_tokens,
-            "a number of speech tokens in 0..6000",
-        )
-        _check(
-            0 <= self.first_chunk_prefix_voices <= 64,
-            s,
-            "first_chunk_prefix_voices",
-            self.first_chunk_prefix_voices,
-            "a number of voices in 0..64",
-        )
-        _check(
-            0 <= self.flow_state_streams <= 64,
-            s,
-            "flow_state_streams",
-            self.flow_state_streams,
-            "a number of streams in 0..64",
-        )
-        _check(
-            1 <= self.flow_state_tokens <= 6000,
-            s,
-            "flow_state_tokens",
-            self.flow_state_tokens,
-            "a number of speech tokens in 1..6000",
-        )
-        _check(
-            self.flow_state_max_hop_tokens >= 0 and self.flow_state_max_hop_tokens % CHUNK_SIZE_TOKENS == 0,
-            s,
-            "flow_state_max_hop_tokens",
-            self.flow_state_max_hop_tokens,
-            f"0 or a multiple of {CHUNK_SIZE_TOKENS} tokens",
-        )
-        _check(
-            self.first_chunk_lane_max_playing >= 0,
-            s,
-            "first_chunk_lane_max_playing",
-            self.first_chunk_lane_max_playing,
-            "0 (no limit) or a number of streams",
-        )
-        _check(self.step_ahead_rows >= 0, s, "step_ahead_rows", self.step_ahead_rows, "0 (off) or a number of streams")
-        _check(
-            self.max_chunks_per_step is None or self.max_chunks_per_step >= 1,
-            s,
-            "max_chunks_per_step",
-            self.max_chunks_per_step,
-            "an integer >= 1, or unset (8 with CUDA graphs, else 4)",
-        )
+        if self.gpu_memory is not None:
+            try:
+                parse_gpu_memory(self.gpu_memory)
+            except ValueError as e:
+                raise ConfigError(f"engine.gpu_memory = {self.gpu_memory!r} is invalid: {e}") from None
         _check(0.0 < self.top_p <= 1.0, s, "top_p", self.top_p, "a number in (0, 1]")
         _check(self.top_k >= 1, s, "top_k", self.top_k, "an integer >= 1")
         _check(self.ras_win_size >= 1, s, "ras_win_size", self.ras_win_size, "an integer >= 1")
@@ -521,7 +422,13 @@ def _convert(section: str, name: str, tp: Any, raw: object) -> object:
         non_none = [a for a in args if a is not type(None)]
         if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null")):
             return None
-        return _convert(section, name, non_none[0], raw)
+        for i, option in enumerate(non_none):  # the first type that takes the value
+            try:
+                return _convert(section, name, option, raw)
+            except ConfigError:
+                if i == len(non_none) - 1:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
     if origin is Literal:
         if raw not in args:
             raise ConfigError(f"{where} = {raw!r} is invalid: expected one of {', '.join(map(str, args))}")
@@ -598,6 +505,8 @@ def _build(section: str, values: Mapping[str, object]) -> Any:
     cls = SECTIONS[section]
     hints = typing.get_type_hints(cls)
     known = {f.name for f in fields(cls)}
+    if section == "engine":
+        _reject_removed(set(values))
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(
@@ -605,6 +514,13 @@ def _build(section: str, values: Mapping[str, object]) -> Any:
         )
     kwargs = {k: _convert(section, k, hints[k], v) for k, v in values.items()}
     return cls(**kwargs)
+
+
+def _reject_removed(names: set[str]) -> None:
+    removed = sorted(names & set(REMOVED_ENGINE_KEYS))
+    if removed:
+        k = removed[0]
+        raise ConfigError(f"engine.{k} is no longer a setting: {REMOVED_ENGINE_KEYS[k]}")
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict[str, object]]:
@@ -631,6 +547,8 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, object]]:
         section, _, name = rest.partition("_")
         if section in SECTIONS and name:
             names = {f.name for f in fields(SECTIONS[section])}
+            if section == "engine":
+                _reject_removed({name})
             if name not in names:
                 raise ConfigError(
                     f"environment variable {key}: {section} has no field {name!r}; known: {', '.join(sorted(names))}"

@@ -77,6 +77,9 @@ def _engine_options(args: argparse.Namespace) -> EngineBenchOptions:
         value = getattr(args, name, None)
         if value is not None:
             over[name] = value
+    pins = getattr(args, "pin", None)
+    if pins:
+        over["pins"] = tuple(parse_pin(p) for p in pins)
     rates = _floats(getattr(args, "text_rates", None))
     if rates is not None:
         over["text_rates"] = rates
@@ -88,6 +91,27 @@ def _engine_options(args: argparse.Namespace) -> EngineBenchOptions:
     if getattr(args, "quick", False):
         return EngineBenchOptions.quick(**over)
     return EngineBenchOptions(**over)
+
+
+def parse_pin(item: str) -> tuple[str, object]:
+    """``NAME=VALUE`` of ``--pin`` -> (name, value): true/false, an integer, a comma list of
+    integers (``graph_batch_buckets``), or the text (``capability=8.9``)."""
+    from voice_out.cli import UserError
+
+    name, sep, raw = item.partition("=")
+    name, raw = name.strip(), raw.strip()
+    if not sep or not name:
+        raise UserError(f"--pin {item!r}: expected NAME=VALUE, e.g. capture_tokens=500 or capability=8.9")
+    if name == "capability":
+        return name, raw
+    if raw.lower() in ("true", "false"):
+        return name, raw.lower() == "true"
+    try:
+        if "," in raw:
+            return name, tuple(int(x) for x in raw.split(",") if x.strip())
+        return name, int(raw)
+    except ValueError:
+        raise UserError(f"--pin {item!r}: expected true/false, an integer or a list of integers") from None
 
 
 def _webrtc_options(args: argparse.Namespace) -> WebrtcBenchOptions:
@@ -129,6 +153,13 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
         return 0
     mode = getattr(args, "mode", None) or "engine"
     cfg = bench_model_config(cfg, args)
+    if getattr(args, "gpu_memory", None) is not None:
+        from voice_out.config import ConfigError
+
+        try:
+            cfg = replace_config(cfg, "engine", gpu_memory=args.gpu_memory)
+        except ConfigError as e:
+            raise UserError(str(e)) from None
     command = command_line(args)
     log = _logger()
     if mode not in ("engine", "webrtc"):

@@ -94,6 +94,9 @@ class EngineBenchOptions:
     #: torch CPU threads (0: torch's default).
     threads: int = 0
     scenarios: tuple[str, ...] = SCENARIOS
+    #: Fast-path plan choices set by hand (``voice_out.fast.plan.Plan`` field, value), e.g.
+    #: (("capability", "8.9"),): the bench's ``--pin NAME=VALUE``.
+    pins: tuple[tuple[str, Any], ...] = ()
     #: Longest wait for one measurement (a stream that never speaks fails the run).
     timeout_s: float = 600.0
 
@@ -158,7 +161,15 @@ def load_engine(cfg: Config, opts: EngineBenchOptions) -> Engine:
             flow_path=opts.flow_path,
             noise_prompt_tokens=opts.prompt_tokens,
             text_normalizer="none",
+            pins=dict(opts.pins),
         )
+
+
+def device_used(device: torch.device) -> int:
+    """Bytes in use on ``device`` as the driver counts them (``cudaMemGetInfo``: this process's
+    CUDA context, allocator, graphs and libraries, and any other process on the card)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free)
 
 
 def gpu_name(cfg: Config) -> str:
@@ -426,12 +437,13 @@ async def _run_engine(
     save: Callable[[], None],
 ) -> None:
     scen = set(opts.scenarios)
-    peaks = {"allocated": 0.0, "reserved": 0.0}
+    peaks = {"allocated": 0.0, "reserved": 0.0, "device_used": 0.0}
 
     def note_peaks() -> None:
         if device.type == "cuda":
             peaks["allocated"] = max(peaks["allocated"], torch.cuda.max_memory_allocated(device) / GIB)
             peaks["reserved"] = max(peaks["reserved"], torch.cuda.max_memory_reserved(device) / GIB)
+            peaks["device_used"] = max(peaks["device_used"], device_used(device) / GIB)
 
     # one untimed utterance: the first use of each kernel is not a benchmark
     await asyncio.wait_for(first_chunk_s(engine, 1, [text_of(opts.ttfa_chars)], 0.0, opts.timeout_s), opts.timeout_s)
@@ -496,8 +508,9 @@ async def _run_engine(
         note_peaks()
         n = max(opts.streams) if "capacity" in scen else 1
         if device.type == "cuda":
-            report.add("gpu.mem.max_allocated", peaks["allocated"], "GiB", n)
-            report.add("gpu.mem.max_reserved", peaks["reserved"], "GiB", n)
+            report.add("gpu.mem.serving.max_allocated", peaks["allocated"], "GiB", n)
+            report.add("gpu.mem.serving.max_reserved", peaks["reserved"], "GiB", n)
+            report.add("gpu.mem.serving.device_used", peaks["device_used"], "GiB", n)
         # ru_maxrss: KiB on Linux
         report.add("host.mem.max_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "GiB", n)
 
@@ -523,8 +536,10 @@ def run_engine_bench(
         tokens_per_text_token=opts.tokens_per_text_token,
         prompt_tokens=opts.prompt_tokens,
         flow_path=opts.flow_path,
-        # the engine's own switch (--set engine.cuda_graphs=false for eager): graphs on CUDA only
-        cuda_graphs=cfg.engine.cuda_graphs and device.type == "cuda",
+        # the engine's own switches (--gpu-memory, --set engine.eager=true); the plan is below
+        gpu_memory=cfg.engine.gpu_memory,
+        eager=cfg.engine.eager,
+        pins=dict(opts.pins),
         max_ahead_s=cfg.engine.max_ahead_s,
         kv_len=opts.kv_len(),
         reps=opts.reps,
@@ -549,9 +564,17 @@ def run_engine_bench(
     t0 = time.perf_counter()
     engine = load_engine(cfg, opts)
 
+    report.settings["plan"] = engine.plan.as_dict()
+    log(engine.plan.summary())
+
     async def main() -> None:
         async with engine:
             report.add("startup.engine_ready_in_process_s", time.perf_counter() - t0, "s", 0)
+            if device.type == "cuda":  # start-up's peaks, then serving's alone
+                report.add("gpu.mem.startup.max_allocated", torch.cuda.max_memory_allocated(device) / GIB, "GiB", 0)
+                report.add("gpu.mem.startup.max_reserved", torch.cuda.max_memory_reserved(device) / GIB, "GiB", 0)
+                report.add("gpu.mem.startup.device_used", device_used(device) / GIB, "GiB", 0)
+                torch.cuda.reset_peak_memory_stats(device)
             await _run_engine(engine, opts, report, device, log, save)
 
     asyncio.run(main())

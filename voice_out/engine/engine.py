@@ -35,7 +35,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -63,6 +63,7 @@ from voice_out.engine.worker import (
     Worker,
     WorkerStats,
 )
+from voice_out.fast.plan import Plan, cpu_plan
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +124,7 @@ class Engine:
         forced: ForcedTokens | None = None,
         warmup: Callable[[StepRunner], None] | None = None,
         clock: Callable[[], float] | None = None,
-        max_chunks_per_step: int = 4,
-        first_chunk_lane: bool = False,
+        plan: Plan | None = None,
         max_open_streams: int | None = None,
     ) -> None:
         import time
@@ -136,9 +136,10 @@ class Engine:
         self._pipeline_factory = pipeline_factory
         self._warmup = warmup
         self._clock = clock or time.monotonic
-        self._max_chunks_per_step = max_chunks_per_step
-        self._first_chunk_lane = first_chunk_lane
-        self.max_open_streams = max_open_streams or 4 * config.engine.max_streams
+        #: Every fast-path choice and size (voice_out.fast.plan): its KV slots, graphs, kernels,
+        #: flow states, prompt prefixes, and what did not fit the memory budget.
+        self.plan = plan if plan is not None else cpu_plan(config.engine.max_streams)
+        self.max_open_streams = max_open_streams or 4 * self.plan.max_streams
         self._streams: weakref.WeakValueDictionary[str, EngineStream] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
         self._worker: Worker | None = None
@@ -162,11 +163,10 @@ class Engine:
         warmup: bool = True,
         flow_path: str = "rerun",
         fault_hook: Any | None = None,
-        max_chunks_per_step: int | None = None,
         noise_prompt_tokens: int = 25,
         text_normalizer: str = "auto",
-        llm_graphs: bool | None = None,
         engine: EngineConfig | None = None,
+        pins: Mapping[str, object] | None = None,
     ) -> Engine:
         """Resolve the model and build an engine (the weights load on the worker at start).
 
@@ -176,11 +176,11 @@ class Engine:
         read-only store at ``server.voices_dir``). ``forced``: forced-tokens mode for tests and
         benchmarks. ``kv_len``: KV-cache positions per stream. ``text_normalizer``: ``auto``,
         ``wetext``, ``rules`` or ``none``. ``flow_path``: token2wav's ``rerun`` (upstream) or
-        ``cached`` flow. ``fault_hook``: a test hook (see ``Runner``). ``llm_graphs``: run the
-        LLM through ``voice_out.model.llm_graphs`` (CUDA graphs per batch bucket; eager code
-        off the GPU); None = ``engine.cuda_graphs`` on a CUDA device. ``max_chunks_per_step``:
-        token2wav chunks per step; None = ``engine.max_chunks_per_step``, whose default is 8
-        with token2wav CUDA graphs and 4 otherwise.
+        ``cached`` flow. ``fault_hook``: a test hook (see ``Runner``). ``pins``: fast-path
+        choices set by hand (tests, the bench; ``voice_out.fast.plan.Plan`` field -> value,
+        plus ``capability``: "8.9" plans as for that GPU); e.g. ``{"cuda_graphs": True}`` runs
+        the LLM through ``voice_out.model.llm_graphs`` (its eager code off the GPU).
+        Raises ConfigError when ``engine.gpu_memory`` cannot hold the model and one stream.
         """
         from voice_out.engine import loading
 
@@ -200,10 +200,9 @@ class Engine:
             warmup=warmup,
             flow_path=flow_path,
             fault_hook=fault_hook,
-            max_chunks_per_step=max_chunks_per_step,
             noise_prompt_tokens=noise_prompt_tokens,
             text_normalizer=text_normalizer,
-            llm_graphs=llm_graphs,
+            pins=pins,
         )
 
     # ---- EngineLike --------------------------------------------------------------------------
@@ -288,8 +287,7 @@ class Engine:
             self._pipeline_factory,
             clock=self._clock,
             forced=self.forced,
-            max_chunks_per_step=self._max_chunks_per_step,
-            first_chunk_lane=self._first_chunk_lane,
+            plan=self.plan,
         )
         return Worker(
             scheduler,

@@ -142,13 +142,18 @@ def dry_run_ends(flow: Flow, n_prompt: int) -> list[int]:
     return ends
 
 
-def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
+def dry_run_launches(runner: Runner, voice: FlowVoice, *, state_chunks: bool = True) -> list[Launch]:
     """The Triton launches of a re-run chunk, a batched chunk and a final chunk (graphed and
     eager) of the flow for ``voice``'s prompt length, each at the chunk ends of
     :func:`dry_run_ends`, of a first chunk from a prompt prefix and of later chunks on a
     stream's own state (when the runner keeps prefixes), of a vocoder call and of a decode
     step, recorded (not run: nothing they compute is kept, and nothing is written to any
-    stream's state: the state chunks' are stand-ins)."""
+    stream's state: the state chunks' are stand-ins). ``state_chunks``: whether streams will
+    have flow states of their own (the plan's ``flow_state_streams``); without, their chunks'
+    dry runs (a stand-in state of up to 400 tokens, ~1.8 GB at full size) are left out.
+
+    Recorded launches keep no tensor of the dry runs (``voice_out.model.launch.recording``):
+    its peak is one model call's, within what serving holds for the same calls."""
     flow = runner.t2w.flow
     if not isinstance(flow, Flow):
         return []
@@ -180,11 +185,13 @@ def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
             ids = torch.ones(1, 2 * d.enc_chunk + d.pre_lookahead, dtype=torch.int32, device=dev)
             cond = torch.zeros(1, d.n_mels, d.token_mel_ratio * d.enc_chunk, device=dev, dtype=flow.dtype)
             flow.prefix_core(ids, emb, cond, prefix)
+            del prefix
+        if runner.prefix_voices and flow.estimator.kernels and state_chunks:
+            spk = flow.speaker(emb)
             # later chunks extending a stream's state (Token2Wav.use_state_slots): the attention
             # stores keys at a start on the device, one more specialisation; a short chunk, the
             # longest hop of a stream not on a state and of one on a state (their tile tiers),
             # each on a stand-in state of its size
-            spk = flow.speaker(emb)
             hops = runner.hops
             for chunk_tokens in sorted({d.enc_chunk, hops.max_hop, max(hops.state_max_hop, hops.max_hop)}):
                 if 2 * chunk_tokens > d.max_tokens:
@@ -195,6 +202,7 @@ def dry_run_launches(runner: Runner, voice: FlowVoice) -> list[Launch]:
                 x0 = torch.zeros(1, d.n_mels, n, device=dev)
                 at = torch.full((1,), n, dtype=torch.long, device=dev)
                 flow.state_core(mu, spk, mu, x0, at, state)
+                del state
         # the vocoder's Snake kernels (a compile per channel count; lengths are not specialised)
         runner.t2w.hift(torch.zeros(1, d.n_mels, 8, device=dev))
         if runner.graphed.fused:
@@ -220,6 +228,7 @@ def precompile(
     workers: int = COMPILE_WORKERS,
     *,
     meanwhile: Callable[[], None] | None = None,
+    state_chunks: bool = True,
 ) -> tuple[int, float]:
     """:func:`dry_run_launches`, then :func:`compile_ahead`: (kernels compiled, seconds, the
     ``meanwhile`` work included). Off CUDA nothing compiles and ``meanwhile`` just runs."""
@@ -228,6 +237,6 @@ def precompile(
             meanwhile()
         return 0, 0.0
     t0 = time.perf_counter()
-    n = compile_ahead(dry_run_launches(runner, voice), workers, meanwhile=meanwhile)
+    n = compile_ahead(dry_run_launches(runner, voice, state_chunks=state_chunks), workers, meanwhile=meanwhile)
     torch.cuda.synchronize(runner.device)
     return n, time.perf_counter() - t0

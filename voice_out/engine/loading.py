@@ -7,15 +7,16 @@ and token2wav on the GPU worker thread when the engine starts (CUDA belongs to t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from voice_out.config import Config, ConfigError
+from voice_out.config import Config, ConfigError, parse_gpu_memory
 from voice_out.engine.engine import NOISE_VOICE, VoiceBook, random_dims_dir, warn_random
 from voice_out.engine.kernels import precompile
 from voice_out.engine.request import TextPiece, TextPipeline, VoicePrompt
@@ -23,6 +24,19 @@ from voice_out.engine.runner import FlowVoice, Runner, noise_voice
 from voice_out.engine.scheduler import ForcedTokens, hop_policy
 from voice_out.engine.textfeed import TokenizerPipeline
 from voice_out.engine.worker import StepRunner
+from voice_out.fast.plan import (
+    CONTEXT_BYTES,
+    GIB,
+    LIBRARY_BYTES,
+    ORT_BYTES,
+    Capability,
+    ModelSizes,
+    Plan,
+    PlanError,
+    cpu_plan,
+    make_plan,
+)
+from voice_out.fast.sizes import model_sizes
 from voice_out.hub import resolve_model
 
 if TYPE_CHECKING:
@@ -31,12 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: Token2wav chunks per step when ``engine.max_chunks_per_step`` is unset. With CUDA graphs the
-#: chunks of a step that end at the same length run as ONE graph replay of up to 8 rows (the
-#: largest of ``token2wav.CHUNK_BATCH_BUCKETS``); eagerly a chunk costs its compute, and 4 keeps
-#: the LLM step of the other streams at pace.
-CHUNKS_PER_STEP_GRAPHED = 8
-CHUNKS_PER_STEP_EAGER = 4
+#: The default budget: this share of the device memory free when the engine is built.
+DEFAULT_FREE_SHARE = 0.9
 
 
 def resolve_device(device: str) -> torch.device:
@@ -83,12 +93,11 @@ def build_engine(
     warmup: bool,
     flow_path: str,
     fault_hook: Any | None,
-    max_chunks_per_step: int | None,
     noise_prompt_tokens: int,
     text_normalizer: str = "auto",
-    llm_graphs: bool | None = None,
+    pins: Mapping[str, object] | None = None,
 ) -> Engine:
-    from voice_out.model.checkpoint import flow_dims, llm_dims, load_yaml
+    from voice_out.model.checkpoint import flow_dims, hift_dims, llm_dims, load_yaml
     from voice_out.text.tokenizer import load_tokenizer
 
     mc = cfg.model
@@ -103,7 +112,8 @@ def build_engine(
     device = resolve_device(mc.device)
     dtype = _DTYPES[mc.dtype] if device.type == "cuda" else torch.float32
     dims = llm_dims(dims_dir)
-    fdims = flow_dims(load_yaml(dims_dir))
+    yaml_cfg = load_yaml(dims_dir)
+    fdims = flow_dims(yaml_cfg)
     tokenizer = load_tokenizer(weights_dir, dims.text_vocab_size)
 
     builtin: dict[str, VoicePrompt] = {}
@@ -128,20 +138,31 @@ def build_engine(
     book = VoiceBook(store, tokenizer.encode, builtin=builtin, default=default)
 
     ec = cfg.engine
+    plan = engine_plan(
+        cfg,
+        device,
+        dtype,
+        lambda: model_sizes(
+            dims,
+            fdims,
+            hift_dims(yaml_cfg),
+            dtype_bytes=torch.finfo(dtype).bits // 8,
+            kv_len=kv_len,
+            prompt_tokens=_prompt_tokens(book),
+        ),
+        pins or {},
+    )
     try:  # the token2wav schedule's own rules (hops are whole flow chunks): fail at load, not per stream
-        hop_policy(ec).schedule(0, ec.fast_first_tokens)
+        hop_policy(ec, plan).schedule(0, ec.fast_first_tokens)
     except ValueError as e:
         raise ConfigError(f"engine.first_hop_tokens / max_hop_tokens / hop_growth / fast_first_tokens: {e}") from None
-    graphs = ec.cuda_graphs and device.type == "cuda" if llm_graphs is None else llm_graphs
-    # token2wav graphs run on CUDA only; the argument, then the config, override the default
-    chunks_per_step = CHUNKS_PER_STEP_GRAPHED if graphs and device.type == "cuda" else CHUNKS_PER_STEP_EAGER
-    if ec.max_chunks_per_step is not None:
-        chunks_per_step = ec.max_chunks_per_step
-    if max_chunks_per_step is not None:
-        chunks_per_step = max_chunks_per_step
+    graphs = plan.cuda_graphs
+    chunks_per_step = plan.max_chunks_per_step
     # first chunks beside the others need their own token2wav graphs and a pipelined runner:
     # decided here once, for token2wav, the runner (through it) and the scheduler
-    first_lane = graphs and device.type == "cuda" and ec.first_chunk_lane and ec.pipeline_vocode
+    first_lane = graphs and device.type == "cuda" and plan.first_chunk_lane and plan.pipeline_vocode
+    plan = dataclasses.replace(plan, first_chunk_lane=first_lane)
+    log.info("engine: %s", plan.summary())
 
     def runner_factory() -> StepRunner:
         from voice_out.model.checkpoint import load_flow, load_hift, load_llm, random_flow, random_hift, random_llm
@@ -149,6 +170,8 @@ def build_engine(
         from voice_out.model.token2wav import Token2Wav
 
         seed = mc.random_seed
+        if device.type == "cuda":
+            enforce_budget(plan, device)
         if weights_dir is not None:
             llm = load_llm(weights_dir, device, dtype)
             flow = load_flow(weights_dir, device, dtype)
@@ -162,41 +185,41 @@ def build_engine(
             source.spec,
             device,
             dtype,
-            ec.max_streams,
+            plan.max_streams,
             kv_len,
         )
-        if flow.use_kernels(ec.fused_flow):
+        if flow.use_kernels(plan.fused_flow):
             log.info("engine: flow estimator with fused kernels")
-        elif ec.fused_flow and torch.device(device).type == "cuda":
+        elif plan.fused_flow and torch.device(device).type == "cuda":
             log.info("engine: fused flow kernels unavailable here (need Triton and bf16/fp16): plain-torch flow")
-        if hift.use_kernels(ec.fused_vocoder):
+        if hift.use_kernels(plan.fused_vocoder):
             log.info("engine: vocoder with fused Snake kernels")
         t2w = Token2Wav(flow, hift, device=device)
         # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere); the first-chunk
-        # lane's graphs apart when first chunks run beside the others (engine.first_chunk_lane)
+        # lane's graphs apart when first chunks run beside the others (the plan's first_chunk_lane)
         t2w.use_cuda_graphs(graphs, first_lane=first_lane)
         runner = Runner(
             llm,
             t2w,
-            n_slots=ec.max_streams,
+            n_slots=plan.max_streams,
             max_len=kv_len,
             sampling=SamplingParams(top_p=ec.top_p, top_k=ec.top_k, win_size=ec.ras_win_size, tau_r=ec.ras_tau_r),
-            hops=hop_policy(ec),
+            hops=hop_policy(ec, plan),
             fast_first=ec.fast_first_tokens,
             flow_path=flow_path,
             fault_hook=fault_hook,
             graphs=graphs,
-            graph_buckets=ec.graph_batch_buckets,
-            pipeline_vocode=ec.pipeline_vocode,
-            fused_decode=ec.fused_decode,
-            fused_linear=ec.fused_linear,
-            dependent_launch=ec.dependent_launch,
-            batched_input_rows=ec.batched_input_rows,
+            graph_buckets=plan.graph_batch_buckets,
+            pipeline_vocode=plan.pipeline_vocode,
+            fused_decode=plan.fused_decode,
+            fused_linear=plan.fused_linear,
+            dependent_launch=plan.dependent_launch,
+            batched_input_rows=plan.batched_input_rows,
             # on a GPU only with the fused kernels: the plain estimator would copy a voice's
             # prefix (~0.6 GB) into a state of its own for every first chunk
-            prefix_voices=ec.first_chunk_prefix_voices if flow.estimator.kernels or device.type != "cuda" else 0,
+            prefix_voices=plan.first_chunk_prefix_voices if flow.estimator.kernels or device.type != "cuda" else 0,
         )
-        if ec.fused_decode and device.type == "cuda" and not runner.graphed.fused:
+        if plan.fused_decode and device.type == "cuda" and not runner.graphed.fused:
             log.info("engine: fused decode kernels unavailable here (need Triton and bf16/fp16): plain-torch decode")
         return runner
 
@@ -213,7 +236,7 @@ def build_engine(
                 runner.precapture_vocoder(default_voice[1])
 
         if graphs:  # the fused kernels, compiled several at a time rather than on first use
-            n, seconds = precompile(runner, voice, meanwhile=meanwhile)
+            n, seconds = precompile(runner, voice, meanwhile=meanwhile, state_chunks=plan.flow_state_streams > 0)
             if n:
                 log.info(
                     "engine: %d Triton kernels compiled ahead in %.1f s (the LLM's graphs and the vocoder's meanwhile)",
@@ -223,24 +246,24 @@ def build_engine(
         else:
             meanwhile()
         runner.warmup_token2wav(voice)
-        _prepare_prefixes(runner, book, ec.first_chunk_prefix_voices)
+        _prepare_prefixes(runner, book, plan.first_chunk_prefix_voices)
         # (prefix_voices is 0 on a GPU without the fused kernels: nor does a stream need a state)
         if runner.prefix_voices:
-            n_states = runner.prepare_state_slots(ec.flow_state_streams, ec.flow_state_tokens)
+            n_states = runner.prepare_state_slots(plan.flow_state_streams, plan.flow_state_tokens)
             if n_states:
                 log.info(
                     "engine: %d flow states of %d speech tokens for streams' later chunks",
                     n_states,
-                    ec.flow_state_tokens,
+                    plan.flow_state_tokens,
                 )
         if default_voice is not None:  # the token2wav graphs of its prompt length, before any stream
             name, flow_voice = default_voice
             t0 = time.perf_counter()
             n = runner.precapture(
                 flow_voice,
-                ec.capture_tokens,
+                plan.capture_tokens,
                 max_batch=chunks_per_step,
-                batch_tokens=ec.capture_batch_tokens,
+                batch_tokens=plan.capture_batch_tokens,
             )
             log.info(
                 "engine: %d token2wav graphs captured for voice %r (batched chunks up to %d) in %.1f s",
@@ -250,7 +273,7 @@ def build_engine(
                 time.perf_counter() - t0,
             )
             first = 2 * ec.first_hop_tokens  # the first chunk's shapes, whatever the setting
-            n_voice = max(first, min(ec.capture_voice_tokens, ec.capture_tokens))
+            n_voice = max(first, min(plan.capture_voice_tokens, plan.capture_tokens))
             _capture_other_voices(runner, book, flow_voice, n_voice, first, chunks_per_step)
 
     return cls(
@@ -260,8 +283,7 @@ def build_engine(
         voices=book,
         forced=forced,
         warmup=warm if warmup else None,
-        max_chunks_per_step=chunks_per_step,
-        first_chunk_lane=first_lane,
+        plan=plan,
     )
 
 
@@ -282,7 +304,7 @@ def _default_voice(book: VoiceBook) -> tuple[str, FlowVoice] | None:
 
 def _prepare_prefixes(runner: Runner, book: VoiceBook, limit: int) -> None:
     """Keep the prompt prefixes of the default voice and then the others the engine knows, up
-    to ``limit`` voices (``engine.first_chunk_prefix_voices``), for first chunks from them
+    to ``limit`` voices (the plan's ``first_chunk_prefix_voices``), for first chunks from them
     (``Runner.prepare_first_prefix``); before the graph captures, which capture their graphs."""
     if limit <= 0:
         return
@@ -311,7 +333,7 @@ def _capture_other_voices(
 ) -> None:
     """Capture (start-up) the token2wav graphs of the first ``n_tokens`` speech tokens (the
     batched ones within ``batch_tokens``) for the prompt length of every other voice the
-    engine knows, one capture per distinct length (``engine.capture_voice_tokens``): token2wav
+    engine knows, one capture per distinct length (the plan's ``capture_voice_tokens``): token2wav
     graphs are shaped by the prompt's length, and a voice of a length start-up did not
     capture paid its first chunk's capture in its first utterance (0.5 to 0.9 s of first
     audio on an H200) and ran its later chunks eagerly."""
@@ -337,3 +359,95 @@ def _capture_other_voices(
             ", ".join(repr(n) for n in captured),
             time.perf_counter() - t0,
         )
+
+
+def _prompt_tokens(book: VoiceBook) -> int:
+    """Speech tokens of the default voice's prompt (the prefix and state lengths the plan
+    sizes), or 150 (a typical prompt) without a usable default voice."""
+    try:
+        voice = book.resolve(None)
+    except Exception:  # noqa: BLE001 - the request that names it fails instead
+        return 150
+    flow = voice.flow
+    return int(flow.prompt_token.numel()) if isinstance(flow, FlowVoice) and flow.prompt_token.numel() else 150
+
+
+def onnx_on_device() -> bool:
+    """Whether voice preparation's ONNX models run on the GPU (onnxruntime's CUDA provider)."""
+    try:
+        from voice_out.voices.onnx import providers
+    except ImportError:  # pragma: no cover - onnxruntime is a dependency
+        return False
+    try:
+        return "CUDAExecutionProvider" in providers()
+    except Exception:  # noqa: BLE001 - no onnxruntime: voices are not prepared here at all
+        return False
+
+
+def device_budget(gpu_memory: float | str | None, free: int, total: int) -> int:
+    """``engine.gpu_memory`` in bytes on a card of ``total`` bytes with ``free`` free now (the
+    memory this process's allocator already caches counted as free): GiB, a share of the
+    card, or (unset) ``DEFAULT_FREE_SHARE`` of what is free."""
+    if gpu_memory is None:
+        return int(DEFAULT_FREE_SHARE * free)
+    kind, amount = parse_gpu_memory(gpu_memory)
+    budget = int(amount * GIB) if kind == "gib" else int(amount * total)
+    if budget > total:
+        raise ConfigError(
+            f"engine.gpu_memory = {gpu_memory!r} is {budget / GIB:.1f} GiB, more than the card's "
+            f"{total / GIB:.1f} GiB: set engine.gpu_memory to at most that"
+        )
+    return budget
+
+
+def engine_plan(
+    cfg: Config,
+    device: torch.device,
+    dtype: torch.dtype,
+    sizes: Callable[[], ModelSizes],
+    pins: Mapping[str, object],
+) -> Plan:
+    """The engine's :class:`Plan` on ``device`` (calling thread; reads the device's capability
+    and free memory, allocates nothing). ``pins``: plan fields set by hand, and
+    ``capability`` ("8.9": plan as for that GPU). A budget too small fails here, in one line."""
+    pins = dict(pins)
+    cap_pin = pins.pop("capability", None)
+    ec = cfg.engine
+    if device.type != "cuda":
+        try:
+            return cpu_plan(ec.max_streams, pins)
+        except PlanError as e:
+            raise ConfigError(str(e)) from None
+    from voice_out.model.launch import triton
+
+    props = torch.cuda.get_device_properties(device)
+    capability = Capability.of(props.major, props.minor)
+    if cap_pin is not None:
+        major, _, minor = str(cap_pin).partition(".")
+        capability = Capability.of(int(major), int(minor or 0))
+    free, total = torch.cuda.mem_get_info(device)
+    budget = device_budget(ec.gpu_memory, free + torch.cuda.memory_reserved(device), total)
+    try:
+        return make_plan(
+            budget,
+            capability,
+            sizes(),
+            max_streams=ec.max_streams,
+            eager=ec.eager,
+            onnx_on_device=onnx_on_device(),
+            triton=triton is not None and dtype != torch.float32,
+            pins=pins,
+        )
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
+
+
+def enforce_budget(plan: Plan, device: torch.device) -> None:
+    """Cap torch's allocator on ``device`` at the plan's budget less what lives outside it (the
+    CUDA context, the libraries, ONNX Runtime's arena): an allocation past it raises an
+    out-of-memory error instead of taking memory the budget leaves to others. GPU worker
+    thread, before the weights load."""
+    outside = CONTEXT_BYTES + LIBRARY_BYTES + (ORT_BYTES if onnx_on_device() else 0)
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = max(plan.budget_bytes - outside, 0) / total
+    torch.cuda.set_per_process_memory_fraction(min(1.0, fraction), device)

@@ -190,12 +190,12 @@ class Runner:
     ) -> None:
         self.llm = llm
         #: Most voices whose first chunks are computed from their prompt prefix
-        #: (:meth:`prepare_first_prefix`, start-up; ``engine.first_chunk_prefix_voices``).
+        #: (:meth:`prepare_first_prefix`, start-up; the plan's ``first_chunk_prefix_voices``).
         self.prefix_voices = prefix_voices
         #: CUDA: launch a step's token2wav chunks on the side stream and return their audio in
         #: a later step, once done (``StepResult.inflight`` meanwhile), so LLM steps go on while
         #: the flow runs; the scheduler plans no new chunk until they are back
-        #: (``engine.pipeline_vocode``). False: every step waits for its own chunks (they still
+        #: (the plan's ``pipeline_vocode``). False: every step waits for its own chunks (they still
         #: overlap that step's LLM work on the side stream).
         self.pipeline_vocode = pipeline_vocode
         self.t2w = t2w
@@ -619,7 +619,7 @@ class Runner:
         (``GraphedLLM.max_rows``, at most ``batched_input_rows`` of them multi-row). An input
         that does not fit is prefilled into its slot by itself and its last row sampled apart.
 
-        Planning ahead (``LlmWork.guess``, ``engine.step_ahead_rows``): an item the previous step
+        Planning ahead (``LlmWork.guess``, the plan's ``step_ahead_rows``): an item the previous step
         already launched as its guess (same slot position, rows, EOS mask, window and draw)
         is not run again: its token is that launch's. The same launch carries the guesses of
         this step's confirmed items (fed with the ids being sampled, on the device); the

@@ -14,7 +14,7 @@ Each worker iteration is ``plan = scheduler.plan()``, ``result = runner.execute(
    first), except that a stream whose listener runs dry within ``urgent_s`` goes before the
    first chunks; at most ``max_chunks_per_step``; a request whose delivered audio exceeds
    ``max_ahead_s`` ahead of its consumer is not vocoded (back-pressure). While an admitted
-   stream still waits for its first audio (``engine.first_audio_priority``), only first chunks
+   stream still waits for its first audio (the plan's ``first_audio_priority``), only first chunks
    and urgent ones are planned: the rest wait until then or until they become urgent.
 
 Pipelined token2wav: a runner may return a chunk's audio in a later step than the one that
@@ -24,10 +24,10 @@ no new chunk of its lane is planned (the next batch waits for the lane to free u
 chunks that became ready meanwhile run as one batch instead of queueing one after another);
 when a plan has nothing else to do but in-flight chunks exist, it asks the runner to wait for
 them (``StepPlan.wait_vocode``). There is one lane, or two with ``first_chunk_lane`` (the
-engine's ``engine.first_chunk_lane`` where its runner can: CUDA graphs, pipelined): the
+plan's ``first_chunk_lane`` where its runner can: CUDA graphs, pipelined): the
 non-final first chunks (``ChunkPlan.starts_audio``) and the rest, at most
 ``max_chunks_per_step`` each, so a first chunk never waits for later chunks. While more than
-``engine.first_chunk_lane_max_playing`` streams are playing, the two lanes take turns: one
+the plan's ``first_chunk_lane_max_playing`` streams are playing, the two lanes take turns: one
 launch in flight at a time, of the most pressing chunk's lane.
 
 Cancellation is ``finish(ids, ABORTED)``: the request leaves at once and its slot is released
@@ -68,6 +68,7 @@ from voice_out.engine.request import (
     VoicePrompt,
 )
 from voice_out.engine.textfeed import BistreamFeed
+from voice_out.fast.plan import Plan, cpu_plan
 from voice_out.model.chunk_schedule import ChunkPlan, HopPolicy
 from voice_out.text.bistream import BistreamConfig
 
@@ -104,7 +105,7 @@ class Admit:
 @dataclass(frozen=True)
 class NextGuess:
     """What a request's next LLM step will likely be, for the runner to launch it before this
-    step's token is known (``engine.step_ahead_rows``): ``inputs`` None = one speech row, the token
+    step's token is known (the plan's ``step_ahead_rows``): ``inputs`` None = one speech row, the token
     this step picks; else these rows (a text group after a forced FILL). A guess the next
     plan does not confirm is dropped."""
 
@@ -169,7 +170,7 @@ class StepResult:
     failed: dict[str, str] = field(default_factory=dict)
     inflight: set[str] = field(default_factory=set)
     #: Requests admitted in this step whose later chunks extend a flow state of their own:
-    #: their hops grow to ``engine.flow_state_max_hop_tokens`` (``HopPolicy.on_state``).
+    #: their hops grow to the plan's ``flow_state_max_hop_tokens`` (``HopPolicy.on_state``).
     on_state: set[str] = field(default_factory=set)
 
 
@@ -241,13 +242,11 @@ def _default_feed(voice: VoicePrompt, config: EngineConfig) -> TextFeed:
     return BistreamFeed(voice.prompt_text_ids, voice.prompt_speech_ids, feed_config)
 
 
-def hop_policy(config: EngineConfig) -> HopPolicy:
+def hop_policy(config: EngineConfig, plan: Plan) -> HopPolicy:
     """The chunk hops of ``config`` (``engine.first_hop_tokens``, ``max_hop_tokens``,
-    ``hop_growth``, ``flow_state_max_hop_tokens``): the scheduler's schedules and the runner's
-    token2wav streams use this one."""
-    return HopPolicy(
-        config.first_hop_tokens, config.max_hop_tokens, config.hop_growth, config.flow_state_max_hop_tokens
-    )
+    ``hop_growth``) and ``plan`` (``flow_state_max_hop_tokens``): the scheduler's schedules and
+    the runner's token2wav streams use this one."""
+    return HopPolicy(config.first_hop_tokens, config.max_hop_tokens, config.hop_growth, plan.flow_state_max_hop_tokens)
 
 
 class Scheduler:
@@ -261,18 +260,21 @@ class Scheduler:
         feed_factory: Callable[[VoicePrompt, EngineConfig], TextFeed] = _default_feed,
         clock: Clock,
         forced: ForcedTokens | None = None,
-        max_chunks_per_step: int = 4,
+        plan: Plan | None = None,
         urgent_s: float = 0.5,
         first_chunk_wait_rows: int = 4,
-        first_chunk_lane: bool = False,
     ) -> None:
-        if max_chunks_per_step < 1:
+        """``plan``: the engine's fast-path plan (its KV slots, chunks per step, lanes and
+        policies; None: a CPU engine's for ``config.max_streams``)."""
+        plan = plan if plan is not None else cpu_plan(config.max_streams)
+        if plan.max_chunks_per_step < 1:
             raise ValueError("max_chunks_per_step must be >= 1")
         self.config = config
-        self.hops = hop_policy(config)
+        self.fast_plan = plan
+        self.hops = hop_policy(config, plan)
         self.clock = clock
         self.forced = forced
-        self.max_chunks_per_step = max_chunks_per_step
+        self.max_chunks_per_step = plan.max_chunks_per_step
         self.urgent_s = urgent_s
         #: A step that plans a first chunk and decodes at most this many rows, none of them a
         #: stream still waiting for its own first audio, waits for the chunk (``wait_vocode``):
@@ -282,12 +284,12 @@ class Scheduler:
         self.first_chunk_wait_rows = first_chunk_wait_rows
         #: Two token2wav lanes (see the module docstring): the runner runs first chunks beside
         #: the others (the engine sets it when its token2wav has the first-chunk lane's graphs).
-        self.first_chunk_lane = first_chunk_lane
+        self.first_chunk_lane = plan.first_chunk_lane
         self._pipeline_factory = pipeline_factory
         self._feed_factory = feed_factory
         self.requests: dict[str, Request] = {}
         self.waiting: deque[str] = deque()
-        self.free_slots: list[int] = list(range(config.max_streams))
+        self.free_slots: list[int] = list(range(plan.max_streams))
         self._slot_owner: dict[int, str] = {}
         self._releases: list[Release] = []
         self._outputs: list[Output] = []
@@ -306,7 +308,7 @@ class Scheduler:
 
     @property
     def n_used_slots(self) -> int:
-        return self.config.max_streams - len(self.free_slots)
+        return self.fast_plan.max_streams - len(self.free_slots)
 
     def inflight_ids(self) -> set[str]:
         """Requests with a chunk handed to the runner whose audio has not come back."""
@@ -470,12 +472,12 @@ class Scheduler:
             busy = {True, False}  # heavy load: one launch in flight at a time, as with one lane
         now = self.clock()
         # streams admitted and still without audio: while there are any, only first chunks
-        # and streams about to run dry get the GPU (engine.first_audio_priority), and no
+        # and streams about to run dry get the GPU (the plan's first_audio_priority), and no
         # stream past its back-pressure limit decodes beside its chunk in flight
         awaiting = any(
             r.first_audio_time is None and r.status is not RequestStatus.WAITING for r in self.requests.values()
         )
-        first_pending = self.config.first_audio_priority and awaiting
+        first_pending = self.fast_plan.first_audio_priority and awaiting
         for req in self.requests.values():
             chunk = self._vocode_candidate(req)
             if chunk is None or lane(chunk) in busy:
@@ -530,7 +532,7 @@ class Scheduler:
                 step = self._force(req, step)
             steps.append((req, step))
         win = self.config.ras_win_size
-        ahead = len(steps) <= self.config.step_ahead_rows  # light load: launch the next steps ahead
+        ahead = len(steps) <= self.fast_plan.step_ahead_rows  # light load: launch the next steps ahead
         # no guess where every stream's token now readies its first chunk at light load: the
         # next plan holds their steps for that chunk (``hold``), and a guess would run beside it
         ahead = ahead and not (
@@ -556,8 +558,8 @@ class Scheduler:
 
     def _lanes_take_turns(self) -> bool:
         """With the first-chunk lane: whether more streams are playing than
-        ``engine.first_chunk_lane_max_playing`` (then the two lanes take turns)."""
-        limit = self.config.first_chunk_lane_max_playing
+        the plan's ``first_chunk_lane_max_playing`` (then the two lanes take turns)."""
+        limit = self.fast_plan.first_chunk_lane_max_playing
         if not self.first_chunk_lane or limit == 0:
             return False
         playing = sum(1 for r in self.requests.values() if r.first_audio_time is not None and not r.status.terminal)

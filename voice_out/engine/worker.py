@@ -350,7 +350,7 @@ class Worker:
         sched.finish(list(sched.requests), RequestStatus.FAILED, StreamFailedError(message))
         self._deliver(sched.take_outputs())
         sched.waiting.clear()
-        sched.free_slots = list(range(sched.config.max_streams))
+        sched.free_slots = list(range(sched.fast_plan.max_streams))
         if self.runner is not None:
             self.runner.release_all()
 

@@ -74,7 +74,7 @@ class ChunkPlan:
     @property
     def starts_audio(self) -> bool:
         """A non-final first chunk: the one a listener waits on for its first audio. With a
-        first-chunk lane (``engine.first_chunk_lane``) these run on their own CUDA stream,
+        first-chunk lane (the plan's ``first_chunk_lane``) these run on their own CUDA stream,
         beside the other chunks."""
         return self.index == 0 and not self.finalize
 

@@ -47,12 +47,32 @@ class Launch:
 
 
 _recorded: list[Launch] | None = None
+#: Stand-ins of the tensors a recording's launches take, by (dtype, device, byte misalignment).
+_stand_ins: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
+
+
+def _stand_in(a: Any) -> Any:
+    """A recorded launch's argument: a tensor becomes a one-element stand-in of its dtype and
+    device at the same misalignment to 16 bytes (all Triton specialises a pointer on), so
+    the recording keeps no tensor of the dry run alive: each model call's intermediates are
+    freed as it goes, and a dry run needs no more memory than one call."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    off = a.data_ptr() % 16
+    key = (a.dtype, a.device, off)
+    t = _stand_ins.get(key)
+    if t is None:
+        size = a.element_size()
+        base = torch.empty(32 // size + 1, dtype=a.dtype, device=a.device)
+        t = _stand_ins[key] = base[off // size :][:1] if off % size == 0 else base[:1]
+    return t
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """Launch ``kernel`` on ``grid``; inside :func:`recording`, record the launch instead."""
+    """Launch ``kernel`` on ``grid``; inside :func:`recording`, record the launch instead (its
+    tensors as stand-ins: :func:`_stand_in`)."""
     if _recorded is not None:
-        _recorded.append(Launch(kernel, grid, args, kwargs))
+        _recorded.append(Launch(kernel, grid, tuple(_stand_in(a) for a in args), kwargs))
         return
     kernel[grid](*args, **kwargs)
 
@@ -70,6 +90,7 @@ def recording() -> Iterator[list[Launch]]:
         yield _recorded
     finally:
         _recorded = None
+        _stand_ins.clear()
 
 
 def recording_active() -> bool:

@@ -463,6 +463,9 @@ async def healthz(request: web.Request) -> web.Response:
         "sessions": len(sessions),
         "max_sessions": sessions.max_sessions,
     }
+    plan = getattr(engine, "plan", None)  # the engine's fast-path plan (voice_out.fast.plan); fakes have none
+    if plan is not None:
+        body["plan"] = plan.as_dict()
     return web.json_response(body, status=200 if accepting else 503)
 
 

@@ -38,6 +38,10 @@ _NUMPY_OF = {
 }
 
 
+#: Most device memory ONNX Runtime's CUDA arena may hold (the engine's plan budgets it).
+ORT_ARENA_BYTES = 512 * 1024 * 1024
+
+
 def providers() -> list[str]:
     """onnxruntime providers in order of preference: CUDA when available, always CPU."""
     import onnxruntime as ort
@@ -58,10 +62,17 @@ def open_session(path: str | Path, *, intra_op_threads: int | None = None, cpu_o
     options.intra_op_num_threads = intra_op_threads or max(1, min(4, os.cpu_count() or 1))
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    chosen: list[Any] = ["CPUExecutionProvider"] if cpu_only else providers()
+    # the CUDA provider's arena within what the engine's memory plan leaves it
+    # (voice_out.fast.plan.ORT_BYTES), grown by what each run asks for, not doubled
+    chosen = [
+        (name, {"gpu_mem_limit": ORT_ARENA_BYTES, "arena_extend_strategy": "kSameAsRequested"})
+        if name == "CUDAExecutionProvider"
+        else name
+        for name in chosen
+    ]
     try:
-        return ort.InferenceSession(
-            str(p), sess_options=options, providers=["CPUExecutionProvider"] if cpu_only else providers()
-        )
+        return ort.InferenceSession(str(p), sess_options=options, providers=chosen)
     except Exception as e:  # noqa: BLE001 - onnxruntime raises its own untyped errors
         raise PromptModelError(f"cannot load {str(p)!r} with onnxruntime: {e}") from None
 
