@@ -450,4 +450,5 @@ def enforce_budget(plan: Plan, device: torch.device) -> None:
     outside = CONTEXT_BYTES + LIBRARY_BYTES + (ORT_BYTES if onnx_on_device() else 0)
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = max(plan.budget_bytes - outside, 0) / total
-    torch.cuda.set_per_process_memory_fraction(min(1.0, fraction), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, fraction), index)
