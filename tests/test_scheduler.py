@@ -379,7 +379,7 @@ def test_back_pressure_decodes_on_beside_a_chunk_in_flight() -> None:
 
 def test_a_stream_on_a_flow_state_takes_the_state_s_hops() -> None:
     """A request the runner reports on a flow state of its own (``StepResult.on_state``, at
-    admission) grows its hop to ``engine.flow_state_max_hop_tokens``; the others keep
+    admission) grows its hop to the plan's ``flow_state_max_hop_tokens``; the others keep
     ``max_hop_tokens``; every token is vocoded either way."""
     sched = create_scheduler(max_streams=2, flow_state_max_hop_tokens=200)
     on, off = create_requests(sched, 2, text="a" * 250)  # 750 tokens each
@@ -820,7 +820,7 @@ def test_a_first_chunk_beside_chunks_in_flight_holds_no_steps() -> None:
 
 @pytest.mark.parametrize(("max_playing", "beside"), [(0, True), (2, True), (1, False)])
 def test_past_max_playing_streams_first_chunks_take_turns_with_the_others(max_playing: int, beside: bool) -> None:
-    """engine.first_chunk_lane_max_playing: two streams playing, a later chunk in flight; a
+    """The plan's first_chunk_lane_max_playing: two streams playing, a later chunk in flight; a
     new stream's first chunk goes beside it at most that many playing (0: any number), else
     waits for it (one launch at a time, as with one lane)."""
     sched = create_scheduler(first_chunk_lane=True, first_chunk_lane_max_playing=max_playing)
@@ -998,7 +998,7 @@ def test_step_after_guesses_the_next_step_and_changes_nothing() -> None:
 
 
 def test_the_plan_guesses_each_stream_s_next_step() -> None:
-    """``LlmWork.guess`` (engine.step_ahead_rows): one speech row of the token being picked, the
+    """``LlmWork.guess`` (the plan's step_ahead_rows): one speech row of the token being picked, the
     next text group after a forced FILL, nothing before a forced stop, before a first chunk the
     next plan holds the steps for, near the back-pressure limit, or in a step feeding more
     streams than ``step_ahead_rows``."""
