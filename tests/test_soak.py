@@ -1,0 +1,230 @@
+"""A soak of the real server on the REAL engine (``random:tiny`` on CPU): several sessions at
+once speak utterances, cancel some at random moments and leave abruptly in the middle of
+others; afterwards nothing has grown.
+
+A warm-up round first (first-use allocations of torch, libav, aiortc), then the resources are
+measured, then an equal round (or, under ``-m slow``, rounds for 30 minutes), then measured
+again: OS threads and open fds no more than after the warm-up, the engine's KV slots, waiting
+requests and open streams zero, the server's sessions, tasks and stream gauge zero, and the
+resident set grown by less than 20 MB. Every utterance a client saw start ends with exactly
+one of ``audio.done``, ``cancelled`` or ``error`` unless its client left first, and no audio
+event follows a ``cancelled``.
+
+The CI round takes well under a minute on 2 cores; the 30-minute figures are in
+docs/protocol.md ("Soak").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import random
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from voice_out.client import VoiceOutClient, connect
+from voice_out.config import Config, EngineConfig
+from voice_out.server import protocol as p
+from voice_out.server.app import METRICS_KEY, SESSIONS_KEY, create_app
+
+engine_module = pytest.importorskip("voice_out.engine.engine")
+scheduler_module = pytest.importorskip("voice_out.engine.scheduler")
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts threads and fds in /proc")
+
+WORKERS = 3
+#: Utterances per round in CI (each worker's share of it, in sessions of 1 to 4 utterances).
+CI_UTTERANCES = 9
+SLOW_SECONDS = 30 * 60
+RSS_GROWTH_LIMIT = 20 * 1024 * 1024
+EVENT_TIMEOUT_S = 120.0
+TEXTS = ["Hello there.", "Let me check that, one moment.", "Sure.", "It is mild today.", "Okay, done!"]
+
+
+@dataclass
+class Tally:
+    utterances: int = 0
+    completed: int = 0
+    cancels: int = 0
+    disconnects: int = 0
+    sessions: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Resources:
+    #: OS threads but the event loop's default executor's: that pool grows on demand up to
+    #: its bound (offers are parsed there), which is not a leak.
+    threads: int
+    fds: int
+    rss: int
+    python_threads: tuple[str, ...]
+
+    @staticmethod
+    def now() -> Resources:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        names = tuple(sorted(t.name for t in threading.enumerate()))
+        pool = sum(1 for n in names if n.startswith("asyncio_"))
+        return Resources(len(os.listdir("/proc/self/task")) - pool, len(os.listdir("/proc/self/fd")), rss, names)
+
+
+@pytest.fixture
+def soak_engine() -> Iterator[Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the loud random-weights warning
+        engine = engine_module.Engine.load(
+            Config(engine=EngineConfig(seed=4321)),
+            model="random:tiny",
+            device="cpu",
+            forced=scheduler_module.ForcedTokens(tokens_per_text_token=2),
+        )
+    yield engine
+
+
+def check_events(client: VoiceOutClient, left_early: bool, tally: Tally) -> None:
+    """Each utterance seen: one terminal event, nothing after it; no audio after a cancel."""
+    ended: dict[str, str] = {}
+    for ev in client.events:
+        m = ev.message
+        uid = getattr(m, "id", None)
+        if uid is None or m.TYPE in ("session.ready", "pong"):
+            continue
+        if uid in ended:
+            tally.errors.append(f"{m.TYPE} for {uid} after its {ended[uid]}")
+        if m.TYPE in ("audio.done", "cancelled", "error"):
+            ended[uid] = m.TYPE
+    started = {getattr(ev.message, "id", None) for ev in client.events if ev.message.TYPE == "audio.started"}
+    if not left_early:
+        for uid in started - set(ended):
+            tally.errors.append(f"{uid} started and never ended")
+
+
+def ended(uid: str) -> Callable[[p.ServerMessage], bool]:
+    """``uid`` was cut, or had played out before the cancel arrived."""
+    return lambda m: getattr(m, "id", None) == uid and m.TYPE in ("cancelled", "audio.done")
+
+
+async def one_session(url: str, rng: random.Random, n_utterances: int, tally: Tally, wid: int) -> None:
+    client = await connect(url, timeout_s=EVENT_TIMEOUT_S)
+    tally.sessions += 1
+    left_early = False
+    try:
+        for k in range(n_utterances):
+            uid = f"w{wid}-{tally.sessions}-{k}"
+            text = rng.choice(TEXTS)
+            cut = rng.randrange(1, len(text))
+            client.send_text(uid, text[:cut])
+            client.send_text(uid, text[cut:])
+            client.done(uid)
+            tally.utterances += 1
+            fate = rng.random()
+            if fate < 0.25:  # barge-in at a random moment, before or during its audio
+                await asyncio.sleep(rng.uniform(0.0, 1.0))
+                client.cancel(uid)
+                await client.wait_for(ended(uid), timeout_s=EVENT_TIMEOUT_S)
+                tally.cancels += 1
+            elif fate < 0.40:  # the client leaves mid-utterance, without cancel or goodbye
+                await asyncio.sleep(rng.uniform(0.0, 1.0))
+                left_early = True
+                tally.disconnects += 1
+                return
+            else:
+                await client.wait_for("audio.done", uid, timeout_s=EVENT_TIMEOUT_S)
+                tally.completed += 1
+    finally:
+        await client.close()
+        check_events(client, left_early, tally)
+
+
+async def run_round(url: str, rng: random.Random, n_utterances: int, tally: Tally) -> None:
+    per_worker = n_utterances // WORKERS
+
+    async def worker(wid: int) -> None:
+        wrng = random.Random(rng.random())
+        left = per_worker
+        while left > 0:
+            n = min(left, wrng.randint(1, 4))
+            await one_session(url, wrng, n, tally, wid)
+            left -= n
+
+    await asyncio.gather(*(worker(w) for w in range(WORKERS)))
+
+
+async def until(cond: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+async def settle(app: Any, engine: Any) -> Resources:
+    """Wait until every session, task and stream has ended; then measure."""
+    sessions = app[SESSIONS_KEY]
+    await until(lambda: len(sessions) == 0 and sessions.n_tasks == 0, 60.0)
+    await engine.await_idle()
+    stats = engine.stats()
+    assert (stats.used_slots, stats.waiting, stats.open_streams, stats.live_requests) == (0, 0, 0, 0), stats
+    assert app[METRICS_KEY].active_streams._value.get() == 0
+    await asyncio.sleep(0.5)  # aiortc's last timers and sockets
+    gc.collect()
+    return Resources.now()
+
+
+async def soak(engine: Any, seconds: float | None) -> tuple[Tally, Resources, Resources, int]:
+    app = create_app(Config(), engine, None)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    rng = random.Random(20261128)
+    try:
+        await run_round(url, rng, CI_UTTERANCES, Tally())  # warm-up
+        before = await settle(app, engine)
+        tally, rounds = Tally(), 0
+        t_end = time.monotonic() + (seconds or 0)
+        while rounds == 0 or time.monotonic() < t_end:
+            await run_round(url, rng, CI_UTTERANCES, tally)
+            rounds += 1
+        after = await settle(app, engine)
+    finally:
+        await server.close()
+    return tally, before, after, rounds
+
+
+def check(tally: Tally, before: Resources, after: Resources) -> None:
+    assert not tally.errors, tally.errors[:10]
+    assert tally.utterances == tally.completed + tally.cancels + tally.disconnects
+    assert after.threads <= before.threads, (before, after)
+    assert after.fds <= before.fds, (before, after)
+    assert after.rss - before.rss < RSS_GROWTH_LIMIT, (before, after)
+
+
+@pytest.mark.asyncio
+async def test_soak_leaves_nothing_behind(soak_engine: Any) -> None:
+    tally, before, after, _ = await soak(soak_engine, None)
+    check(tally, before, after)
+    assert tally.cancels and tally.disconnects and tally.completed, tally
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_soak_30_minutes(soak_engine: Any) -> None:
+    t0 = time.monotonic()
+    tally, before, after, rounds = await soak(soak_engine, SLOW_SECONDS)
+    mib = 1024 * 1024
+    print(
+        f"\nsoak: {time.monotonic() - t0:.0f} s, {rounds} rounds, {tally.sessions} sessions, "
+        f"{tally.utterances} utterances ({tally.completed} played, {tally.cancels} cancelled, "
+        f"{tally.disconnects} cut by a disconnect); threads {before.threads} -> {after.threads}, "
+        f"fds {before.fds} -> {after.fds}, RSS {before.rss / mib:.1f} -> {after.rss / mib:.1f} MiB"
+    )
+    check(tally, before, after)
