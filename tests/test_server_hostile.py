@@ -478,3 +478,47 @@ async def test_a_closed_session_frees_its_codec_threads_without_gc(make_server: 
         assert os_threads() <= before, (before, os_threads())
     finally:
         gc.enable()
+
+
+class _FlakySocket:
+    """A WebSocket stand-in whose sends fail as told: ``fail[i]`` is raised by send ``i``."""
+
+    def __init__(self, fail: dict[int, Exception]) -> None:
+        self.fail = fail
+        self.calls = 0
+        self.sent: list[str] = []
+        self.closed = False
+        self.close_message: bytes | None = None
+
+    async def send_str(self, text: str) -> None:
+        self.calls += 1
+        if self.calls in self.fail:
+            raise self.fail[self.calls]
+        self.sent.append(text)
+
+    async def close(self, *, message: bytes = b"") -> None:
+        self.closed = True
+        self.close_message = message
+
+
+@pytest.mark.asyncio
+async def test_a_failed_send_never_kills_the_control_writer_silently(caplog: pytest.LogCaptureFixture) -> None:
+    from voice_out.server.app import WebSocketSink
+
+    # one message that cannot be sent: logged, dropped, the next ones go out
+    sink, ws = WebSocketSink(), _FlakySocket({2: ValueError("cannot encode")})
+    for text in ("a", "b", "c"):
+        sink.send(text)
+    sink.close()
+    await asyncio.wait_for(sink.write(ws), 5)  # type: ignore[arg-type]
+    assert ws.sent == ["a", "c"] and ws.closed and ws.close_message == b"session closed"
+    assert any("could not be sent" in r.getMessage() and r.exc_info for r in caplog.records)
+    # the socket gone: the writer ends, says so, and closes the socket (no deaf open socket)
+    caplog.clear()
+    caplog.set_level(logging.INFO)
+    sink, ws = WebSocketSink(), _FlakySocket({1: ConnectionResetError("reset")})
+    sink.send("a")
+    sink.send("b")
+    await asyncio.wait_for(sink.write(ws), 5)  # type: ignore[arg-type]
+    assert ws.sent == [] and ws.closed
+    assert any("its writer stops" in r.getMessage() for r in caplog.records)
