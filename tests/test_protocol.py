@@ -23,6 +23,9 @@ def test_parse_every_client_message() -> None:
     assert p.parse('{"type":"text.delta","id":"u1","delta":"","voice":"bob"}') == p.TextDelta("u1", "", "bob")
     assert p.parse('{"type":"text.delta","id":"u1","delta":"","fast_first":12}') == p.TextDelta("u1", "", fast_first=12)
     assert p.parse('{"type":"text.delta","id":"u1","delta":"","fast_first":0}') == p.TextDelta("u1", "", fast_first=0)
+    assert p.parse('{"type":"text.delta","id":"u1","delta":"a","alignment":true}') == p.TextDelta(
+        "u1", "a", alignment=True
+    )
     assert p.parse('{"type":"text.done","id":"u1"}') == p.TextDone("u1")
     assert p.parse('{"type":"cancel"}') == p.Cancel(None)
     assert p.parse('{"type":"cancel","id":null}') == p.Cancel(None)
@@ -79,6 +82,7 @@ BAD_INPUT: list[tuple[str | bytes, p.ErrorCode]] = [
     ('{"type":"text.delta","id":"a","delta":"x","fast_first":"12"}', p.ErrorCode.BAD_FIELD),
     ('{"type":"text.delta","id":"a","delta":"x","fast_first":true}', p.ErrorCode.BAD_FIELD),
     ('{"type":"text.delta","id":"a","delta":"x","fast_first":-1}', p.ErrorCode.BAD_FIELD),
+    ('{"type":"text.delta","id":"a","delta":"x","alignment":1}', p.ErrorCode.BAD_FIELD),
     ('{"type":"text.delta","id":"a","delta":"x","fast_first":1.5}', p.ErrorCode.BAD_FIELD),
     ('{"type":"text.delta","id":"a","delta":"x","fast_first":1001}', p.ErrorCode.BAD_FIELD),
     ('{"type":"text.done","id":["a"]}', p.ErrorCode.BAD_FIELD),

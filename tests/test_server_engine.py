@@ -74,13 +74,19 @@ async def test_real_engine_session() -> None:
         assert client.voices == ("noise",)
 
         # 1. A short utterance, streamed in deltas, played to the end.
-        t_send = client.send_text("u1", "Hi the")
+        t_send = client.send_text("u1", "Hi the", alignment=True)
         client.send_text("u1", "re.")
         client.done("u1")
         started = await client.wait_for("audio.started", "u1", timeout_s=EVENT_TIMEOUT_S)
         done = await client.wait_for("audio.done", "u1", timeout_s=EVENT_TIMEOUT_S)
         assert isinstance(started, p.AudioStarted) and isinstance(done, p.AudioDone)
         assert started.ttfa_ms > 0 and done.audio_ms > 200
+        # opt-in audio.alignment: every character once, in order, times never going backwards
+        aligned = [ev.message for ev in client.events if isinstance(ev.message, p.AudioAlignment)]
+        assert "".join(a.chars for a in aligned) == "Hi there."
+        starts = [t for a in aligned for t in a.char_start_ms]
+        assert starts == sorted(starts) and all(0 <= t <= done.audio_ms for t in starts)
+        assert all(len(a.chars) == len(a.char_start_ms) == len(a.char_duration_ms) for a in aligned)
         await asyncio.sleep(0.3)
         # The noise voice is audible; underruns (a slow CPU) add silent frames, never lose audio.
         assert audible_ms(client, t_send) >= done.audio_ms * 0.8

@@ -149,13 +149,18 @@ class VoiceOutClient:
         self.channel.send(text)
         return time.monotonic()
 
-    def send_text(self, uid: str, delta: str, voice: str | None = None, fast_first: int | None = None) -> float:
-        """Send a ``text.delta``; ``voice`` and ``fast_first`` count on an utterance's first one."""
+    def send_text(
+        self, uid: str, delta: str, voice: str | None = None, fast_first: int | None = None, alignment: bool = False
+    ) -> float:
+        """Send a ``text.delta``; ``voice``, ``fast_first`` and ``alignment`` (ask for
+        ``audio.alignment`` events) count on an utterance's first one."""
         msg: dict[str, object] = {"type": "text.delta", "id": uid, "delta": delta}
         if voice is not None:
             msg["voice"] = voice
         if fast_first is not None:
             msg["fast_first"] = fast_first
+        if alignment:
+            msg["alignment"] = True
         return self._send(msg)
 
     def done(self, uid: str) -> float:

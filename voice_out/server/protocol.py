@@ -91,12 +91,13 @@ class InterruptMessage(ClientMessage):
 class TextDelta(DataMessage):
     """Append ``delta`` to utterance ``id``; a new id starts an utterance in ``voice``, with a
     first chunk of ``fast_first`` speech tokens when set (0: upstream's; None: the server's
-    ``engine.fast_first_tokens``)."""
+    ``engine.fast_first_tokens``), and ``audio.alignment`` events when ``alignment`` is set."""
 
     id: str
     delta: str
     voice: str | None = None
     fast_first: int | None = None
+    alignment: bool = False
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,18 @@ class Cancelled(ServerMessage):
 
 
 @dataclass(frozen=True)
+class AudioAlignment(ServerMessage):
+    """The characters of a chunk of ``id`` that went into the track's queue, and when each is
+    spoken: ms from the utterance's first sample (an estimate: docs/agents.md, "Alignment")."""
+
+    TYPE = "audio.alignment"
+    id: str
+    chars: str
+    char_start_ms: tuple[float, ...]
+    char_duration_ms: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class Error(ServerMessage):
     TYPE = "error"
     id: str | None
@@ -176,7 +189,7 @@ class Pong(ServerMessage):
 
 
 SERVER_TYPES: dict[str, type[ServerMessage]] = {
-    cls.TYPE: cls for cls in (SessionReady, AudioStarted, AudioDone, Cancelled, Error, Pong)
+    cls.TYPE: cls for cls in (SessionReady, AudioStarted, AudioDone, AudioAlignment, Cancelled, Error, Pong)
 }
 
 
@@ -185,6 +198,9 @@ def to_dict(msg: ServerMessage) -> dict[str, Any]:
     body = asdict(msg)
     if isinstance(msg, SessionReady):
         body["voices"] = list(msg.voices)
+    if isinstance(msg, AudioAlignment):
+        body["char_start_ms"] = [round(float(t), 1) for t in msg.char_start_ms]
+        body["char_duration_ms"] = [round(float(t), 1) for t in msg.char_duration_ms]
     for key in ("ttfa_ms", "audio_ms", "played_ms"):
         if key in body:
             body[key] = round(float(body[key]), 3)
@@ -303,7 +319,12 @@ def parse(text: str | bytes) -> ClientMessage:
                 f"text.delta: 'fast_first' must be a whole number of speech tokens, got {fast_first!r:.40}",
                 uid,
             )
-        return TextDelta(id=uid, delta=delta, voice=voice, fast_first=fast_first)
+        alignment = obj.get("alignment", False)
+        if type(alignment) is not bool:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, f"text.delta: 'alignment' must be true or false, got {alignment!r:.40}", uid
+            )
+        return TextDelta(id=uid, delta=delta, voice=voice, fast_first=fast_first, alignment=alignment)
     if mtype == "text.done":
         uid = _id(obj, mtype)
         assert uid is not None
@@ -335,4 +356,7 @@ def parse_server(text: str) -> ServerMessage:
     kwargs = {k: v for k, v in obj.items() if k in known}
     if cls is SessionReady:
         kwargs["voices"] = tuple(kwargs.get("voices", ()))
+    if cls is AudioAlignment:
+        for key in ("char_start_ms", "char_duration_ms"):
+            kwargs[key] = tuple(kwargs.get(key, ()))
     return cls(**kwargs)

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-from voice_out.engine.api import EngineError, EngineLike, PcmChunk, Stream
+from voice_out.engine.api import SAMPLE_RATE, EngineError, EngineLike, PcmChunk, Stream
 from voice_out.errors import VoiceOutError
 from voice_out.server import protocol as p
 from voice_out.server.metrics import Metrics
@@ -82,6 +82,18 @@ class Utterance:
     n_acked: int = 0
     #: A high surrogate that ended the last delta, joined to the low one the next begins with.
     held: str = ""
+    #: ``audio.alignment`` events asked for on the first delta.
+    alignment: bool = False
+
+
+def _alignment_event(u: Utterance, chunk: PcmChunk) -> p.AudioAlignment:
+    """The chunk's characters and their times in ms from the utterance's first sample."""
+    a = chunk.alignment
+    assert a is not None
+    ms = 1000.0 / SAMPLE_RATE
+    starts = tuple(s * ms for s in a.start_samples)
+    durations = tuple((e - s) * ms for s, e in zip(a.start_samples, a.end_samples, strict=True))
+    return p.AudioAlignment(u.id, u.stream.text[a.char_start : a.char_end], starts, durations)
 
 
 def _lone_low_surrogate(uid: str) -> p.ProtocolError:
@@ -283,7 +295,7 @@ class Session:
             text = f"text.delta: {e}" if code is p.ErrorCode.BAD_FIELD else str(e)
             raise p.ProtocolError(code, text, msg.id) from None
         self._seq += 1
-        u = Utterance(msg.id, self._seq, stream, self.clock.now())
+        u = Utterance(msg.id, self._seq, stream, self.clock.now(), alignment=msg.alignment)
         self.live[msg.id] = u
         self.track.open(msg.id)
         u.task = asyncio.get_running_loop().create_task(self._pump(u), name=f"pump {self.id}/{msg.id}")
@@ -361,6 +373,12 @@ class Session:
                 u.engine_wait_s += self.clock.now() - t0
                 u.n_samples += len(chunk.pcm)
                 self.track.push(u.id, chunk)
+                if (
+                    u.alignment
+                    and chunk.alignment is not None
+                    and chunk.alignment.char_end > chunk.alignment.char_start
+                ):
+                    self._broadcast(_alignment_event(u, chunk))
                 if chunk.final:
                     break
                 await self.track.wait_room(u.id, max_buffered)
