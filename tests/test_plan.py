@@ -34,12 +34,15 @@ ADA = Capability.of(8, 9)
 
 @pytest.fixture(scope="module")
 def sizes() -> ModelSizes:
+    """The benchmark's model: KV slots of 2048 positions, a 150-token voice prompt."""
     d = random_dims_dir("0.5b")
     y = load_yaml(d)
-    return model_sizes(llm_dims(d), flow_dims(y), hift_dims(y), dtype_bytes=2, kv_len=4096, prompt_tokens=150)
+    return model_sizes(llm_dims(d), flow_dims(y), hift_dims(y), dtype_bytes=2, kv_len=2048, prompt_tokens=150)
 
 
 def plan_for(sizes: ModelSizes, gib: float, cap: Capability = HOPPER, **kw: object) -> Plan:
+    """The plan for ``gib`` GiB; by default as the benchmark asks (its one voice, 64 streams)."""
+    kw.setdefault("voices", 1)
     return make_plan(int(gib * GIB), cap, sizes, max_streams=kw.pop("max_streams", 64), **kw)  # type: ignore[arg-type]
 
 
@@ -48,14 +51,13 @@ def test_the_sizes_follow_the_dims(sizes: ModelSizes) -> None:
     (scripts/calibrate_memory.py): 1.448 GB of weights, 25.2 MB a KV slot of 2048 positions,
     ~4.6 MB a flow-state token."""
     assert sizes.weight_bytes == pytest.approx(1_448_095_872, rel=0.01)
-    assert sizes.kv_slot_bytes == 2 * 25_165_824  # 4096 positions
+    assert sizes.kv_slot_bytes == 25_165_824  # 2048 positions
     assert sizes.flow_state_bytes_per_token == pytest.approx(4.59e6, rel=0.02)
 
 
 @pytest.mark.parametrize(
     ("gib", "streams_at_least", "prefixes_at_least", "capture_at_least"),
     [
-        (4, 4, 0, 100),  # beside an agent's LLM: 4 streams, first chunks graphed
         (8, 16, 1, 500),  # 16 streams, the default voice's prefix, 20 s captured
         (22, 32, 1, 1500),  # a 24 GB card: 32 streams, 60 s captured
     ],
@@ -63,9 +65,9 @@ def test_the_sizes_follow_the_dims(sizes: ModelSizes) -> None:
 def test_each_budget_row_fits_its_target(
     sizes: ModelSizes, gib: float, streams_at_least: int, prefixes_at_least: int, capture_at_least: int
 ) -> None:
-    """Every row of the issue's table: the plan fits its budget (the estimate within it) and
-    holds at least the streams, prefixes and captured range the row's targets need; what did
-    not fit is named, and a lowered ``max_streams`` says so."""
+    """The issue's table rows of 8 and 22 GiB: the plan fits its budget (the estimate within
+    it) and holds at least the streams, prefixes and captured range the row's targets need;
+    what did not fit is named, and a lowered ``max_streams`` says so."""
     plan = plan_for(sizes, gib)
     assert plan.estimated_bytes <= gib * GIB
     assert plan.max_streams >= streams_at_least
@@ -80,8 +82,22 @@ def test_each_budget_row_fits_its_target(
     assert plan.graph_batch_buckets[-1] < plan.max_streams + plan.batched_input_rows
 
 
+def test_4_gib_starts_one_stream_without_graphs(sizes: ModelSizes) -> None:
+    """The 4 GiB row (beside an agent's LLM): what the engine holds before any token2wav graph
+    (1.35 GiB of weights, 1.04 GiB of context and libraries, ~1.4 GiB of base buffers and
+    allocator slack: measured on an H200, where a 4 GiB start planned with graphs ran out at
+    its first token2wav capture) leaves room for one stream and no graph pool. The plan says
+    so; the row's target of 4 streams is not met (docs/benchmarks.md, "Memory budget")."""
+    plan = plan_for(sizes, 4, max_streams=4)
+    assert plan.estimated_bytes <= 4 * GIB
+    assert plan.max_streams >= 1 and not plan.cuda_graphs and not plan.first_chunk_lane
+    assert plan.fused_flow  # the kernels need no pool: they stay
+    assert any("CUDA graphs left out" in n for n in plan.notes)
+    assert [w for w, _ in plan.left_out][:2] == ["capture 100 tokens", "prompt prefix, voice 1"]
+
+
 def test_a_small_budget_leaves_out_the_costly_parts_first(sizes: ModelSizes) -> None:
-    small, mid = plan_for(sizes, 4), plan_for(sizes, 8)
+    small, mid = plan_for(sizes, 5), plan_for(sizes, 8)
     assert small.flow_state_streams == 0 and small.first_chunk_prefix_voices == 0
     assert any(w.startswith("prompt prefix") for w, _ in small.left_out)
     assert mid.max_streams > small.max_streams and mid.capture_tokens > small.capture_tokens
@@ -91,12 +107,18 @@ def test_a_small_budget_leaves_out_the_costly_parts_first(sizes: ModelSizes) -> 
 def test_a_whole_h100_gets_today_s_full_plan(sizes: ModelSizes) -> None:
     """The whole card (90% of it free): every stream and every fast path at its largest, as the
     engine ran before budgets (64 streams, 60 s captured, 4 prefixes, one 60 s flow state)."""
-    plan = plan_for(sizes, 0.9 * H100_80GB / GIB)
+    plan = plan_for(sizes, 0.9 * H100_80GB / GIB, voices=4)
     assert (plan.max_streams, plan.capture_tokens, plan.capture_batch_tokens) == (64, 1500, 500)
     assert (plan.first_chunk_prefix_voices, plan.flow_state_streams, plan.flow_state_tokens) == (4, 1, 1500)
     assert plan.left_out == () and plan.notes == ()
     assert plan.graph_batch_buckets == (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
-    assert plan.estimated_bytes < 30 * GIB
+    assert plan.estimated_bytes < 35 * GIB
+
+
+def test_prefixes_are_planned_for_the_voices_known(sizes: ModelSizes) -> None:
+    one, four = plan_for(sizes, 40), plan_for(sizes, 40, voices=4)
+    assert (one.first_chunk_prefix_voices, four.first_chunk_prefix_voices) == (1, 4)
+    assert four.estimated_bytes > one.estimated_bytes
 
 
 def test_the_22_gib_row_takes_a_shorter_flow_state(sizes: ModelSizes) -> None:
@@ -181,7 +203,7 @@ def test_pins_set_single_choices_and_count_against_the_budget(sizes: ModelSizes)
 
 
 def test_the_plan_reads_as_one_log_line_and_a_healthz_object(sizes: ModelSizes) -> None:
-    plan = plan_for(sizes, 8)
+    plan = plan_for(sizes, 8, voices=4)
     line = plan.summary()
     assert "\n" not in line and "budget 8.0 GiB on sm 9.0" in line and f"{plan.max_streams} streams" in line
     assert "left out:" in line
@@ -200,7 +222,7 @@ def test_a_cpu_plan_has_no_budget_and_no_gpu_mechanics() -> None:
 
 def test_more_budget_never_plans_less(sizes: ModelSizes) -> None:
     prev: Plan | None = None
-    for gib in (4, 6, 8, 12, 16, 22, 40, 80):
+    for gib in (4, 8, 22, 0.9 * H100_80GB / GIB):
         plan = plan_for(sizes, gib)
         assert plan.estimated_bytes <= gib * GIB
         if prev is not None:

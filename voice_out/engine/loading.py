@@ -151,6 +151,7 @@ def build_engine(
             prompt_tokens=_prompt_tokens(book),
         ),
         pins or {},
+        voices=max(1, len(book.names())),
     )
     try:  # the token2wav schedule's own rules (hops are whole flow chunks): fail at load, not per stream
         hop_policy(ec, plan).schedule(0, ec.fast_first_tokens)
@@ -406,10 +407,12 @@ def engine_plan(
     dtype: torch.dtype,
     sizes: Callable[[], ModelSizes],
     pins: Mapping[str, object],
+    voices: int = 4,
 ) -> Plan:
     """The engine's :class:`Plan` on ``device`` (calling thread; reads the device's capability
     and free memory, allocates nothing). ``pins``: plan fields set by hand, and
-    ``capability`` ("8.9": plan as for that GPU). A budget too small fails here, in one line."""
+    ``capability`` ("8.9": plan as for that GPU). ``voices``: voices known at start-up. A
+    budget too small fails here, in one line."""
     pins = dict(pins)
     cap_pin = pins.pop("capability", None)
     ec = cfg.engine
@@ -436,6 +439,7 @@ def engine_plan(
             eager=ec.eager,
             onnx_on_device=onnx_on_device(),
             triton=triton is not None and dtype != torch.float32,
+            voices=voices,
             pins=pins,
         )
     except PlanError as e:

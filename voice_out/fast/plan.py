@@ -41,29 +41,38 @@ SHARED_MEMORY_PER_BLOCK: dict[tuple[int, int], int] = {
 }
 
 #: Non-torch device memory of the process: the CUDA context (0.61 GiB measured on an H200
-#: after the first tensor) plus cuBLAS workspaces, Triton's loaded modules and the base graphs'
-#: executables (1.08 GiB in all at start-up's end, the smallest plan).
+#: after the first tensor) plus cuBLAS workspaces and Triton's loaded modules (1.04 GiB in all
+#: before any token2wav graph), and the graphs' executables (GRAPH_EXEC_BYTES_PER_TOKEN of
+#: captured range: 1.6 GiB in all after a start capturing 1500 tokens).
 CONTEXT_BYTES = int(0.61 * GIB)
-LIBRARY_BYTES = int(0.50 * GIB)
+LIBRARY_BYTES = int(0.45 * GIB)
+GRAPH_EXEC_BYTES_PER_TOKEN = int(0.37 * MIB)
 #: ONNX Runtime on the GPU (voice preparation: speaker embedding, speech tokenizer): its arena,
 #: capped at 0.5 GiB by ``voice_out.voices.onnx.ORT_ARENA_BYTES``, and its CUDA libraries.
 ORT_BYTES = int(0.75 * GIB)
-#: The engine's fixed buffers beside weights and KV slots (static graph inputs, the flow's
-#: noise, the vocoder's and the LLM's base graphs, the first-chunk lane): 0.72 GiB allocated
-#: after a start of the smallest plan, and ~0.1 GiB of transient serving peak on top.
-BASE_WORK_BYTES = int(0.85 * GIB)
+#: The engine's buffers beside weights, KV slots, prefixes and states, with the allocator's
+#: slack among them: the LLM's graphs and static inputs, the vocoder's graphs, the flow's
+#: noise, the first-chunk lane. Measured on an H200: 0.97 GiB allocated and 0.46 GiB reserved
+#: but free when the first token2wav graph was captured (a 4 GiB start, 5 KV slots).
+BASE_WORK_BYTES = int(1.5 * GIB)
 #: Activations and per-stream buffers a serving stream adds beside its KV slot (18 MB a stream
 #: measured over a 32-stream round).
 STREAM_WORK_BYTES = 24 * MIB
-#: The token2wav graph pools of a capture range of C speech tokens (a 150-token prompt), fitted
-#: to C = 100, 500, 1500: POOL_LINEAR * C + POOL_QUADRATIC * C**2 bytes (re-run chunks grow
-#: with the utterance, and each length's graph keeps its outputs), plus the graph executables.
+#: The token2wav graph pools of a capture range of C speech tokens (a 150-token prompt) and the
+#: allocator's slack around them: POOL_SCALE * (POOL_LINEAR * C + POOL_QUADRATIC * C**2) bytes
+#: (re-run chunks grow with the utterance, and each length's graph keeps its outputs). The
+#: shape was fitted to the reserved memory of starts capturing C = 100, 500 and 1500 on an
+#: H200; the scale to whole starts within a budget: capture 1500 with batched chunks within
+#: 500 held 7.0 GiB (22 GiB budget) beyond the weights, caches and base, and capture 500 with
+#: batched 500 ran out past 3.0 GiB of its 8 GiB budget (measured on an H200,
+#: docs/benchmarks.md "Memory budget"). POOL_SCALE = 2 keeps 1.4 GiB of margin at the former.
 POOL_LINEAR = int(4.42e-4 * GIB)
 POOL_QUADRATIC = 9.0e-7 * GIB
-GRAPH_EXEC_BYTES_PER_TOKEN = int(0.17 * MIB)
-#: The batched-chunk graphs (up to 8 rows) within the first 500 tokens: 1.5 GiB measured.
+POOL_SCALE = 2.0
+#: The batched-chunk graphs (up to 8 rows) within the first 500 tokens: 1.5 GiB measured alone
+#: (times POOL_SCALE, as above).
 BATCH_POOL_AT_500_8ROWS = int(1.5 * GIB)
-#: Allocator slack on what the plan sizes (fragmentation of the caching allocator's blocks).
+#: Allocator slack on the sizes the plan adds beside its fixed part.
 SLACK = 0.08
 
 #: Speech tokens the capture ranges step through, largest first (25 per second of audio).
@@ -171,7 +180,7 @@ class Plan:
         """One line for the start-up log."""
         if self.device_type != "cuda":
             return f"plan: cpu, {self.max_streams} streams, eager"
-        mode = "graphs" if self.cuda_graphs else "eager"
+        mode = "graphs" if self.cuda_graphs else "no CUDA graphs"
         kernels = ",".join(
             n
             for n, on in (
@@ -185,10 +194,15 @@ class Plan:
         )
         left = "; left out: " + ", ".join(f"{w} ({b / GIB:.1f} GiB)" for w, b in self.left_out) if self.left_out else ""
         notes = "; " + "; ".join(self.notes) if self.notes else ""
+        captured = (
+            f"captured {self.capture_tokens} tokens (batched {self.capture_batch_tokens})"
+            if self.cuda_graphs
+            else "nothing captured"
+        )
         return (
             f"plan: budget {self.budget_bytes / GIB:.1f} GiB on sm {self.capability}, {mode}, kernels "
-            f"[{kernels or 'none'}], {self.max_streams} streams, captured {self.capture_tokens} tokens "
-            f"(batched {self.capture_batch_tokens}), {self.first_chunk_prefix_voices} prompt prefixes, "
+            f"[{kernels or 'none'}], {self.max_streams} streams, {captured}, "
+            f"{self.first_chunk_prefix_voices} prompt prefixes, "
             f"{self.flow_state_streams} flow states x {self.flow_state_tokens} tokens, "
             f"estimated {self.estimated_bytes / GIB:.1f} GiB{left}{notes}"
         )
@@ -220,16 +234,20 @@ PINNABLE = frozenset(
 )
 
 
+def _pool(tokens: int) -> float:
+    return POOL_SCALE * (POOL_LINEAR * tokens + POOL_QUADRATIC * tokens * tokens)
+
+
 def pool_bytes(tokens: int) -> int:
     """The token2wav graph pools (and executables) of a capture range of ``tokens``."""
-    return int(POOL_LINEAR * tokens + POOL_QUADRATIC * tokens * tokens) + GRAPH_EXEC_BYTES_PER_TOKEN * tokens
+    return int(_pool(tokens)) + GRAPH_EXEC_BYTES_PER_TOKEN * tokens
 
 
 def batch_pool_bytes(tokens: int, rows: int) -> int:
     """The batched-chunk graphs of up to ``rows`` rows within the first ``tokens``."""
     if tokens <= 0 or rows <= 1:
         return 0
-    return int(BATCH_POOL_AT_500_8ROWS * (rows / 8) * pool_bytes(tokens) / pool_bytes(500))
+    return int(POOL_SCALE * BATCH_POOL_AT_500_8ROWS * (rows / 8) * _pool(tokens) / _pool(500))
 
 
 def prefix_bytes(sizes: ModelSizes) -> int:
@@ -291,6 +309,7 @@ def make_plan(
     eager: bool = False,
     onnx_on_device: bool = False,
     triton: bool = True,
+    voices: int = 4,
     pins: Mapping[str, object] | None = None,
 ) -> Plan:
     """The engine's plan (pure; see the module docstring).
@@ -299,7 +318,9 @@ def make_plan(
     a CPU engine). ``capability``: the CUDA device's. ``max_streams``: the user's cap (the plan
     may lower it, saying so in ``notes``). ``eager``: no fast path (plain PyTorch, no graphs,
     no Triton kernels). ``onnx_on_device``: ONNX Runtime runs voice preparation on this GPU
-    (its arena is budgeted). ``triton``: Triton is installed. ``pins``: plan fields set by
+    (its arena is budgeted). ``triton``: Triton is installed. ``voices``: voices known at
+    start-up (prompt prefixes and other prompt lengths' captures are planned for at most
+    these; a voice added later re-runs its prompt, as beyond the plan). ``pins``: plan fields set by
     hand (tests, the bench), applied after the derivation and counted against the budget.
 
     Raises :class:`PlanError` (one line: the budget, what is needed, the setting to change)
@@ -309,7 +330,7 @@ def make_plan(
     if capability is None or budget_bytes is None:
         return cpu_plan(max_streams, pins)
     fixed = _fixed(sizes, onnx_on_device)
-    need_one = int((sum(b for _, b in fixed) + stream_bytes(sizes)) * (1 + SLACK)) + 1
+    need_one = sum(b for _, b in fixed) + int(stream_bytes(sizes) * (1 + SLACK)) + 1
     if budget_bytes < need_one:
         raise PlanError(
             f"engine.gpu_memory: a budget of {budget_bytes / GIB:.2f} GiB cannot hold the model and one stream "
@@ -335,7 +356,7 @@ def make_plan(
     # the prefix and state paths need the fused flow kernels on a GPU
     state_path = bool(pins.get("fused_flow", choice["fused_flow"]))
 
-    room = int(budget_bytes / (1 + SLACK)) - sum(b for _, b in fixed)
+    room = int((budget_bytes - sum(b for _, b in fixed)) / (1 + SLACK))
     left_out: list[tuple[str, int]] = []
     notes: list[str] = []
     streams = 0
@@ -365,14 +386,14 @@ def make_plan(
     prefixes = 0
     states = 0
     state_tokens = FLOW_STATE_LADDER[0]
-    if graphs:
-        # the first chunks' captures are in the engine's base; a short range keeps early
-        # chunks graphed at any budget
-        capture = CAPTURE_LADDER[-1] if take("capture 100 tokens", pool_bytes(CAPTURE_LADDER[-1])) else 0
+    if graphs and not take(f"capture {CAPTURE_LADDER[-1]} tokens", pool_bytes(CAPTURE_LADDER[-1])):
+        # not even the first chunks' graphs fit (a stream's first chunk is captured on first
+        # use): no CUDA graphs at all, none of their pools
+        graphs = False
+        choice.update(cuda_graphs=False, first_chunk_lane=False, max_chunks_per_step=4)
+        notes.append("CUDA graphs left out for lack of memory: the engine runs eagerly")
+    capture = CAPTURE_LADDER[-1] if graphs else 0
     add_streams(4)
-    if state_path and take("prompt prefix, voice 1", prefix_bytes(sizes)):
-        prefixes = 1
-    add_streams(16)
 
     def grow_capture(limit: int) -> None:
         nonlocal capture
@@ -381,6 +402,11 @@ def make_plan(
                 break
             capture = c
 
+    if graphs:
+        grow_capture(250)
+    if state_path and voices >= 1 and take("prompt prefix, voice 1", prefix_bytes(sizes)):
+        prefixes = 1
+    add_streams(16)
     if graphs:
         grow_capture(500)
     add_streams(32)
@@ -394,7 +420,7 @@ def make_plan(
         grow_capture(CAPTURE_LADDER[0])
     add_streams(max_streams)
     if state_path:
-        while prefixes < 4 and take(f"prompt prefix, voice {prefixes + 1}", prefix_bytes(sizes)):
+        while prefixes < min(4, voices) and take(f"prompt prefix, voice {prefixes + 1}", prefix_bytes(sizes)):
             prefixes += 1
         if prefixes:
             fits = [t for t in FLOW_STATE_LADDER if flow_state_bytes(sizes, t) <= room]
@@ -402,6 +428,13 @@ def make_plan(
                 states, state_tokens = 1, fits[0]
             else:
                 take(f"flow state {FLOW_STATE_LADDER[-1]} tokens", flow_state_bytes(sizes, FLOW_STATE_LADDER[-1]))
+    voice_capture = min(500, capture)
+    if (
+        graphs
+        and voices > 1
+        and not take(f"captures for {voices - 1} more voices", (voices - 1) * pool_bytes(voice_capture))
+    ):
+        voice_capture = 0  # their first chunks only
     if streams < max_streams:
         left_out.append((f"streams {streams + 1}..{max_streams}", (max_streams - streams) * stream_bytes(sizes)))
         notes.append(f"engine.max_streams lowered from {max_streams} to {streams} to fit engine.gpu_memory")
@@ -414,7 +447,7 @@ def make_plan(
         graph_batch_buckets=tuple(b for b in GRAPH_BATCH_BUCKETS if b < top),
         capture_tokens=max(capture, 1),
         capture_batch_tokens=batch,
-        capture_voice_tokens=min(500, capture) if graphs else 0,
+        capture_voice_tokens=voice_capture if graphs else 0,
         first_chunk_prefix_voices=prefixes,
         flow_state_streams=states,
         flow_state_tokens=state_tokens,
@@ -454,10 +487,11 @@ def _apply_pins(
         top = pinned.max_streams + pinned.batched_input_rows
         pinned = dataclasses.replace(pinned, graph_batch_buckets=tuple(b for b in GRAPH_BATCH_BUCKETS if b < top))
     parts = estimate_parts(pinned, sizes, fixed)
-    total = sum(b for _, b in parts)
-    if total * (1 + SLACK) > budget:
+    fixed_total = sum(b for _, b in fixed)
+    total = fixed_total + (sum(b for _, b in parts) - fixed_total) * (1 + SLACK)
+    if total > budget:
         raise PlanError(
-            f"engine.gpu_memory: the pinned plan needs {total * (1 + SLACK) / GIB:.2f} GiB, more than the budget "
+            f"engine.gpu_memory: the pinned plan needs {total / GIB:.2f} GiB, more than the budget "
             f"of {budget / GIB:.2f} GiB; raise engine.gpu_memory or pin less"
         )
     return dataclasses.replace(pinned, estimate=tuple(parts), left_out=(), notes=())
