@@ -1,6 +1,12 @@
 #!/bin/bash
-# GPU measurements of the memory budget (issue 35): one H200 (cuda:0), random:0.5b, bf16.
+# The memory-budget rows of docs/benchmarks.md ("Memory budget"): voice-out bench at budgets of
+# 22, 8 and 4 GiB and the default, then the GPU tests of the plan, on cuda:0, random:0.5b, bf16,
+# within LIMIT seconds in all (a run that would not fit is skipped). Results in $OUT (default
+# ./budget-out): one JSON and one log per budget.
+#   LIMIT=600 OUT=budget-out bash scripts/measure_budgets.sh
 set -u
+OUT=${OUT:-budget-out}
+mkdir -p "$OUT"
 export PYTHONPATH=$PWD CUDA_VISIBLE_DEVICES=0
 START=$(date +%s)
 LIMIT=${LIMIT:-325}

@@ -232,3 +232,17 @@ def test_more_budget_never_plans_less(sizes: ModelSizes) -> None:
         prev = plan
     assert stream_bytes(sizes) > sizes.kv_slot_bytes
     assert CAPTURE_LADDER[0] == 1500
+
+
+def test_the_budget_is_gib_a_share_of_the_card_or_most_of_what_is_free() -> None:
+    from voice_out.config import ConfigError
+    from voice_out.engine.loading import DEFAULT_FREE_SHARE, device_budget
+
+    total, free = int(80 * GIB), int(60 * GIB)
+    assert device_budget(22.0, free, total) == 22 * GIB
+    assert device_budget("80%", free, total) == int(0.8 * total)
+    assert device_budget(0.5, free, total) == int(0.5 * total)
+    assert device_budget("6 GiB", free, total) == 6 * GIB
+    assert device_budget(None, free, total) == int(DEFAULT_FREE_SHARE * free)
+    with pytest.raises(ConfigError, match="more than the card's 80.0 GiB"):
+        device_budget(100, free, total)
