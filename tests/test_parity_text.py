@@ -5,6 +5,8 @@ The cases were recorded without a TN engine, so the normalizer runs in ``"rules"
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,16 @@ def rules(tokenizer: QwenTokenizer) -> TextNormalizer:
     return create_text_normalizer("rules", lambda s: len(tokenizer.encode(s)))
 
 
+def manifest_len(cases_dir: Path, case: str, key: str) -> int:
+    """How many entries the directory's ``cases/manifest.json`` records for list ``key`` of
+    ``case`` (``"list[23]"`` -> 23): another parity directory in the same format has other
+    counts, so no test hard-codes them."""
+    described = json.loads((cases_dir / "manifest.json").read_text())[case]["keys"][key]
+    m = re.fullmatch(r"list\[(\d+)\]", described)
+    assert m is not None, f"manifest.json: {case}.{key} is {described!r}, not list[N]"
+    return int(m.group(1))
+
+
 def _ids(t: Any) -> list[int]:
     return [int(x) for x in t.reshape(-1).tolist()]
 
@@ -39,8 +51,12 @@ def _ids(t: Any) -> list[int]:
 
 
 def test_g3_ids_and_decoded_text(tokenizer: QwenTokenizer, cases_dir: Path) -> None:
+    check_g3_items(tokenizer, cases_dir)
+
+
+def check_g3_items(tokenizer: QwenTokenizer, cases_dir: Path) -> None:
     case = _load(cases_dir, "g3_tokenizer.pt")
-    assert len(case["items"]) == 15
+    assert len(case["items"]) == manifest_len(cases_dir, "g3_tokenizer", "items") > 0
     for item in case["items"]:
         ids = tokenizer.encode(item["input"])
         assert ids == list(item["ids"]), item["input"]
@@ -68,8 +84,12 @@ def test_g3_every_id_below_the_embedding_rows(tokenizer: QwenTokenizer, parity_d
 
 
 def test_g2_all_items(rules: TextNormalizer, tokenizer: QwenTokenizer, cases_dir: Path) -> None:
+    check_g2_items(rules, tokenizer, cases_dir)
+
+
+def check_g2_items(rules: TextNormalizer, tokenizer: QwenTokenizer, cases_dir: Path) -> None:
     case = _load(cases_dir, "g2_frontend_text.pt")
-    assert len(case["items"]) == 23
+    assert len(case["items"]) == manifest_len(cases_dir, "g2_frontend_text", "items") > 0
     for item in case["items"]:
         text = item["input"]
         assert rules.normalize(text) == item["nosplit"], text
@@ -94,3 +114,30 @@ def test_g4_text_parts(rules: TextNormalizer, tokenizer: QwenTokenizer, cases_di
     text_ids = tokenizer.encode(segments[0])
     assert text_ids == _ids(case["text"])
     assert [len(text_ids)] == _ids(case["text_len"])
+
+
+# ------------------------------------------------------------------ another directory, other counts
+
+
+def test_the_counts_come_from_the_directory(
+    rules: TextNormalizer, tokenizer: QwenTokenizer, cases_dir: Path, tmp_path: Path
+) -> None:
+    """A directory in the same format with fewer cases (and a manifest saying so) passes; one
+    whose manifest disagrees with its case files fails."""
+    other = tmp_path / "cases"
+    other.mkdir()
+    manifest = json.loads((cases_dir / "manifest.json").read_text())
+    for case, keep in (("g2_frontend_text", 5), ("g3_tokenizer", 4)):
+        data = _load(cases_dir, f"{case}.pt")
+        assert len(data["items"]) > keep
+        data["items"] = data["items"][:keep]
+        torch.save(data, other / f"{case}.pt")
+        manifest[case]["keys"]["items"] = f"list[{keep}]"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    check_g2_items(rules, tokenizer, other)
+    check_g3_items(tokenizer, other)
+
+    manifest["g3_tokenizer"]["keys"]["items"] = "list[5]"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(AssertionError):
+        check_g3_items(tokenizer, other)
