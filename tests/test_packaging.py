@@ -52,3 +52,18 @@ def test_a_wheel_carries_the_page(tmp_path: Path) -> None:
     shipped = {n.rsplit("/", 1)[1] for n in names if "/data/share/voice_out/web/" in n}
     assert shipped == PAGE
     assert any(n.endswith("voice_out/server/app.py") for n in names)
+
+
+def test_pyproject_reads_without_a_build_warning() -> None:
+    """setuptools reads the metadata without its warnings (a license given as a TOML table
+    printed a deprecation block on every install)."""
+    import warnings
+
+    setuptools = pytest.importorskip("setuptools")
+    from setuptools.config.pyprojecttoml import apply_configuration  # type: ignore[import-untyped]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = apply_configuration(setuptools.Distribution(), REPO_ROOT / "pyproject.toml")
+    assert [str(w.message).splitlines()[0] for w in caught] == []
+    assert dist.metadata.license_expression == "Apache-2.0"
