@@ -647,7 +647,7 @@ def test_the_graphed_llm_path_speaks_like_the_eager_one(engine: Engine) -> None:
     for a, b in zip(graphed, eager, strict=True):
         assert signature(a) == signature(b)
         np.testing.assert_array_equal(np.concatenate([c.pcm for c in a]), np.concatenate([c.pcm for c in b]))
-    sampled = Engine.load(engine.config, pins=graphs, **kw)  # type: ignore[arg-type]
+    sampled = Engine.load(engine.config, forced=None, pins=graphs, **kw)  # type: ignore[arg-type]
     sampled.start(timeout=120)
     try:
         chunks = solo(sampled, 1, ["ab"])

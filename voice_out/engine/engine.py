@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import itertools
 import logging
 import queue
 import secrets
 import threading
 import uuid
-import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -41,7 +41,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from voice_out.config import Config, EngineConfig
+from voice_out.config import Config, EngineConfig, load_config
 from voice_out.config import replace as replace_config
 from voice_out.engine.api import (
     SAMPLE_RATE,
@@ -63,12 +63,26 @@ from voice_out.engine.worker import (
     Worker,
     WorkerStats,
 )
+from voice_out.errors import VoiceOutError
 from voice_out.fast.plan import Plan, cpu_plan
 
 log = logging.getLogger(__name__)
 
 #: The built-in voice of ``random:*`` models (random prompt features: it sounds like noise).
 NOISE_VOICE = "noise"
+#: Speech tokens per text token that random weights speak (they never stop sensibly on EOS:
+#: left to the length guard, a one-line sentence played ~20 s). Real speech is ~3 (40 ms each).
+RANDOM_TOKENS_PER_TEXT_TOKEN = 3
+
+
+class _Auto(enum.Enum):
+    AUTO = "auto"
+
+
+#: ``Engine.load``'s default ``forced``: random weights speak
+#: ``RANDOM_TOKENS_PER_TEXT_TOKEN`` forced tokens per text token, real weights stop on EOS.
+#: ``serve``, ``say`` and the in-process API all take this one rule; None forces nothing.
+AUTO_FORCED = _Auto.AUTO
 #: ``random:<preset>`` -> the dims directory under ``configs/models``.
 RANDOM_DIMS = {"tiny": "tiny", "0.5b": "cosyvoice2-0.5b"}
 
@@ -84,6 +98,10 @@ def random_dims_dir(preset: str) -> Path:
 
 # --------------------------------------------------------------------------------------------
 # The engine
+
+
+class EngineStartError(VoiceOutError, RuntimeError):
+    """The worker could not start (model, device or memory); the message says why, once."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +176,7 @@ class Engine:
         model: str | None = None,
         device: str | None = None,
         voices: Any | None = None,
-        forced: ForcedTokens | None = None,
+        forced: ForcedTokens | None | _Auto = AUTO_FORCED,
         kv_len: int = 4096,
         warmup: bool = True,
         flow_path: str = "rerun",
@@ -170,11 +188,16 @@ class Engine:
     ) -> Engine:
         """Resolve the model and build an engine (the weights load on the worker at start).
 
+        ``config``: None = what the ``voice-out`` commands read without ``--config``: the
+        file ``$VOICE_OUT_CONFIG`` names and the ``VOICE_OUT_<SECTION>_<FIELD>`` variables
+        (a bad value raises ``ConfigError``); ``model``, ``device``, ``engine`` override it.
         ``model``: a CosyVoice2 directory, a hub id, or ``random:tiny`` / ``random:0.5b``
         (random weights: NOISE, with a loud warning; they come with a built-in voice
         ``noise``). ``voices``: a :class:`~voice_out.voices.store.VoiceStore` (default: a
         read-only store at ``server.voices_dir``). ``forced``: forced-tokens mode for tests and
-        benchmarks. ``kv_len``: KV-cache positions per stream. ``text_normalizer``: ``auto``,
+        benchmarks; by default (:data:`AUTO_FORCED`) random weights speak a realistic
+        ``RANDOM_TOKENS_PER_TEXT_TOKEN`` tokens per text token and real ones stop on EOS, None
+        forces nothing. ``kv_len``: KV-cache positions per stream. ``text_normalizer``: ``auto``,
         ``wetext``, ``rules`` or ``none``. ``flow_path``: token2wav's ``rerun`` (upstream) or
         ``cached`` flow. ``fault_hook``: a test hook (see ``Runner``). ``pins``: fast-path
         choices set by hand (tests, the bench; ``voice_out.fast.plan.Plan`` field -> value,
@@ -184,7 +207,8 @@ class Engine:
         """
         from voice_out.engine import loading
 
-        cfg = config or Config()
+        # no config given: the one every command reads ($VOICE_OUT_CONFIG, VOICE_OUT_<SECTION>_<FIELD>)
+        cfg = config if config is not None else load_config()
         if model is not None:
             cfg = replace_config(cfg, "model", model=model)
         if device is not None:
@@ -326,7 +350,7 @@ class Engine:
         if worker.startup_error is not None:
             err = worker.startup_error
             self.close()
-            raise RuntimeError(f"the engine failed to start: {type(err).__name__}: {err}") from err
+            raise EngineStartError(f"the engine failed to start: {type(err).__name__}: {err}") from err
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the worker: every open stream ends ABORTED, the device is released (blocking)."""
@@ -432,14 +456,17 @@ def warn_random(spec: str) -> None:
         f"model {spec!r} has RANDOM WEIGHTS: the engine runs the real architecture but speaks NOISE. "
         "Use it for pipeline checks and benchmarks only; pass a CosyVoice2 model directory to hear speech."
     )
+    # logged once (with no logging configured, Python's last-resort handler prints it on
+    # stderr); a warnings.warn beside it printed the same message twice
     log.warning("!" * 20 + " " + msg + " " + "!" * 20)
-    warnings.warn(msg, stacklevel=4)  # the caller of Engine.load
 
 
 __all__ = [
     "ADD_VOICE_HINT",
+    "AUTO_FORCED",
     "NOISE_VOICE",
     "Engine",
+    "EngineStartError",
     "EngineStats",
     "EngineStream",
     "VoiceBook",

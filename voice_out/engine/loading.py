@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from voice_out.config import Config, ConfigError, parse_gpu_memory
-from voice_out.engine.engine import NOISE_VOICE, VoiceBook, random_dims_dir, warn_random
+from voice_out.engine.engine import (
+    AUTO_FORCED,
+    NOISE_VOICE,
+    RANDOM_TOKENS_PER_TEXT_TOKEN,
+    VoiceBook,
+    random_dims_dir,
+    warn_random,
+)
 from voice_out.engine.kernels import precompile
 from voice_out.engine.request import TextPiece, TextPipeline, VoicePrompt
 from voice_out.engine.runner import FlowVoice, Runner, noise_voice
@@ -49,10 +56,34 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 DEFAULT_FREE_SHARE = 0.9
 
 
+class DeviceError(ConfigError):
+    """``model.device`` names a device this torch cannot use (printed as one line)."""
+
+
 def resolve_device(device: str) -> torch.device:
+    """``model.device`` -> the torch device; raises :class:`DeviceError` (one line naming the
+    fix) for a CUDA device that this torch build or machine does not have."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.backends.cuda.is_built():
+            raise DeviceError(
+                f"model.device = {device!r}, but this torch ({torch.__version__}) is a CPU-only build: "
+                "install a CUDA build of torch (e.g. `make install TORCH_SPEC=...` with the CUDA wheel), "
+                "or pass --device cpu (or auto)"
+            )
+        if not torch.cuda.is_available():
+            raise DeviceError(
+                f"model.device = {device!r}, but torch sees no CUDA device (driver or CUDA_VISIBLE_DEVICES?): "
+                "fix that, or pass --device cpu (or auto)"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DeviceError(
+                f"model.device = {device!r}, but torch sees {torch.cuda.device_count()} CUDA device(s): "
+                "pass --device cuda:0 .. cuda:N-1, or auto"
+            )
+    return dev
 
 
 class DeltaPipeline:
@@ -88,7 +119,7 @@ def build_engine(
     cfg: Config,
     *,
     voices: Any | None,
-    forced: ForcedTokens | None,
+    forced: ForcedTokens | None | object,
     kv_len: int,
     warmup: bool,
     flow_path: str,
@@ -109,6 +140,9 @@ def build_engine(
     else:
         assert weights_dir is not None
         dims_dir = weights_dir
+    if forced is AUTO_FORCED:
+        forced = ForcedTokens(RANDOM_TOKENS_PER_TEXT_TOKEN) if source.is_random else None
+    assert forced is None or isinstance(forced, ForcedTokens)
     device = resolve_device(mc.device)
     dtype = _DTYPES[mc.dtype] if device.type == "cuda" else torch.float32
     dims = llm_dims(dims_dir)

@@ -27,7 +27,6 @@ import numpy as np
 from voice_out.config import Config
 from voice_out.engine.api import SAMPLE_RATE, EngineError
 from voice_out.engine.engine import Engine, EngineStream
-from voice_out.engine.scheduler import ForcedTokens
 from voice_out.errors import VoiceOutError
 
 READ_BYTES = 4096
@@ -83,9 +82,8 @@ def say(cfg: Config, args: argparse.Namespace) -> int:
     if output.parent and not output.parent.exists():
         raise SayError(f"cannot write {output}: directory {output.parent} does not exist")
 
-    # random weights never stop sensibly: speak a realistic 3 speech tokens per text token
-    forced = ForcedTokens(3) if cfg.model.model.startswith("random:") else None
-    engine = Engine.load(cfg, forced=forced)
+    # (random weights speak a capped length: Engine.load's rule, the same as serve's)
+    engine = Engine.load(cfg)
     t_start = time.monotonic()
     engine.start()
     errors: list[BaseException] = []
