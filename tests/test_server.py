@@ -387,6 +387,24 @@ async def test_no_default_voice(make_server: Callable[..., Any]) -> None:
     await client.close()
 
 
+@pytest.mark.asyncio
+async def test_a_refused_first_delta_is_one_error(make_server: Callable[..., Any]) -> None:
+    """A page sends text.done right behind its first delta; when that delta is refused
+    (no_voice here) the client hears of it once, not again as unknown_id for the text.done."""
+    server: Server = await make_server(FakeEngine(default_voice=None))
+    client = await server.connect()
+    client.send_text("a", "who speaks?")
+    client.done("a")
+    client.send_text("b", "I do. ", voice="alice")
+    client.done("b")
+    await client.wait_for("audio.done", "b")
+    client.done("never")  # a text.done for an id no delta ever named is still an error
+    await client.wait_for("error", "never")
+    errors = [(e.message.id, e.message.code) for e in client.events if isinstance(e.message, p.Error)]
+    assert errors == [("a", "no_voice"), ("never", "unknown_id")]
+    await client.close()
+
+
 # -- lifetimes -----------------------------------------------------------------------------------
 
 

@@ -586,6 +586,45 @@ def test_cli_add_list_rm(
     assert "unknown voice 'alice'" in capsys.readouterr().err
 
 
+def test_cli_options_after_the_action(
+    tmp_path: Path, parity_dir: Path, prompt_wav: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``voices add NAME AUDIO TEXT --voices-dir DIR --model M`` as a user types it (the
+    options were only accepted before the action); a ``--set`` before and one after both count."""
+    where = ["--voices-dir", str(tmp_path / "v")]
+    add = ["voices", "add", "alice", str(prompt_wav), "希望你以后能够做的比我还好呦。"]
+    assert main([*add, *where, "--model", str(parity_dir)]) == 0
+    assert capsys.readouterr().out.startswith("added voice 'alice'")
+    assert (tmp_path / "v" / "alice").is_dir()
+    assert main(["voices", "list", *where]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[0] == "alice"
+    # before the action and after it: the one after wins, the one before is kept when alone
+    assert main(["voices", "--voices-dir", str(tmp_path / "w"), "list", *where]) == 0
+    assert "alice" in capsys.readouterr().out
+    from voice_out.cli import build_parser, load_cli_config
+
+    args = build_parser().parse_args(["voices", "--set", "model.offline=true", "list", "--set", "model.revision=x"])
+    cfg = load_cli_config(args)
+    assert cfg.model.offline is True and cfg.model.revision == "x"
+    assert main(["voices", *where, "rm", "alice", "--model", "random:tiny"]) == 0
+    assert not (tmp_path / "v" / "alice").exists()
+
+
+def test_cli_add_help_lists_the_options_and_the_real_limits(capsys: pytest.CaptureFixture[str]) -> None:
+    from voice_out.cli import PROMPT_SECONDS, TRANSCRIPT_CHARS
+    from voice_out.voices.onnx import MAX_PROMPT_S
+    from voice_out.voices.prompt import MIN_PROMPT_S
+    from voice_out.voices.store import MAX_TRANSCRIPT_CHARS
+
+    with pytest.raises(SystemExit):
+        main(["voices", "add", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option in ("--model", "--voices-dir", "--config", "--set"):
+        assert option in text
+    assert PROMPT_SECONDS == f"{MIN_PROMPT_S:g} to {MAX_PROMPT_S:g}" and f"{PROMPT_SECONDS} s" in text
+    assert TRANSCRIPT_CHARS == MAX_TRANSCRIPT_CHARS and f"at most {TRANSCRIPT_CHARS} characters" in text
+
+
 def test_cli_errors_are_one_line(tmp_path: Path, prompt_wav: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["voices", "--voices-dir", str(tmp_path / "v")]
     assert main([*base, "--model", "random:tiny", "add", "bob", str(prompt_wav), "x"]) == 2

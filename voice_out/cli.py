@@ -11,11 +11,17 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from voice_out import __version__
 from voice_out.config import DEFAULT_MODEL, Config, ConfigError, load_config, parse_overrides
 from voice_out.errors import VoiceOutError
 from voice_out.hub import ModelNotFoundError
+
+#: What ``voices add`` accepts (voice_out.voices: MIN_PROMPT_S, MAX_PROMPT_S and
+#: MAX_TRANSCRIPT_CHARS, which a test holds these to; not imported: ``--help`` stays fast).
+PROMPT_SECONDS = "1 to 30"
+TRANSCRIPT_CHARS = 1000
 
 
 class UserError(VoiceOutError):
@@ -26,30 +32,42 @@ class NotBuiltError(UserError):
     """A part of voice_out that this build does not have yet."""
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config file (default: $VOICE_OUT_CONFIG or none)")
+def _common(p: argparse.ArgumentParser, *, nested: bool = False) -> None:
+    """``--config`` and ``--set``. ``nested``: on an action's parser (``voices add``), so that
+    they may follow the action too; they default to nothing there, leaving the values given
+    before the action in place."""
+    keep: dict[str, Any] = {"default": argparse.SUPPRESS} if nested else {}
+    p.add_argument("--config", metavar="FILE", help="TOML config file (default: $VOICE_OUT_CONFIG or none)", **keep)
     p.add_argument(
         "--set",
-        dest="overrides",
+        dest="overrides_after" if nested else "overrides",
         metavar="SECTION.FIELD=VALUE",
         action="append",
-        default=[],
+        default=argparse.SUPPRESS if nested else [],
         help="override one config value, e.g. --set server.port=9000 (repeatable)",
     )
 
 
-def _model_flags(p: argparse.ArgumentParser) -> None:
+def _model_flags(p: argparse.ArgumentParser, *, nested: bool = False) -> None:
+    keep: dict[str, Any] = {"default": argparse.SUPPRESS} if nested else {}
     p.add_argument(
         "--model",
         help=f"CosyVoice2 model directory, hub id (default {DEFAULT_MODEL}), or random:tiny / random:0.5b",
+        **keep,
     )
-    p.add_argument("--device", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", help="auto, cpu, cuda or cuda:N", **keep)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], **keep)
+
+
+def _voices_dir_flag(p: argparse.ArgumentParser, *, nested: bool = False) -> None:
+    keep: dict[str, Any] = {"default": argparse.SUPPRESS} if nested else {}
+    p.add_argument("--voices-dir", dest="voices_dir", help="voice store directory (default: server.voices_dir)", **keep)
 
 
 def load_cli_config(args: argparse.Namespace) -> Config:
     """Config from file + env + ``--set`` + the dedicated flags (highest priority)."""
-    over = parse_overrides(list(getattr(args, "overrides", []) or []))
+    sets = [*(getattr(args, "overrides", None) or []), *(getattr(args, "overrides_after", None) or [])]
+    over = parse_overrides(sets)
     for flag, (sec, name) in {
         "model": ("model", "model"),
         "device": ("model", "device"),
@@ -59,6 +77,7 @@ def load_cli_config(args: argparse.Namespace) -> Config:
         "port": ("server", "port"),
         "voices_dir": ("server", "voices_dir"),
         "engine": ("server", "engine"),
+        "default_voice": ("server", "default_voice"),
     }.items():
         value = getattr(args, flag, None)
         if value is not None:
@@ -134,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(p)
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8080)")
+    p.add_argument(
+        "--voice",
+        dest="default_voice",
+        metavar="NAME",
+        help="the default voice, for utterances that name none (server.default_voice; must be registered)",
+    )
     p.add_argument("--voices-dir", dest="voices_dir", help="voice store directory")
     p.add_argument("--engine", choices=["local", "ray"], help="engines in this process or in Ray Serve replicas")
     p.set_defaults(func=cmd_serve)
@@ -162,18 +187,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--voices-dir", dest="voices_dir", help="voice store directory")
     p.set_defaults(func=cmd_say)
 
-    p = sub.add_parser("voices", help="add, list or remove registered voices")
+    p = sub.add_parser(
+        "voices",
+        help="add, list or remove registered voices",
+        description="Options go before or after the action: voice-out voices add NAME AUDIO TEXT --voices-dir DIR",
+    )
     _common(p)
     _model_flags(p)
-    p.add_argument("--voices-dir", dest="voices_dir", help="voice store directory")
+    _voices_dir_flag(p)
     vsub = p.add_subparsers(dest="voices_command", metavar="ACTION", required=True)
-    a = vsub.add_parser("add", help="register a voice from an audio file and its transcript")
-    a.add_argument("name")
-    a.add_argument("audio", help="prompt audio (wav, flac, mp3, ogg, ...), 3-30 s of one speaker")
-    a.add_argument("transcript", help="what is said in the audio")
-    vsub.add_parser("list", help="list registered voices")
+    a = vsub.add_parser(
+        "add",
+        help="register a voice from an audio file and its transcript",
+        description=(
+            "Register a voice: its prompt features are extracted once (this needs the model's prompt "
+            "networks: a CosyVoice2 model directory or hub id, not random:*) and stored under the "
+            "voices directory."
+        ),
+    )
+    a.add_argument("name", help="letters, digits, '_', '.' and '-', at most 64 characters, starting alphanumeric")
+    a.add_argument(
+        "audio",
+        help=f"prompt audio (wav, flac, mp3, ogg, ...) of one speaker, {PROMPT_SECONDS} s long "
+        "(3 to 10 s of clear speech works best)",
+    )
+    a.add_argument("transcript", help=f"exactly what is said in the audio (at most {TRANSCRIPT_CHARS} characters)")
+    lst = vsub.add_parser("list", help="list registered voices")
     r = vsub.add_parser("rm", help="remove a voice")
     r.add_argument("name")
+    for action in (a, lst, r):
+        _common(action, nested=True)
+        _model_flags(action, nested=True)
+        _voices_dir_flag(action, nested=True)
     p.set_defaults(func=cmd_voices)
 
     p = sub.add_parser("bench", help="measure latency and capacity")

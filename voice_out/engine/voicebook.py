@@ -14,6 +14,12 @@ from voice_out.engine.api import NoVoiceError, UnknownVoiceError
 from voice_out.engine.request import VoicePrompt
 
 ADD_VOICE_HINT = 'add one with `voice-out voices add NAME prompt.wav "what is said in it"`'
+#: How to get past ``no_voice``: name a voice, or give the server a default one.
+NO_VOICE_HINT = (
+    'name one ("voice" on an utterance\'s first text.delta, or open_stream(voice=...)) or set a default: '
+    "`voice-out serve --voice NAME`, or server.default_voice in the config file "
+    "(VOICE_OUT_SERVER_DEFAULT_VOICE=NAME)"
+)
 
 
 class VoiceBook:
@@ -45,7 +51,9 @@ class VoiceBook:
     def resolve(self, name: str | None) -> VoicePrompt:
         chosen = name if name is not None else self.default
         if chosen is None:
-            raise NoVoiceError(f"no voice was named and no default voice is configured: {ADD_VOICE_HINT}")
+            known = ", ".join(self.names())
+            fix = f"voices here: {known}; {NO_VOICE_HINT}" if known else f"{ADD_VOICE_HINT}, then {NO_VOICE_HINT}"
+            raise NoVoiceError(f"no voice was named and no default voice is configured: {fix}")
         if chosen in self.builtin and (self.store is None or chosen not in self.store):
             return self.builtin[chosen]
         if self.store is None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import hmac
 import json
@@ -33,6 +34,7 @@ import logging
 import os
 import signal
 import site
+import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
@@ -684,6 +686,10 @@ class ListenError(VoiceOutError):
     """The server could not listen on its address."""
 
 
+class UnknownDefaultVoiceError(VoiceOutError):
+    """``server.default_voice`` names no registered voice: every utterance would fail."""
+
+
 def serve(cfg: Config) -> int:
     """Load the engine and voice store, serve until SIGINT/SIGTERM, shut down cleanly.
 
@@ -691,9 +697,10 @@ def serve(cfg: Config) -> int:
     awaited, peer connections closed), then the engine is stopped; returns 0. A second
     SIGINT/SIGTERM while that runs exits the process at once (:func:`_exit_now`).
     """
+    server = cfg.server
+    check_port(server.host, server.port)  # before the model loads (seconds to minutes)
     engine, store = load_runtime(cfg)
     loop = _new_loop()
-    server = cfg.server
 
     def announce(_: str) -> None:
         print(f"voice_out serving on http://{server.host}:{server.port}/ (Ctrl-C to stop)", flush=True)
@@ -719,6 +726,25 @@ def serve(cfg: Config) -> int:
         if not loop.is_closed():
             loop.close()
     return 0
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise :class:`ListenError` when ``host:port`` cannot be bound now (in use, not an address
+    of this machine, a privileged port): ``serve`` checks this before loading the model, so
+    the user learns it at once. Binds like aiohttp will (SO_REUSEADDR) and lets go at once."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                in_use = e.errno == errno.EADDRINUSE
+                hint = " (another process listens there: stop it, or pass --port)" if in_use else ""
+                raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
 
 
 async def _exit_on_next_signal(app: web.Application) -> None:
@@ -773,4 +799,11 @@ def load_runtime(cfg: Config) -> tuple[EngineLike, VoiceStoreLike | None]:
 
         return RayEngine(cfg, store), store
     engine = Engine.load(cfg, voices=store)
+    default = cfg.server.default_voice
+    if default is not None and default not in (names := engine.voice_names()):
+        raise UnknownDefaultVoiceError(
+            f"server.default_voice = {default!r} is not a registered voice "
+            f"(registered in {cfg.server.voices_dir}: {', '.join(names) or 'none'}): register it with "
+            f'`voice-out voices add {default} AUDIO "TRANSCRIPT"` or set server.default_voice to one of them'
+        )
     return engine, store

@@ -164,6 +164,9 @@ class Session:
         self.clock = self.track.clock
         self.live: OrderedDict[str, Utterance] = OrderedDict()  # start order
         self._ended: OrderedDict[str, int] = OrderedDict()  # id -> seq of ended utterances
+        # ids whose first delta was refused (no_voice, ...): the error said so once; the
+        # text.done a client sent right behind that delta is not a second mistake
+        self._refused: OrderedDict[str, None] = OrderedDict()
         self._seq = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._sinks: list[Sink] = []
@@ -244,9 +247,16 @@ class Session:
                 raise p.ProtocolError(
                     p.ErrorCode.UTTERANCE_CLOSED, f"utterance {msg.id!r} has ended; start a new id", msg.id
                 )
-            if msg.delta and p.is_low_surrogate(msg.delta[0]):
-                raise _lone_low_surrogate(msg.id)
-            u = self._start(msg)
+            try:
+                if msg.delta and p.is_low_surrogate(msg.delta[0]):
+                    raise _lone_low_surrogate(msg.id)
+                u = self._start(msg)
+            except p.ProtocolError:
+                self._refused[msg.id] = None
+                while len(self._refused) > REMEMBERED_IDS:
+                    self._refused.popitem(last=False)
+                raise
+            self._refused.pop(msg.id, None)
         elif u.state is not UtteranceState.OPEN:
             raise p.ProtocolError(
                 p.ErrorCode.UTTERANCE_CLOSED, f"utterance {msg.id!r} got text.done; start a new id", msg.id
@@ -308,8 +318,8 @@ class Session:
     def _text_done(self, msg: p.TextDone) -> None:
         u = self.live.get(msg.id)
         if u is None:
-            if msg.id in self._ended:
-                return  # cancelled or failed meanwhile: nothing left to finish
+            if msg.id in self._ended or msg.id in self._refused:
+                return  # cancelled, failed or refused meanwhile: nothing left to finish
             raise p.ProtocolError(p.ErrorCode.UNKNOWN_ID, f"text.done for unknown utterance {msg.id!r}", msg.id)
         if u.state is UtteranceState.OPEN:
             u.state = UtteranceState.TEXT_DONE

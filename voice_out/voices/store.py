@@ -603,10 +603,9 @@ class VoiceStore:
         """The voice ``name``, else ``default``; raise :class:`NoVoiceError` when both are None."""
         chosen = name if name is not None else default
         if chosen is None:
-            raise NoVoiceError(
-                f"no voice was named and no default voice is configured: {ADD_HINT}, then name it "
-                "or set server.default_voice"
-            )
+            from voice_out.engine.voicebook import NO_VOICE_HINT
+
+            raise NoVoiceError(f"no voice was named and no default voice is configured: {NO_VOICE_HINT}")
         return self.get(chosen)
 
     def source_audio(self, name: str) -> bytes:
