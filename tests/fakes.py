@@ -39,6 +39,7 @@ class FakeScript:
     amplitude: float = 0.3
     fail_marker: str = "<FAIL>"
     crash_marker: str = "<CRASH>"  # raises a plain exception (a bug inside the engine)
+    pause_marker: str = "~"  # a chunk of text holding it is silence (a pause in the speech)
 
 
 class FakeStream:
@@ -133,7 +134,10 @@ class FakeStream:
                 fed += take
                 n = int(round(take * script.ms_per_char * SAMPLE_RATE / 1000))
                 final = self._text_done and fed == len(self._text)
-                chunk = PcmChunk(self._tone(sample, n), sample, fed, final)
+                pcm = self._tone(sample, n)
+                if script.pause_marker in self._text[fed - take : fed]:
+                    pcm[:] = 0.0
+                chunk = PcmChunk(pcm, sample, fed, final)
                 sample += n
                 self.n_chunks += 1
                 if final:

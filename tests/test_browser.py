@@ -312,6 +312,141 @@ def test_demo_page_bearer_token_and_errors(tmp_path: Path) -> None:
     assert r["rtt_shown"].endswith("ms"), r["rtt_shown"]
 
 
+# ------------------------------------------------------------------------------------------------
+# What the page shows for a random-weight model, whose noise is far quieter than speech
+
+
+async def random_model_page(config: Config, profile: Path, out: dict[str, Any]) -> None:
+    """A user's first run on ``random:tiny``: Connect, Speak, watch, barge in (button, then
+    microphone). The DOM's level meter and page TTFA are sampled while it plays."""
+    async with running_server(config) as base_url, chromium(profile) as page:
+        await page.send("Page.navigate", {"url": base_url + "/"})
+        await page.wait_for("window.voiceOut && window.voiceOut.loaded", 15, "the demo page to load")
+        await page.evaluate("document.getElementById('connect').click()")
+        await page.wait_for("!document.getElementById('speak').disabled", 30, "the session to open")
+        await page.wait_for("document.getElementById('voice').options.length > 1", 10, "the voice menu")
+        out["menu"] = await page.evaluate(
+            "[...document.getElementById('voice').options].map((o) => [o.value, o.text, o.selected])"
+        )
+        await asyncio.sleep(1.0)  # the track's silence, before anything is said
+        out["idle_levels"] = await page.evaluate("voiceOut.levels().map(([, rms]) => rms)")
+        await page.evaluate("document.getElementById('speak').click()")
+        await page.wait_for("voiceOut.audio.onsets.length > 0", 30, "the first sound")
+        out["samples"] = await page.evaluate(SAMPLE_WHAT_THE_USER_SEES)
+        out["demo-random.png"] = await page.screenshot()
+        # barge in with the button while it is audible; then by voice (the fake microphone)
+        cancel_while_audible = CANCEL_WHILE_AUDIBLE.replace('voiceOut.cancel(null, "test")', CLICK_CANCEL)
+        assert await page.evaluate(cancel_while_audible.replace("5000", "60000")), "no audible sound to cut"
+        await page.wait_for("voiceOut.bargeIns[0].silenceAt !== null", 10, "silence after the barge-in")
+        out["bargein_shown"] = await page.evaluate("document.getElementById('stat-bargein').textContent")
+        await page.evaluate("voiceOut.micVad.speechMs = 40")
+        await page.evaluate("document.getElementById('speak').click()")
+        await page.wait_for("voiceOut.audio.audible", 30, "audio of the second utterance")
+        await page.evaluate("voiceOut.micBargeIn(true)")
+        await page.wait_for("voiceOut.bargeIns.length === 2 && voiceOut.bargeIns[1].silenceAt !== null", 10, "mic")
+        await page.evaluate("voiceOut.micBargeIn(false)")
+        out["measured"] = await page.evaluate("voiceOut.summary()")
+
+
+CLICK_CANCEL = "document.getElementById('cancel').click()"
+# Runs in the page: the level meter, its dBFS reading and the page TTFA, every 50 ms, until 20
+# readings showed a level (a CPU that makes the audio slower than real time plays it in bursts).
+SAMPLE_WHAT_THE_USER_SEES = """(async () => {
+  const samples = [];
+  const deadline = performance.now() + 60000;
+  while (samples.filter((s) => s.level > 0).length < 20 && performance.now() < deadline) {
+    samples.push({
+      level: document.getElementById("out-level").value,
+      db: document.getElementById("out-db").textContent,
+      ttfa: document.getElementById("stat-page-ttfa").textContent,
+    });
+    await new Promise((resolve) => setTimeout(resolve, 50));
+  }
+  return samples;
+})()"""
+
+
+def test_demo_page_shows_a_random_model(tmp_path: Path) -> None:
+    """On ``random:tiny`` (RMS 0.0015 to 0.003) the page used to look dead: flat waveform,
+    level meter at 0, page TTFA "-", barge-in "0 ms (quiet)", no microphone barge-in."""
+    config = Config(
+        model=ModelConfig(model="random:tiny", device="cpu"),
+        engine=EngineConfig(max_streams=4, seed=0),
+        server=ServerConfig(host="127.0.0.1", port=0, voices_dir=str(tmp_path / "voices")),
+    )
+    out: dict[str, Any] = {}
+    keep = os.environ.get("VOICE_OUT_BROWSER_ARTIFACTS")
+    try:
+        asyncio.run(asyncio.wait_for(random_model_page(config, tmp_path / "profile", out), 4 * TEST_TIMEOUT_S))
+    finally:
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            if "demo-random.png" in out:
+                (Path(keep) / "demo-random.png").write_bytes(out.pop("demo-random.png"))
+            (Path(keep) / "random.json").write_text(json.dumps(out, indent=2, default=str))
+    # the menu offers the server's default voice (the model's built-in "noise") and selects it
+    assert out["menu"] == [["", "server default (noise)", True], ["noise", "noise", False]], out["menu"]
+    m = out["measured"]
+    threshold = m["audio"]["threshold"]
+    # the track's silence stays far below the threshold: nothing is heard before the first delta
+    assert out["idle_levels"] and max(out["idle_levels"]) < threshold / 4, max(out["idle_levels"])
+    assert all(o["t"] > m["marks"]["firstDeltaSent"] for o in m["audio"]["onsets"])
+    # the level meter moves (a dBFS scale: the noise is ~-50 dBFS) and the page TTFA shows
+    levels = [s["level"] for s in out["samples"]]
+    assert len({round(v, 3) for v in levels if v > 0}) >= 5, levels  # 20 readings with a level
+    assert max(levels) > 0.2, levels
+    assert any(s["db"].endswith("dBFS") for s in out["samples"]), out["samples"]
+    shown = out["samples"][-1]["ttfa"]
+    assert shown.endswith(("ms", " s")) and shown[0].isdigit(), shown
+    first, second = (m["utterances"][i] for i in m["utterances"])
+    for u in (first, second):
+        assert u["voice"] is None and u["pageTtfaMs"] is not None, u
+        assert u["serverTtfaMs"] <= u["pageTtfaMs"], u  # (no bound: a loaded CPU is slower than real time)
+    assert m["audio"]["maxRms"] < 0.05, m["audio"]["maxRms"]  # it is the quiet noise indeed
+    # barge-in: read as a time (the page heard the sound end), by button and by microphone
+    button, mic = m["bargeIns"]
+    assert button["reason"] == "button" and button["ms"] is not None and button["ms"] < MAX_BARGE_IN_MS, button
+    assert out["bargein_shown"].endswith(" ms") and "quiet" not in out["bargein_shown"], out["bargein_shown"]
+    assert mic["reason"] == "microphone" and mic["ms"] is not None and mic["ms"] < MAX_BARGE_IN_MS, mic
+    assert [e["type"] for e in m["events"] if e["type"] == "error"] == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Page TTFA: a sound after a pause is not the first sound of the next, queued utterance
+
+
+async def pause_then_queued(profile: Path) -> dict[str, Any]:
+    engine = FakeEngine(voices=("alice", "bob"), default_voice=None)
+    async with serving(create_app(Config(), engine, FakeVoiceStore(engine))) as base_url, chromium(profile) as page:
+        await page.send("Page.navigate", {"url": base_url + "/"})
+        await page.wait_for("window.voiceOut && window.voiceOut.loaded", 15, "the demo page to load")
+        await page.evaluate("voiceOut.connect().then(() => voiceOut.listVoices())")
+        menu = await page.evaluate("[...document.getElementById('voice').options].map((o) => [o.value, o.selected])")
+        # the first: a tone, a 0.8 s pause, a tone, a 0.6 s pause; the second, queued behind it
+        first = await page.evaluate(f"voiceOut.speak({json.dumps('Hello' + '~' * 20 + 'there' + '~' * 15)})")
+        second = await page.evaluate("voiceOut.speak('And the second one.')")
+        await page.wait_for(f"voiceOut.utterances[{json.dumps(second)}].status === 'done'", 20, "audio.done")
+        await page.wait_for("!voiceOut.audio.audible", 5, "silence")
+        return {"menu": menu, "ids": (first, second), "summary": await page.evaluate("voiceOut.summary()")}
+
+
+def test_page_ttfa_is_never_before_the_servers(tmp_path: Path) -> None:
+    r = asyncio.run(asyncio.wait_for(pause_then_queued(tmp_path / "profile"), TEST_TIMEOUT_S))
+    # no default voice on the server: the menu selects a registered one (no no_voice on Speak)
+    assert r["menu"] == [["alice", True], ["bob", False]], r["menu"]
+    first_id, second_id = r["ids"]
+    s = r["summary"]
+    first, second = s["utterances"][first_id], s["utterances"][second_id]
+    assert first["voice"] == "alice" and [e for e in s["events"] if e["type"] == "error"] == []
+    onsets = s["audio"]["onsets"]
+    # the sound after the first one's pause came while the second was queued; nobody's first
+    resumed = [o for o in onsets if first["firstAudibleAt"] < o["t"] < second["firstAudibleAt"]]
+    assert resumed and all(o["id"] is None for o in resumed), onsets
+    assert resumed[0]["t"] < second["startedAt"], (resumed, second)
+    for u in (first, second):
+        assert u["pageTtfaMs"] is not None and u["serverTtfaMs"] <= u["pageTtfaMs"], u
+
+
 def test_a_browser_that_dies_is_reported_with_its_last_output(tmp_path: Path) -> None:
     """A browser lost mid-run (a crash, a missing font) ends the run with Chromium's own words."""
 

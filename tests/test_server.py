@@ -521,7 +521,8 @@ async def test_bad_offers(server: Server) -> None:
 async def test_voices_routes(server: Server) -> None:
     http, url = server.http, server.url
     async with http.get(url + "/voices") as r:
-        assert r.status == 200 and await r.json() == {"voices": [{"name": "alice"}, {"name": "bob"}]}
+        assert r.status == 200
+        assert await r.json() == {"voices": [{"name": "alice"}, {"name": "bob"}], "default_voice": "alice"}
 
     def form(**fields: Any) -> aiohttp.FormData:
         f = aiohttp.FormData(default_to_multipart=True)
@@ -578,7 +579,7 @@ async def test_voices_routes_with_the_real_store(tmp_path: Path, web_dir: Path) 
                 # An empty store: only the engine's own voices, marked built in.
                 assert r.status == 200
                 builtin = [{"name": "alice", "builtin": True}, {"name": "bob", "builtin": True}]
-                assert await r.json() == {"voices": builtin}
+                assert await r.json() == {"voices": builtin, "default_voice": "alice"}
             form = aiohttp.FormData()
             form.add_field("name", "carol")
             form.add_field("transcript", "Hello.")

@@ -68,7 +68,7 @@ async def test_real_engine_session() -> None:
                 assert health["plan"]["device_type"] == "cpu" and health["plan"]["max_streams"] == 64
                 assert health["plan"]["cuda_graphs"] is False and health["plan"]["left_out"] == {}
             async with http.get(url + "/voices") as r:
-                assert await r.json() == {"voices": [{"name": "noise", "builtin": True}]}
+                assert await r.json() == {"voices": [{"name": "noise", "builtin": True}], "default_voice": "noise"}
 
         client = await connect(url)
         assert client.voices == ("noise",)

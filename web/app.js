@@ -7,7 +7,13 @@
 // voiceOut.audio.threshold.
 
 const CHANNEL_LABEL = "voice_out";
-const DEFAULT_THRESHOLD = 0.005; // RMS; about -46 dBFS, well above Opus-decoded digital silence
+// RMS; about -66 dBFS. Opus-decoded digital silence (the track between utterances) is far
+// below it, and quiet sound is above it: the noise of random-weight models (RMS 0.0015 to
+// 0.003) must count as audible too, or the page shows nothing at all for them.
+const DEFAULT_THRESHOLD = 0.0005;
+const METER_FLOOR_DB = -72; // the level meter and its dBFS reading span METER_FLOOR_DB..0 dBFS
+const WAVE_MAX_GAIN = 200; // the waveform scales quiet audio up to this many times, to fill its height
+const WAVE_GAIN_DECAY = 0.97; // per frame: the waveform's gain recovers slowly after a loud peak
 const SILENCE_HOLD_MS = 250; // below the threshold this long = silence (bridges pauses between words)
 const MIC_SPEECH_MS = 200; // microphone above its threshold this long = the person is talking
 const MIC_POLL_MS = 20;
@@ -62,6 +68,8 @@ const state = {
   sampleRate: null,
   nextId: 1,
   utteranceOrder: [], // ids in the order they were started
+  defaultVoice: undefined, // the server's default voice: a name, null (none), undefined (not known)
+  waveGain: 1,
   streamers: new Set(), // running "stream like an LLM" loops
   pendingCancels: [], // barge-ins waiting for silence
   audioCtx: null,
@@ -418,11 +426,22 @@ function onAudioBlock(start, end, rms, _peak) {
 }
 
 function onOnset(t, rms) {
-  audio.onsets.push({ t, rms });
+  const onset = { t, rms, id: null };
+  audio.onsets.push(onset);
   mark("firstAudible", t);
-  // The first audible sound after an utterance's first delta, while no earlier utterance is
-  // waiting for its own, is that utterance's first audio. Refused and cut ones never wait.
-  const u = state.utteranceOrder
+  const u = waitingForFirstAudio(t);
+  const detail = { rms: Number(rms.toFixed(4)) };
+  if (u && heardAfterServerSent(u, t)) attributeOnset(u, onset, detail);
+  record("page", "audible", detail);
+}
+
+/**
+ * The utterance whose first sound an onset at `t` can be: the first one started whose first
+ * audio has not been heard, not cut or refused, sent before `t`. Utterances play in order, so
+ * it is never one behind an earlier one still unheard.
+ */
+function waitingForFirstAudio(t) {
+  return state.utteranceOrder
     .map((id) => voiceOut.utterances[id])
     .find(
       (x) =>
@@ -433,15 +452,37 @@ function onOnset(t, rms) {
         x.status !== "error" &&
         x.status !== "cancelled",
     );
-  const detail = { rms: Number(rms.toFixed(4)) };
-  if (u) {
-    u.firstAudibleAt = t;
-    u.pageTtfaMs = t - u.firstDeltaAt;
-    detail.id = u.id;
-    detail.page_ttfa_ms = Math.round(u.pageTtfaMs);
-    $("stat-page-ttfa").textContent = fmtMs(u.pageTtfaMs);
-  }
-  record("page", "audible", detail);
+}
+
+/**
+ * Whether a sound heard at `t` can be `u`'s: the server has said its first frame went onto the
+ * track (audio.started) and `t` is not before that moment (first delta sent + the server's
+ * TTFA). Without this, the sound after a pause in the previous utterance was taken for the
+ * first sound of the next, queued one, and the page's TTFA read lower than the server's.
+ */
+function heardAfterServerSent(u, t) {
+  return u.startedAt !== null && u.serverTtfaMs !== null && t >= u.firstDeltaAt + u.serverTtfaMs;
+}
+
+function attributeOnset(u, onset, detail = {}) {
+  onset.id = u.id;
+  u.firstAudibleAt = onset.t;
+  u.pageTtfaMs = onset.t - u.firstDeltaAt;
+  detail.id = u.id;
+  detail.page_ttfa_ms = Math.round(u.pageTtfaMs);
+  $("stat-page-ttfa").textContent = fmtMs(u.pageTtfaMs);
+  return detail;
+}
+
+/**
+ * audio.started of `u` has arrived: its first sound may have been heard already (the event
+ * and the audio travel apart). Take the earliest onset since the server sent it that no
+ * utterance owns.
+ */
+function onAudioStarted(u) {
+  if (u.firstAudibleAt !== null || waitingForFirstAudio(now()) !== u) return;
+  const onset = audio.onsets.find((o) => o.id === null && o.t >= u.firstDeltaAt && heardAfterServerSent(u, o.t));
+  if (onset) record("page", "audible", attributeOnset(u, onset, { rms: Number(onset.rms.toFixed(4)) }));
 }
 
 function attachRemoteStream(stream) {
@@ -471,6 +512,13 @@ function drawWaveform() {
   const g = canvas.getContext("2d");
   const samples = new Float32Array(analyser.fftSize);
   analyser.getFloatTimeDomainData(samples);
+  // Scale quiet audio up to fill the height (a random-weight model's noise is ~-50 dBFS, a flat
+  // line at unit gain); the gain drops at once for a louder peak and recovers slowly.
+  let peak = 0;
+  for (const x of samples) peak = Math.max(peak, Math.abs(x));
+  const fit = peak > 0 ? Math.min(WAVE_MAX_GAIN, 0.9 / peak) : WAVE_MAX_GAIN;
+  state.waveGain = Math.min(fit, Math.max(1, state.waveGain / WAVE_GAIN_DECAY));
+  const gain = state.waveGain;
   const style = getComputedStyle(document.documentElement);
   g.clearRect(0, 0, width, height);
   g.strokeStyle = style.getPropertyValue("--border");
@@ -484,17 +532,27 @@ function drawWaveform() {
   g.beginPath();
   for (let i = 0; i < samples.length; i++) {
     const x = (i / (samples.length - 1)) * width;
-    const y = height / 2 - Math.max(-1, Math.min(1, samples[i] * 2)) * (height / 2 - 2);
+    const y = height / 2 - Math.max(-1, Math.min(1, samples[i] * gain)) * (height / 2 - 2);
     if (i === 0) g.moveTo(x, y);
     else g.lineTo(x, y);
   }
   g.stroke();
-  $("out-level").value = audio.level;
+  g.fillStyle = style.getPropertyValue("--muted") || "gray";
+  g.font = `${11 * dpr}px sans-serif`;
+  g.fillText(`×${gain < 10 ? gain.toFixed(1) : Math.round(gain)}`, 4 * dpr, 12 * dpr);
+  const db = levelDb(audio.level);
+  $("out-level").value = Math.max(0, (db - METER_FLOOR_DB) / -METER_FLOOR_DB);
+  $("out-db").textContent = db > METER_FLOOR_DB ? `${Math.round(db)} dBFS` : "silent";
   requestAnimationFrame(drawWaveform);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Connection
+
+/** RMS -> dBFS (-Infinity for silence). */
+function levelDb(rms) {
+  return rms > 0 ? 20 * Math.log10(rms) : -Infinity;
+}
 
 function setStatus(text, kind) {
   const el = $("status");
@@ -628,6 +686,7 @@ function onServerMessage(data) {
         u.startedAt = t;
         u.serverTtfaMs = msg.ttfa_ms;
         if (!TERMINAL.has(u.status)) u.status = "playing";
+        onAudioStarted(u);
       }
       $("stat-server-ttfa").textContent = fmtMs(msg.ttfa_ms);
       break;
@@ -858,17 +917,27 @@ function voiceName(v) {
   return typeof v === "string" ? v : v.name || v.id || "?";
 }
 
+/**
+ * Fill the voice menu. "server default" is offered only when the server has a default voice;
+ * otherwise (or when that is not known) a registered voice is selected, so that Speak works
+ * on the first click instead of answering no_voice.
+ */
 function fillVoices(list) {
   const select = $("voice");
   const keep = select.value;
-  select.replaceChildren(new Option("server default", ""));
-  for (const v of list) select.add(new Option(voiceName(v), voiceName(v)));
-  if ([...select.options].some((o) => o.value === keep)) select.value = keep;
+  const names = list.map(voiceName);
+  select.replaceChildren();
+  if (state.defaultVoice) select.add(new Option(`server default (${state.defaultVoice})`, ""));
+  for (const name of names) select.add(new Option(name, name));
+  if (!state.defaultVoice && !names.length) select.add(new Option("no voices yet: add one", ""));
+  const keepable = [...select.options].some((o) => o.value === keep);
+  select.value = keepable ? keep : state.defaultVoice || !names.length ? "" : names[0];
 }
 
 async function listVoices() {
   const data = await api("GET", "/voices");
   const list = Array.isArray(data) ? data : data?.voices || [];
+  if (data && !Array.isArray(data) && "default_voice" in data) state.defaultVoice = data.default_voice;
   fillVoices(list);
   record("http", "voices", { voices: list.map(voiceName) });
   return list.map(voiceName);

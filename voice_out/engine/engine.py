@@ -243,6 +243,12 @@ class Engine:
     def voice_names(self) -> list[str]:
         return self.voices.names()
 
+    @property
+    def default_voice(self) -> str | None:
+        """The voice of streams opened without one (``server.default_voice``, or ``noise`` for
+        random weights); None: such a stream raises NoVoiceError."""
+        return self.voices.default
+
     def open_stream(
         self,
         voice: str | None = None,

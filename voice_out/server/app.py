@@ -370,16 +370,20 @@ def _voice_status(code: str) -> int:
 
 async def list_voices(request: web.Request) -> web.Response:
     """The voices a session can name: the store's (with their manifests), then any the engine
-    has built in (e.g. ``noise`` of random-weight models) as ``{"name", "builtin": true}``."""
+    has built in (e.g. ``noise`` of random-weight models) as ``{"name", "builtin": true}``;
+    and ``default_voice``, the one an utterance naming none gets (null: none)."""
     store = request.app[VOICES_KEY]
     loop = asyncio.get_running_loop()
     voices: list[dict[str, Any]] = []
     if store is not None:
         voices = [_voice_json(v) for v in await loop.run_in_executor(None, store.list)]
     listed = {v.get("name") for v in voices}
-    engine_names = await loop.run_in_executor(None, request.app[ENGINE_KEY].voice_names)
+    engine = request.app[ENGINE_KEY]
+    engine_names = await loop.run_in_executor(None, engine.voice_names)
     voices += [{"name": n, "builtin": True} for n in engine_names if n not in listed]
-    return web.json_response({"voices": voices})
+    # the voice of utterances that name none (null: they get no_voice), for the page's menu
+    default = getattr(engine, "default_voice", None)
+    return web.json_response({"voices": voices, "default_voice": default if isinstance(default, str) else None})
 
 
 async def add_voice(request: web.Request) -> web.Response:
