@@ -331,17 +331,18 @@ async def random_model_page(config: Config, profile: Path, out: dict[str, Any]) 
         await asyncio.sleep(1.0)  # the track's silence, before anything is said
         out["idle_levels"] = await page.evaluate("voiceOut.levels().map(([, rms]) => rms)")
         await page.evaluate("document.getElementById('speak').click()")
-        await page.wait_for("voiceOut.audio.onsets.length > 0", 30, "the first sound")
-        out["samples"] = await page.evaluate(SAMPLE_WHAT_THE_USER_SEES)
+        # (seconds on a 2-core CI machine; minutes on a crowded one)
+        await page.wait_for("voiceOut.audio.onsets.length > 0", 180, "the first sound")
+        out["samples"] = await page.evaluate(SAMPLE_WHAT_THE_USER_SEES, timeout_s=90)
         out["demo-random.png"] = await page.screenshot()
         # barge in with the button while it is audible; then by voice (the fake microphone)
         cancel_while_audible = CANCEL_WHILE_AUDIBLE.replace('voiceOut.cancel(null, "test")', CLICK_CANCEL)
-        assert await page.evaluate(cancel_while_audible.replace("5000", "60000")), "no audible sound to cut"
+        assert await page.evaluate(cancel_while_audible.replace("5000", "60000"), timeout_s=90), "nothing to cut"
         await page.wait_for("voiceOut.bargeIns[0].silenceAt !== null", 10, "silence after the barge-in")
         out["bargein_shown"] = await page.evaluate("document.getElementById('stat-bargein').textContent")
         await page.evaluate("voiceOut.micVad.speechMs = 40")
         await page.evaluate("document.getElementById('speak').click()")
-        await page.wait_for("voiceOut.audio.audible", 30, "audio of the second utterance")
+        await page.wait_for("voiceOut.audio.audible", 180, "audio of the second utterance")
         await page.evaluate("voiceOut.micBargeIn(true)")
         await page.wait_for("voiceOut.bargeIns.length === 2 && voiceOut.bargeIns[1].silenceAt !== null", 10, "mic")
         await page.evaluate("voiceOut.micBargeIn(false)")
@@ -377,7 +378,7 @@ def test_demo_page_shows_a_random_model(tmp_path: Path) -> None:
     out: dict[str, Any] = {}
     keep = os.environ.get("VOICE_OUT_BROWSER_ARTIFACTS")
     try:
-        asyncio.run(asyncio.wait_for(random_model_page(config, tmp_path / "profile", out), 4 * TEST_TIMEOUT_S))
+        asyncio.run(asyncio.wait_for(random_model_page(config, tmp_path / "profile", out), 600))
     finally:
         if keep:
             Path(keep).mkdir(parents=True, exist_ok=True)
@@ -406,7 +407,11 @@ def test_demo_page_shows_a_random_model(tmp_path: Path) -> None:
     # barge-in: read as a time (the page heard the sound end), by button and by microphone
     button, mic = m["bargeIns"]
     assert button["reason"] == "button" and button["ms"] is not None and button["ms"] < MAX_BARGE_IN_MS, button
-    assert out["bargein_shown"].endswith(" ms") and "quiet" not in out["bargein_shown"], out["bargein_shown"]
+    # the page heard the sound it cut (it had heard nothing before, and read "0 ms (quiet)"),
+    # and shows what it measured (0 when the sound stopped before the cancel went out)
+    assert button["lastAudibleAt"] is not None and button["lastAudibleAt"] > button["at"] - 100, button
+    ms = round(button["ms"])
+    assert out["bargein_shown"] == (f"{ms} ms" if ms > 0 else "0 ms (quiet)"), (out["bargein_shown"], button)
     assert mic["reason"] == "microphone" and mic["ms"] is not None and mic["ms"] < MAX_BARGE_IN_MS, mic
     assert [e["type"] for e in m["events"] if e["type"] == "error"] == []
 
