@@ -232,3 +232,6 @@ def test_check_port_accepts_a_free_port() -> None:
     app_module.check_port("127.0.0.1", port)  # free again: no error
     with pytest.raises(app_module.ListenError, match="cannot listen on no-such-host.invalid"):
         app_module.check_port("no-such-host.invalid", port)
+    with pytest.raises(app_module.ListenError, match="cannot listen on 192.0.2.1"):  # not this machine's
+        app_module.check_port("192.0.2.1", port)
+    app_module.check_port("localhost", port)  # IPv4 and (where the host has it) IPv6

@@ -740,15 +740,25 @@ def check_port(host: str, port: int) -> None:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    unavailable: OSError | None = None
+    bound = 0
     for family, kind, proto, _, addr in infos:
         with socket.socket(family, kind, proto) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds it
             try:
                 sock.bind(addr)
+                bound += 1
             except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL:  # a family this host lacks: asyncio skips it too
+                    unavailable = e
+                    continue
                 in_use = e.errno == errno.EADDRINUSE
                 hint = " (another process listens there: stop it, or pass --port)" if in_use else ""
                 raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    if not bound and unavailable is not None:
+        raise ListenError(f"cannot listen on {host}:{port}: {unavailable.strerror or unavailable}")
 
 
 async def _exit_on_next_signal(app: web.Application) -> None:
