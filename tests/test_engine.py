@@ -563,23 +563,6 @@ def test_an_abandoned_stream_is_cancelled_when_collected(engine: Engine) -> None
     assert_clean(engine)
 
 
-def test_docs_example_runs(tmp_path: Path) -> None:
-    import os
-    import re
-    import subprocess
-    import sys
-
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "engine.md").read_text(encoding="utf-8")
-    block = re.search(r"```python\n(.*?)```", doc, re.S)
-    assert block is not None
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run(
-        [sys.executable, "-c", block.group(1)], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert re.search(r"\d+\.\d\d s of audio in \d+ chunks", done.stdout), done.stdout
-
-
 def test_cached_flow_path_speaks_like_the_rerun_path(engine: Engine, tmp_path: Path) -> None:
     text = ["a few words ", "for the flow"]  # 24 ids -> 72 tokens: chunks of 25, 25, 22 (final)
     rerun = solo(engine, 77, text)  # the default: upstream's re-run of the prefix per chunk
