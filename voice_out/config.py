@@ -327,9 +327,10 @@ class ServerConfig:
     #: host candidates only (a LAN or this machine). docs/browser.md, "WebRTC through TURN".
     ice_servers: tuple[IceServer, ...] = ()
     #: Origins (``scheme://host[:port]``) besides the server's own whose pages may call the
-    #: state-changing routes (POST /offer, POST/DELETE /voices, the control WebSocket); ``*``
-    #: allows any. A browser names its page's origin in ``Origin``; requests without one (curl,
-    #: an agent backend) are not browsers and pass.
+    #: state-changing routes (every method but GET/HEAD/OPTIONS, and every WebSocket: POST
+    #: /offer, POST/DELETE /voices, the control socket, the compatible APIs); ``*`` allows any.
+    #: A browser names its page's origin in ``Origin``; requests without one (curl, an agent
+    #: backend) are not browsers and pass.
     allowed_origins: tuple[str, ...] = ()
     #: A request body must keep arriving: at most this long without a byte (s), and an offer
     #: whole within it. Guards against bodies trickled to hold connections open.

@@ -82,8 +82,9 @@ MAX_WS_BACKLOG = 1000
 #: A control-WebSocket message up to this size is read and answered (over the protocol's
 #: 64 KiB: ``message_too_large``, the session goes on); a larger one closes the socket (1009).
 MAX_WS_MESSAGE_BYTES = 4 * 1024 * 1024
-#: Routes that change state, which a page of another origin must not call (CSRF).
-STATE_CHANGING_ROUTES = frozenset({"offer", "add_voice", "delete_voice", "control"})
+#: Methods that only read: every other method, and every WebSocket upgrade, changes state (a
+#: session, a voice, engine time), which a page of another origin must not do (CSRF).
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 #: Stable ``code`` of the HTTP errors aiohttp raises itself (routing, body size).
 HTTP_ERROR_CODES = {
     400: "bad_request",
@@ -201,9 +202,9 @@ def _origin_middleware(allowed: tuple[str, ...]) -> Callable[..., Awaitable[web.
     async def origin(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        route = request.match_info.route
         given = request.headers.get("Origin")
-        if given is None or allow_any or route.name not in STATE_CHANGING_ROUTES:
+        upgrade = request.headers.get("Upgrade", "").lower() == "websocket"
+        if given is None or allow_any or (request.method in SAFE_METHODS and not upgrade):
             return await handler(request)
         if given in allowed_set or _same_origin(given, request.host):
             return await handler(request)
