@@ -11,6 +11,7 @@ Under CI these tests fail, not skip, when Ray is missing.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import time
 import warnings
@@ -22,7 +23,14 @@ import numpy as np
 import pytest
 
 from voice_out.config import Config, ConfigError, EngineConfig, ModelConfig, ServerConfig
-from voice_out.engine.api import OverloadedError, StreamFailedError, StreamState, UnknownVoiceError
+from voice_out.engine.api import (
+    EngineLike,
+    OverloadedError,
+    Stream,
+    StreamFailedError,
+    StreamState,
+    UnknownVoiceError,
+)
 from voice_out.engine.ray_serve.messages import EngineFailedError, Failed, TextEvent, error_of
 from voice_out.engine.ray_serve.relay import TextChannels
 from voice_out.engine.ray_serve.replica import DeploymentOptions
@@ -81,6 +89,21 @@ def test_errors_and_options_are_precise() -> None:
         DeploymentOptions(num_replicas=0)
     with pytest.raises(ConfigError, match="ray_app"):
         ServerConfig(ray_app="a/b")
+
+
+def _static_conformance(engine: RayEngine, stream: RayStream) -> None:
+    # checked by mypy: a missing or differently typed member of the contract fails the check
+    as_engine: EngineLike = engine
+    as_stream: Stream = stream
+    assert as_engine and as_stream
+
+
+def test_ray_engine_keeps_the_engine_contract() -> None:
+    def params(fn: Any) -> list[tuple[str, object, object]]:
+        return [(n, p.kind, p.default) for n, p in inspect.signature(fn).parameters.items() if n != "self"]
+
+    assert params(RayEngine.open_stream) == params(EngineLike.open_stream)
+    assert inspect.iscoroutinefunction(RayEngine.__aenter__) and inspect.iscoroutinefunction(RayEngine.__aexit__)
 
 
 # --------------------------------------------------------------------------------------------
