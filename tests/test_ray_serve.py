@@ -106,6 +106,22 @@ def test_ray_engine_keeps_the_engine_contract() -> None:
     assert inspect.iscoroutinefunction(RayEngine.__aenter__) and inspect.iscoroutinefunction(RayEngine.__aexit__)
 
 
+def test_serve_run_builder_takes_typed_arguments(tmp_path: Path) -> None:
+    """``serve run voice_out.engine.ray_serve.replica:build_app config=FILE num_replicas=2 ...``"""
+    from voice_out.engine.ray_serve.replica import build_app
+
+    toml = tmp_path / "voice_out.toml"
+    toml.write_text('[model]\nmodel = "random:tiny"\n[engine]\nmax_streams = 12\n')
+    app = build_app({"config": str(toml), "num_replicas": "2", "num_gpus": "0", "target_streams": "8"})
+    deployment = app._bound_deployment  # Serve's Application wraps the bound deployment
+    assert deployment.num_replicas == 2 and deployment.max_ongoing_requests == 12 + 4
+    assert deployment.ray_actor_options["num_gpus"] == 0
+    with pytest.raises(ConfigError, match="unknown argument 'replicas'"):
+        build_app({"replicas": "2"})
+    with pytest.raises(ConfigError, match="num_gpus = 'one' is invalid"):
+        build_app({"num_gpus": "one"})
+
+
 # --------------------------------------------------------------------------------------------
 # A local Ray instance with two tiny replicas
 
