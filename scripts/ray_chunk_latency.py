@@ -2,8 +2,8 @@
 
 Starts a local Ray instance, deploys one replica of the engine (``random:tiny`` on the CPU by
 default, forced tokens so every utterance has the same length), and plays the same utterances
-(whole text, one delta, then ``end_text``) one after another through ``RayEngine`` and through
-an in-process engine built the same way. Reports:
+(whole text, one delta, then ``end_text``) one after another, alternating between
+``RayEngine`` and an in-process engine built the same way (so both see the same load). Reports:
 
 * per chunk, the replica handing the chunk to Ray (the point where an in-process consumer
   holds it) -> the front holding it: what Ray adds per chunk (one host: both read the same
@@ -11,7 +11,7 @@ an in-process engine built the same way. Reports:
 * per utterance, ``open_stream`` -> first chunk, both ways: the difference is what the Ray path
   adds to first audio (routing, the call, the first chunk's transit).
 
-    python scripts/ray_chunk_latency.py --utterances 16
+    python scripts/ray_chunk_latency.py --utterances 24
     python scripts/ray_chunk_latency.py --model random:0.5b --device cuda --num-gpus 1
 
 Writes JSON to ``--json`` when given.
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig  # noqa: E402
 from voice_out.engine.scheduler import ForcedTokens  # noqa: E402
 
-TEXT = "The quick brown fox jumps over the lazy dog, and then it runs away. " * 3
+TEXT = "The quick brown fox jumps over the lazy dog, and then it runs away."
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -90,18 +90,28 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     load: dict[str, Any] = {"forced": ForcedTokens(3), "text_normalizer": "none"}
 
     local = Engine.load(cfg, **load)
-    async with local:
-        await play(local.open_stream, 2)  # warm
-        local_first, local_chunks, _ = await play(local.open_stream, args.utterances)
-
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         serve.start(proxy_location="Disabled")
         options = DeploymentOptions(app_name="latency", num_replicas=1, num_gpus=args.num_gpus, num_cpus=0)
         handle = serve.run(speech_app(cfg, options, load), name="latency", route_prefix=None)
-        async with RayEngine(cfg, None, handle=handle) as eng:
+        async with local, RayEngine(cfg, None, handle=handle) as eng:
+            await play(local.open_stream, 2)  # warm
             await play(eng.open_stream, 2)  # warm: the router, the relay
-            ray_first, ray_chunks, streams = await play(eng.open_stream, args.utterances)
+            # alternate, so that both ways see the same load on the machine
+            local_first: list[float] = []
+            ray_first: list[float] = []
+            local_chunks: list[float] = []
+            ray_chunks: list[float] = []
+            streams: list[Any] = []
+            for _ in range(args.utterances):
+                f, c, _ = await play(local.open_stream, 1)
+                local_first += f
+                local_chunks += c
+                f, c, s = await play(eng.open_stream, 1)
+                ray_first += f
+                ray_chunks += c
+                streams += s
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -130,7 +140,7 @@ def main() -> int:
     ap.add_argument("--model", default="random:tiny")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--num-gpus", type=float, default=0.0)
-    ap.add_argument("--utterances", type=int, default=16)
+    ap.add_argument("--utterances", type=int, default=24)
     ap.add_argument("--threads", type=int, default=1, help="torch threads, both ways (default 1)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
