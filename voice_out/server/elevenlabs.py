@@ -356,9 +356,10 @@ class _Socket:
                         alignment=align,
                     )
                     await self.send(msg)
-            tail = await _encode(ctx.encoder, None)
-            if tail:
-                await self.send(self._reply(ctx.id, audio=base64.b64encode(tail).decode(), isFinal=None))
+            if ctx.stream.state is not StreamState.ABORTED:  # an interrupted context sends no more audio
+                tail = await _encode(ctx.encoder, None)
+                if tail:
+                    await self.send(self._reply(ctx.id, audio=base64.b64encode(tail).decode(), isFinal=None))
         except EngineError as e:
             await self.error(_engine_error(e), ctx.id)
         finally:
@@ -421,8 +422,8 @@ class _Socket:
             return
         flush = msg.get("flush") is True
         if ctx is None:
-            if not text and not flush:
-                return  # a keep-alive for no open context
+            if not text:
+                return  # a keep-alive, or a flush, for no open context
             if not self.multi and self.opened:
                 return  # single context: text after the end
             ctx = self.open_context(context_id)
