@@ -377,3 +377,42 @@ def test_ray_deploy_command(cfg: Config, handle: Any, capsys: pytest.CaptureFixt
         serve.delete("voice_out_cli")
     assert main(["ray-deploy", "--replicas", "0", "--model", "random:tiny"]) == 2
     assert "num_replicas = 0 is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.asyncio
+async def test_delete_drains_a_streaming_utterance(cfg: Config, handle: Any) -> None:
+    """Shutting the application down (as a scale-down or redeploy does to a replica) stops new
+    routing but lets the utterance in flight speak to its end."""
+    from voice_out.engine.ray_serve.replica import deploy
+
+    options = DeploymentOptions(
+        app_name="voice_out_drain", num_replicas=1, num_gpus=0, num_cpus=0, graceful_shutdown_timeout_s=60.0
+    )
+    loop = asyncio.get_running_loop()
+    drain_handle = await loop.run_in_executor(None, deploy, cfg, options, LOAD)
+    async with RayEngine(cfg, None, handle=drain_handle) as eng:
+        s = eng.open_stream(None)
+        s.push_text("This utterance is still speaking when its replica is told to stop. " * 2)
+        s.end_text()
+        it = await first_chunk(s)
+        deleting = loop.run_in_executor(None, serve.delete, "voice_out_drain")
+        deadline = time.monotonic() + 30.0
+        while (await loop.run_in_executor(None, app_status, "voice_out_drain")) != "DELETING":
+            assert time.monotonic() < deadline, "the application never started deleting"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        # back-pressure (engine.max_ahead_s = 1) holds the rest until we listen: still speaking
+        assert not s.state.terminal
+        rest = await with_timeout(drain_list(it))
+        assert s.state is StreamState.FINISHED and rest and rest[-1].final
+        await with_timeout(deleting)
+    assert "voice_out_drain" not in serve.status().applications
+
+
+def app_status(name: str) -> str | None:
+    app = serve.status().applications.get(name)
+    return None if app is None else str(app.status.value)
+
+
+async def drain_list(it: Any) -> list[Any]:
+    return [c async for c in it]
