@@ -27,6 +27,7 @@ from voice_out.engine.api import (
     StreamFailedError,
     StreamState,
     UnknownVoiceError,
+    check_speed,
 )
 
 
@@ -57,6 +58,8 @@ class FakeStream:
         self.acks: list[int] = []
         self.fast_first: int | None = None
         self.seed: int | None = None
+        self.instructions: str | None = None
+        self.speed = 1.0
 
     @property
     def id(self) -> str:
@@ -209,11 +212,14 @@ class FakeEngine:
         seed: int | None = None,
         auto_ack: bool = True,
         fast_first: int | None = None,
+        instructions: str | None = None,
+        speed: float = 1.0,
     ) -> FakeStream:
         from voice_out.voices.errors import InvalidVoiceNameError, VoiceStoreCorruptError
 
         if fast_first is not None and not 0 <= fast_first < self.first_hop_tokens:
             raise BadOptionError(f"fast_first = {fast_first} must be in 0..{self.first_hop_tokens - 1} tokens")
+        check_speed(speed)
         name = voice or self.default_voice
         if name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
             raise InvalidVoiceNameError(f"invalid voice name {name!r}")
@@ -229,6 +235,8 @@ class FakeEngine:
         s.auto_ack = auto_ack
         s.fast_first = fast_first
         s.seed = seed
+        s.instructions = instructions
+        s.speed = speed
         self.active.add(s)
         self.opened.append(s)
         return s

@@ -20,6 +20,8 @@ from voice_out.engine.alignment import Alignment
 from voice_out.errors import VoiceOutError
 
 SAMPLE_RATE = 24000
+#: token2wav speed range of a stream (``open_stream(speed=...)``), OpenAI's.
+MIN_SPEED, MAX_SPEED = 0.25, 4.0
 
 
 class EngineError(VoiceOutError):
@@ -49,6 +51,14 @@ class BadOptionError(EngineError, ValueError):
     in-process caller passing a bad argument would expect."""
 
     code = "bad_field"
+
+
+def check_speed(speed: float) -> float:
+    """``speed`` as a float when it is a stream's token2wav speed (a finite number in
+    [MIN_SPEED, MAX_SPEED]), else :class:`BadOptionError`."""
+    if isinstance(speed, bool) or not isinstance(speed, int | float) or not MIN_SPEED <= speed <= MAX_SPEED:
+        raise BadOptionError(f"speed = {speed!r} must be a number in [{MIN_SPEED}, {MAX_SPEED}]")
+    return float(speed)
 
 
 class StreamClosedError(EngineError):
@@ -169,6 +179,8 @@ class EngineLike(Protocol):
         seed: int | None = None,
         auto_ack: bool = True,
         fast_first: int | None = None,
+        instructions: str | None = None,
+        speed: float = 1.0,
     ) -> Stream:
         """Open a stream in ``voice`` (None: the configured default voice).
 
@@ -178,6 +190,13 @@ class EngineLike(Protocol):
         the caller buffers ahead of playback and reports what was heard with
         :meth:`Stream.ack`. ``fast_first``: speech tokens of a fast first chunk (0: upstream's
         first hop; None: the engine's configured default).
+        ``instructions``: CosyVoice2's instruct mode ("speak happily", "用四川话说这句话"): the
+        instruction, not normalized, plus ``<|endofprompt|>`` takes the place of the voice's
+        prompt transcript in the LLM input and the prompt's speech tokens are left out (spec
+        2.4, 6.8: ``inference_instruct2``); the flow keeps the voice's prompt (its timbre).
+        ``speed``: token2wav speed in [0.25, 4] (spec 5.6): != 1 resamples the whole
+        utterance's mel in time, so the stream's audio comes as ONE final chunk once the LLM
+        has finished (no streaming).
 
         Raises NoVoiceError, UnknownVoiceError, OverloadedError, or BadOptionError (an option
         out of the engine's range; the message names it).

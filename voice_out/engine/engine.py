@@ -48,11 +48,12 @@ from voice_out.engine.api import (
     BadOptionError,
     OverloadedError,
     StreamClosedError,
+    check_speed,
 )
 from voice_out.engine.request import TextPipeline
 from voice_out.engine.scheduler import FirstAudioTrace, ForcedTokens, Scheduler
 from voice_out.engine.stream import EngineStream
-from voice_out.engine.voicebook import ADD_VOICE_HINT, VoiceBook
+from voice_out.engine.voicebook import ADD_VOICE_HINT, VoiceBook, instruct_prompt
 from voice_out.engine.worker import (
     Barrier,
     Cancel,
@@ -257,10 +258,15 @@ class Engine:
         seed: int | None = None,
         auto_ack: bool = True,
         fast_first: int | None = None,
+        instructions: str | None = None,
+        speed: float = 1.0,
     ) -> EngineStream:
         """Open a stream in ``voice`` (None: the default voice). Raises NoVoiceError,
         UnknownVoiceError, OverloadedError (not running, or too many open streams),
-        BadOptionError (``fast_first`` out of range).
+        BadOptionError (``fast_first``, ``speed`` or ``instructions`` out of range).
+
+        ``instructions`` and ``speed``: CosyVoice2's instruct mode and token2wav speed (see
+        ``EngineLike.open_stream``; the LLM input: :func:`instruct_prompt`).
 
         ``fast_first``: tokens of a fast first chunk for this stream (0 = upstream's 25 + pad;
         None = ``engine.fast_first_tokens``); less time to first audio, a first second that
@@ -268,9 +274,12 @@ class Engine:
         first_hop = self.config.engine.first_hop_tokens
         if fast_first is not None and not 0 <= fast_first < first_hop:
             raise BadOptionError(f"fast_first = {fast_first} must be in 0..{first_hop - 1} tokens")
+        check_speed(speed)
         if not self.ready:
             raise OverloadedError("the engine is not running (start it first)")
         prompt = self.voices.resolve(voice)
+        if instructions is not None:
+            prompt = instruct_prompt(prompt, instructions, self.voices.encode)
         sid = stream_id or uuid.uuid4().hex
         if seed is None:
             seed = next(self._seeds) if self._seeds is not None else secrets.randbits(62)
@@ -293,7 +302,7 @@ class Engine:
         assert inbox is not None
         # an abandoned stream (garbage-collected unfinished) frees its GPU work
         stream.finalizer = weakref.finalize(stream, inbox.put, Cancel(sid))
-        inbox.put(Open(sid, prompt, seed, stream.outbox, fast_first))
+        inbox.put(Open(sid, prompt, seed, stream.outbox, fast_first, float(speed)))
         return stream
 
     def _send(self, msg: Message) -> None:

@@ -192,6 +192,8 @@ class Request:
     schedule: ChunkSchedule
     seed: int
     arrival_time: float
+    #: token2wav speed (!= 1: the schedule is ``whole``, one final chunk).
+    speed: float = 1.0
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
 

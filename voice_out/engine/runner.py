@@ -509,6 +509,7 @@ class Runner:
         kw: dict[str, Any] = {
             "hops": self.hops,
             "fast_first": adm.fast_first,
+            "speed": adm.speed,
             "flow_path": self.flow_path,
             "first_prefix": self._first_prefix(flow_voice),
         }

@@ -100,6 +100,8 @@ class Admit:
     voice: VoicePrompt
     #: Tokens of a fast first token2wav chunk for this request (0 = upstream's first chunk).
     fast_first: int = 0
+    #: token2wav speed: != 1 makes the request's audio in one final chunk (spec 5.6).
+    speed: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -320,8 +322,11 @@ class Scheduler:
 
     # ---- events from the consumers -------------------------------------------------------------
 
-    def add_request(self, request_id: str, voice: VoicePrompt, seed: int, fast_first: int | None = None) -> Request:
-        """Register a request; ``fast_first`` None = ``engine.fast_first_tokens``."""
+    def add_request(
+        self, request_id: str, voice: VoicePrompt, seed: int, fast_first: int | None = None, *, speed: float = 1.0
+    ) -> Request:
+        """Register a request; ``fast_first`` None = ``engine.fast_first_tokens``; ``speed`` != 1:
+        its audio is one final chunk once the LLM has finished (the runner resamples its mel)."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} already exists")
         req = Request(
@@ -330,8 +335,11 @@ class Scheduler:
             feed=self._feed_factory(voice, self.config),
             pipeline=self._pipeline_factory(),
             schedule=self.hops.schedule(
-                voice.flow_prompt_tokens, self.config.fast_first_tokens if fast_first is None else fast_first
+                voice.flow_prompt_tokens,
+                self.config.fast_first_tokens if fast_first is None else fast_first,
+                whole=speed != 1.0,
             ),
+            speed=speed,
             seed=seed,
             arrival_time=self.clock(),
         )
@@ -454,7 +462,7 @@ class Scheduler:
             req.status = RequestStatus.PREFILL
             req.admit_time = self.clock()
             self._slot_owner[slot] = rid
-            admits.append(Admit(rid, slot, req.seed, req.voice, req.schedule.fast_first))
+            admits.append(Admit(rid, slot, req.seed, req.voice, req.schedule.fast_first, req.speed))
 
         ready: list[tuple[Request, ChunkPlan]] = []
         in_flight = [r.vocode_inflight for r in self.requests.values() if r.vocode_inflight is not None]

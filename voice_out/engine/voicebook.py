@@ -6,12 +6,18 @@ token2wav conditioning, from the voice store or the built-in voices of random mo
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from voice_out.engine.api import NoVoiceError, UnknownVoiceError
+from voice_out.engine.api import BadOptionError, NoVoiceError, UnknownVoiceError
 from voice_out.engine.request import VoicePrompt
+
+#: Ends CosyVoice2's instruction (spec 2.4, 6.8); one special token of the tokenizer.
+END_OF_PROMPT = "<|endofprompt|>"
+#: Characters of an instruction: every one is LLM prompt, KV-cache rows held for the stream.
+MAX_INSTRUCTION_CHARS = 500
 
 ADD_VOICE_HINT = 'add one with `voice-out voices add NAME prompt.wav "what is said in it"`'
 #: How to get past ``no_voice``: name a voice, or give the server a default one.
@@ -80,3 +86,21 @@ class VoiceBook:
             flow_prompt_tokens=int(flow_tokens.shape[0]),
             flow=FlowVoice(flow_tokens, voice.prompt_mel, voice.embedding),
         )
+
+
+def instruct_prompt(voice: VoicePrompt, instructions: str, encode: Callable[[str], list[int]]) -> VoicePrompt:
+    """``voice`` in CosyVoice2's instruct mode (``inference_instruct2``; spec 2.4, 6.8): the
+    instruction, NOT normalized, ending in ``<|endofprompt|>`` (appended unless it is there),
+    tokenized, takes the place of the prompt transcript, and the LLM gets no prompt speech;
+    the flow keeps the voice's prompt tokens, mel and x-vector (the timbre). The bistream
+    feed then starts ``[SOS, instruction + text interleaved 5 : 15 with speech, ...,
+    TASK_ID]``; the whole-text layout is ``llm_inputs.instruct_rows``. Raises
+    :class:`BadOptionError` for an empty or too long instruction. Any thread."""
+    text = instructions.strip()
+    if not text or text == END_OF_PROMPT:
+        raise BadOptionError("instructions must not be empty")
+    if len(text) > MAX_INSTRUCTION_CHARS:
+        raise BadOptionError(f"instructions are {len(text)} characters; at most {MAX_INSTRUCTION_CHARS}")
+    if not text.endswith(END_OF_PROMPT):
+        text += END_OF_PROMPT
+    return dataclasses.replace(voice, prompt_text_ids=tuple(encode(text)), prompt_speech_ids=())

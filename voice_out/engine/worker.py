@@ -55,6 +55,8 @@ class Open(Message):
     seed: int
     sink: Sink
     fast_first: int | None = None
+    #: token2wav speed (!= 1: one final chunk; ``EngineLike.open_stream``).
+    speed: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -300,7 +302,7 @@ class Worker:
                     _safe_deliver(msg.sink, EndOfStream(RequestStatus.ABORTED))
                     continue
                 try:
-                    sched.add_request(msg.request_id, msg.voice, msg.seed, msg.fast_first)
+                    sched.add_request(msg.request_id, msg.voice, msg.seed, msg.fast_first, speed=msg.speed)
                 except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: that stream only
                     _safe_deliver(msg.sink, EndOfStream(RequestStatus.FAILED, StreamFailedError(str(e))))
                     continue

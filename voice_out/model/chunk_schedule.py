@@ -36,6 +36,11 @@ queued audio lasts at real time: one more chunk per utterance (25, 25, 50, 100 .
 Unlike upstream, the hop is per request: it starts at ``first_hop`` for every request (upstream
 keeps it on the model object and never resets it, so its second request starts at 100).
 
+Whole (``whole``, a per-request option): no chunk until the LLM has finished, then ONE final
+chunk over every token (full attention, no caches): upstream's non-streaming path (spec 5.6),
+the only one where token2wav's ``speed`` is defined (the mel of the whole utterance is
+resampled in time, so no sample exists before the last token).
+
 Fast start (``fast_first`` = n > 0, a per-request option that upstream's PyTorch path lacks):
 the first chunk makes only n tokens final (no pad), so the first audio needs n + 3 tokens
 instead of 25 + pad + 3; the second chunk then realigns (hop = first_hop + the tokens up to
@@ -114,6 +119,8 @@ class ChunkSchedule:
     #: has finished, a longer rest first gets a non-final chunk of this hop. Set where
     #: ``max_hop`` is a stream's own larger one (``HopPolicy.schedule(state=True)``).
     final_max: int = 0
+    #: One final chunk over every token once the LLM has finished (see the module docstring).
+    whole: bool = False
     # progress
     offset: int = 0
     hop: int = CHUNK_SIZE_TOKENS
@@ -175,6 +182,8 @@ class ChunkSchedule:
         """
         if self.finished:
             return None
+        if self.whole:
+            return ChunkPlan(0, 0, n_available, n_available, True) if llm_finished else None
         hop = self.hop_now
         left = n_available - self.offset
         if llm_finished and self.n_chunks > 0 and left < hop + self.lookahead:
@@ -245,15 +254,19 @@ class HopPolicy:
                 f" got {self.state_max_hop}"
             )
 
-    def schedule(self, prompt_tokens: int = 0, fast_first: int = 0, *, state: bool = False) -> ChunkSchedule:
+    def schedule(
+        self, prompt_tokens: int = 0, fast_first: int = 0, *, state: bool = False, whole: bool = False
+    ) -> ChunkSchedule:
         """A new request's schedule (ValueError for a policy or ``fast_first`` out of range);
-        ``state``: the schedule of a stream on a flow state of its own (:meth:`on_state`)."""
+        ``state``: the schedule of a stream on a flow state of its own (:meth:`on_state`);
+        ``whole``: one final chunk once the LLM has finished (``fast_first`` is then moot)."""
         sched = ChunkSchedule(
             prompt_tokens=prompt_tokens,
             first_hop=self.first_hop,
             max_hop=self.max_hop,
             hop_growth=self.growth,
-            fast_first=fast_first,
+            fast_first=0 if whole else fast_first,
+            whole=whole,
         )
         if state:
             self.on_state(sched)

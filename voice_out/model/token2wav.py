@@ -261,6 +261,16 @@ class ChunkBatchError(RuntimeError):
         self.errors = errors
 
 
+def _check_speed(speed: float, whole: bool = True) -> float:
+    """``speed`` if it is a token2wav speed a stream can have (> 0, finite; != 1 only for a
+    whole utterance), else ValueError."""
+    if not math.isfinite(speed) or speed <= 0:
+        raise ValueError(f"speed must be a finite number > 0, got {speed}")
+    if speed != 1.0 and not whole:
+        raise ValueError(f"speed {speed} needs the whole utterance in one chunk (whole=True; spec 5.6)")
+    return float(speed)
+
+
 def hamming(n: int, device: torch.device | str | None = None) -> Tensor:
     """Symmetric Hamming window of ``n`` points in float64: 0.54 - 0.46 cos(2 pi k / (n - 1))."""
     if n == 1:
@@ -319,6 +329,9 @@ class Token2WavStream:
     #: The flow state this stream's later chunks extend (``Token2Wav.use_state_slots``), or
     #: None: they re-run the prompt and every token so far.
     state_slot: _StateSlot | None = None
+    #: token2wav speed (spec 5.6): != 1 resamples the whole utterance's mel in time before the
+    #: vocoder, so the stream's schedule is ``whole`` (one final chunk).
+    speed: float = 1.0
     samples_emitted: int = 0
     chunk_log: list[ChunkPlan] = field(default_factory=list)
     #: Cached path: the first chunk's mel came from a re-run (graphed, or a fast first chunk that
@@ -350,8 +363,13 @@ class Token2WavStream:
         noise: torch.Generator | None = None,
         flow_prompt: Any = None,
         first_prefix: Any = None,
+        speed: float = 1.0,
+        whole: bool | None = None,
     ) -> None:
         """Reuse this state object for a new request (caches are kept allocated).
+
+        ``speed``: token2wav speed (> 0; != 1 makes the audio in one final chunk, spec 5.6).
+        ``whole``: one final chunk over every token (None: when ``speed`` != 1).
 
         ``flow_prompt``: the voice's ``Token2Wav.prepare_voice`` result (cached path), made on
         demand when None. ``first_prefix``: the voice's ``Token2Wav.prepare_prefix`` result
@@ -360,7 +378,9 @@ class Token2WavStream:
         dev = self.model.device
         self.prompt_token, self.prompt_feat = prompt_token.to(dev), prompt_feat.to(dev)
         self.embedding = embedding.to(dev)
-        self.schedule = hops.schedule(int(prompt_token.shape[-1]), fast_first)
+        whole = speed != 1.0 if whole is None else whole
+        self.speed = _check_speed(speed, whole)
+        self.schedule = hops.schedule(int(prompt_token.shape[-1]), fast_first, whole=whole)
         self.hift_cache.reset()
         if flow_path is not None:
             self.flow_path = flow_path
@@ -785,20 +805,25 @@ class Token2Wav:
         noise: torch.Generator | None = None,
         flow_prompt: Any = None,
         first_prefix: Any = None,
+        speed: float = 1.0,
+        whole: bool | None = None,
     ) -> Token2WavStream:
         """A new per-request state.
 
         ``fast_first``: tokens of a fast first chunk (0 = off; see ``chunk_schedule``).
         ``hops``: the hop policy, the same as the engine's own schedule for the request uses;
         ``noise`` None = deterministic vocoder source; ``flow_prompt`` and ``first_prefix`` as
-        in :meth:`Token2WavStream.reset`.
+        in :meth:`Token2WavStream.reset`; ``speed`` and ``whole`` likewise.
         """
+        whole = speed != 1.0 if whole is None else whole
+        _check_speed(speed, whole)
         stream = Token2WavStream(
             model=self,
             prompt_token=prompt_token.to(self.device),
             prompt_feat=prompt_feat.to(self.device),
             embedding=embedding.to(self.device),
-            schedule=hops.schedule(int(prompt_token.shape[-1]), fast_first),
+            schedule=hops.schedule(int(prompt_token.shape[-1]), fast_first, whole=whole),
+            speed=float(speed),
             hift_cache=HiFTCache.allocate(
                 self.hift.dims.in_channels, self.cache_frames, self.samples_per_frame, self.device
             ),
@@ -841,7 +866,8 @@ class Token2Wav:
         """Set up the flow side of a (re)started stream: the cached path's per-request cache,
         reset in place when the stream already has one; a free state slot
         (:meth:`use_state_slots`) for a re-run-path stream whose voice has a prompt prefix."""
-        self._acquire_state(stream)
+        if not stream.schedule.whole:  # a whole stream makes one final chunk: no state to extend
+            self._acquire_state(stream)
         if stream.flow_path == "rerun":
             return
         flow = self._streaming_flow()
@@ -1184,6 +1210,8 @@ class Token2Wav:
         else:
             if cache.valid:
                 mel = torch.cat([cache.mel, mel], dim=2)
+            elif plan.finalize and stream.speed != 1.0:  # only a whole utterance has a speed (spec 5.6)
+                mel = F.interpolate(mel, size=int(mel.shape[2] / stream.speed), mode="linear")
             source_in = cache.source if cache.valid else None
             speech_b, source = self._vocoder(mel, source_in, stream.noise, plan.finalize, self.in_first_lane(plan))
             speech = speech_b[0]  # [S F]
