@@ -12,11 +12,13 @@ Routes::
     GET    /healthz                 200 when the engine is warm and sessions are admitted, else 503
     GET    /metrics                 Prometheus text format (this app's own registry)
     GET    /sessions/{id}/control   WebSocket: protocol v1 for an agent backend driving a session
+    POST   /v1/audio/speech         OpenAI's speech endpoint (voice_out.server.openai_speech)
 
 Auth: with ``server.auth_token`` set, every route except the page, its static files and
 ``/healthz`` needs ``Authorization: Bearer <token>``; the control WebSocket also accepts
 ``?token=<token>`` (browsers cannot set headers on a WebSocket). Errors are JSON:
-``{"error": {"code", "message"}}``.
+``{"error": {"code", "message"}}``, except under a compatibility API's path, where they take
+that API's own shape (``ERROR_SHAPES_KEY``).
 
 Lifecycle: the engine is entered (``async with engine``: worker started, warmed up) in a
 ``cleanup_ctx`` and left after every session has been closed in ``on_shutdown``.
@@ -50,6 +52,7 @@ from voice_out.config import Config, ServerConfig
 from voice_out.engine.api import EngineLike
 from voice_out.errors import VoiceOutError
 from voice_out.server import elevenlabs
+from voice_out.server import openai_speech
 from voice_out.server.metrics import Metrics
 from voice_out.server.session import Session
 from voice_out.server.signaling import AdmissionError, SessionManager
@@ -125,6 +128,28 @@ def json_error(status: int, code: str, message: str, headers: Mapping[str, str] 
     return web.json_response({"error": {"code": code, "message": message}}, status=status, headers=headers)
 
 
+class ErrorShape(Protocol):
+    """How the server words an error (``json_error`` is the default)."""
+
+    def __call__(
+        self, status: int, code: str, message: str, headers: Mapping[str, str] | None = None
+    ) -> web.Response: ...
+
+
+#: Path prefix -> its :data:`ErrorShape`, for a compatibility API whose clients read their own
+#: error body (OpenAI's ``{"error": {"message", "type", "param", "code"}}``): the server's
+#: refusals there (auth, no route, wrong method, an unexpected failure) take that shape.
+ERROR_SHAPES_KEY: web.AppKey[dict[str, ErrorShape]] = web.AppKey("voice_out.error_shapes")
+
+
+def error_shape(request: web.Request) -> ErrorShape:
+    """The error shape of ``request``'s path (``json_error`` outside every compatibility API)."""
+    for prefix, shape in request.app[ERROR_SHAPES_KEY].items():
+        if request.path.startswith(prefix):
+            return shape
+    return json_error
+
+
 class HttpError(Exception):
     """Raised by a handler (or a helper it calls) to answer with a JSON error."""
 
@@ -151,10 +176,11 @@ async def _errors_middleware(
     """Every HTTP error as JSON ``{"error": {"code", "message"}}``: aiohttp's own (no route,
     wrong method, body over ``client_max_size``), ours, and an unexpected exception (500,
     logged). A client gone mid-body is one log line, not a traceback."""
+    error = error_shape(request)
     try:
         return await handler(request)
     except HttpError as e:
-        return json_error(e.status, e.code, e.message, e.headers)
+        return error(e.status, e.code, e.message, e.headers)
     except web.HTTPMethodNotAllowed:
         return await _no_route(request)
     except web.HTTPException as e:
@@ -163,15 +189,15 @@ async def _errors_middleware(
         code = HTTP_ERROR_CODES.get(e.status, f"http_{e.status}")
         message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
         headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
-        return json_error(e.status, code, f"{request.method} {request.path}: {message}", headers)
+        return error(e.status, code, f"{request.method} {request.path}: {message}", headers)
     except ClientGoneError as e:
         log.info("%s %s: %s", request.method, request.path, e)
-        return json_error(400, "bad_request", str(e))
+        return error(400, "bad_request", str(e))
     except asyncio.CancelledError:
         raise
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
-        return json_error(500, "internal", "internal error; the server goes on")
+        return error(500, "internal", "internal error; the server goes on")
 
 
 async def _no_route(request: web.Request) -> web.Response:
@@ -183,10 +209,11 @@ async def _no_route(request: web.Request) -> web.Response:
             allowed |= (await resource.resolve(request))[1]
     if not allowed and _static_file(request.app, request.path.lstrip("/")) is not None:
         allowed = {"GET", "HEAD"}
+    error = error_shape(request)
     if not allowed:
-        return json_error(404, "not_found", f"no route {request.method} {request.path}")
+        return error(404, "not_found", f"no route {request.method} {request.path}")
     methods = ", ".join(sorted(allowed))
-    return json_error(
+    return error(
         405,
         "method_not_allowed",
         f"{request.path} answers {methods}, not {request.method}",
@@ -253,7 +280,7 @@ def _auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]
         if scheme.lower() != "bearer" or not given:
             given = request.query.get("token", "") if route.name == "control" else ""
         if not given or not hmac.compare_digest(given.strip().encode(), expected):
-            return json_error(
+            return error_shape(request)(
                 401,
                 "unauthorized",
                 "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
@@ -575,6 +602,7 @@ def create_app(
     app[VOICES_KEY] = voice_store
     app[METRICS_KEY] = metrics_
     app[WEB_DIR_KEY] = web_dir if server.serve_web else None
+    app[ERROR_SHAPES_KEY] = {}
     app[SESSIONS_KEY] = SessionManager(
         engine,
         metrics_,
@@ -602,6 +630,14 @@ def create_app(
     r.add_get("/sessions/{session_id}/control", control, name="control")
     elevenlabs.add_routes(
         app, engine, auth_token=server.auth_token, max_text_chars=cfg.engine.max_text_chars, metrics=metrics_
+    )
+    openai_speech.add_routes(
+        app,
+        engine,
+        metrics_,
+        max_input_chars=cfg.engine.max_text_chars,
+        accepting=lambda: app[SESSIONS_KEY].accepting,
+        error_shapes=app[ERROR_SHAPES_KEY],
     )
     if server.serve_web:
         r.add_get("/{path:[^/].*}", static, name="static")

@@ -71,5 +71,19 @@ class Metrics:
             "voice_out_sessions_rejected", "Offers refused by admission control", registry=r
         )
 
+        self.api_requests = Counter(
+            "voice_out_api_requests",
+            "Requests of the compatibility APIs, by api (openai, ...) and HTTP status (499: the client left)",
+            ["api", "status"],
+            registry=r,
+        )
+        self.api_first_audio = Histogram(
+            "voice_out_api_first_audio_seconds",
+            "Compatibility APIs: request received to its first audio bytes written, by api",
+            ["api"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
