@@ -26,6 +26,8 @@ def test_parse_every_client_message() -> None:
     assert p.parse('{"type":"text.delta","id":"u1","delta":"a","alignment":true}') == p.TextDelta(
         "u1", "a", alignment=True
     )
+    both = '{"type":"text.delta","id":"u1","delta":"","instructions":"Speak softly.","speed":2}'
+    assert p.parse(both) == p.TextDelta("u1", "", instructions="Speak softly.", speed=2.0)
     assert p.parse('{"type":"text.done","id":"u1"}') == p.TextDone("u1")
     assert p.parse('{"type":"cancel"}') == p.Cancel(None)
     assert p.parse('{"type":"cancel","id":null}') == p.Cancel(None)
@@ -85,6 +87,12 @@ BAD_INPUT: list[tuple[str | bytes, p.ErrorCode]] = [
     ('{"type":"text.delta","id":"a","delta":"x","alignment":1}', p.ErrorCode.BAD_FIELD),
     ('{"type":"text.delta","id":"a","delta":"x","fast_first":1.5}', p.ErrorCode.BAD_FIELD),
     ('{"type":"text.delta","id":"a","delta":"x","fast_first":1001}', p.ErrorCode.BAD_FIELD),
+    ('{"type":"text.delta","id":"a","delta":"x","speed":0.1}', p.ErrorCode.BAD_FIELD),
+    ('{"type":"text.delta","id":"a","delta":"x","speed":"fast"}', p.ErrorCode.BAD_FIELD),
+    ('{"type":"text.delta","id":"a","delta":"x","speed":true}', p.ErrorCode.BAD_FIELD),
+    ('{"type":"text.delta","id":"a","delta":"x","instructions":7}', p.ErrorCode.BAD_FIELD),
+    ('{"type":"text.delta","id":"a","delta":"x","instructions":""}', p.ErrorCode.BAD_FIELD),
+    ('{"type":"text.delta","id":"a","delta":"x","instructions":"' + "y" * 501 + '"}', p.ErrorCode.BAD_FIELD),
     ('{"type":"text.done","id":["a"]}', p.ErrorCode.BAD_FIELD),
     ('{"type":"cancel","id":42}', p.ErrorCode.BAD_FIELD),
     ('{"type":"ping","t":"now"}', p.ErrorCode.BAD_FIELD),

@@ -141,7 +141,7 @@ async def test_speaks_with_energy_and_events_in_order(server: Server) -> None:
     client = await server.connect()
     assert client.voices == ("alice", "bob") and client.sample_rate == 24000
     text = "Hello there, world. "
-    t_send = client.send_text("u1", "Hello the", voice="bob", fast_first=2)
+    t_send = client.send_text("u1", "Hello the", voice="bob", fast_first=2, instructions="Speak softly.", speed=0.75)
     client.send_text("u1", "re, world. ")
     client.done("u1")
     started = await client.wait_for("audio.started", "u1")
@@ -164,6 +164,7 @@ async def test_speaks_with_energy_and_events_in_order(server: Server) -> None:
     assert events_of(client)[1:] == [("audio.started", "u1"), ("audio.done", "u1")]
     stream = server.engine.opened[0]
     assert stream.voice == "bob" and stream.fast_first == 2
+    assert (stream.instructions, stream.speed) == ("Speak softly.", 0.75)
     # The engine was told what was played (not what was buffered), monotonically, to the end.
     assert not stream.auto_ack
     assert stream.acks == sorted(stream.acks) and len(stream.acks) >= 3
@@ -308,6 +309,8 @@ BAD_MESSAGES: list[tuple[str | bytes, str]] = [
     ('{"type":"text.delta","id":"x","delta":"hi","voice":"mallory"}', "unknown_voice"),
     ('{"type":"text.delta","id":"x","delta":"x","fast_first":"soon"}', "bad_field"),
     ('{"type":"text.delta","id":"x","delta":"hi","fast_first":4}', "bad_field"),  # the fake's first hop is 4 tokens
+    ('{"type":"text.delta","id":"x","delta":"hi","speed":4.5}', "bad_field"),
+    ('{"type":"text.delta","id":"x","delta":"hi","instructions":" "}', "bad_field"),
     ('{"type":"text.delta","id":"x","delta":"' + "y" * 5000 + '"}', "text_too_long"),
     ('{"type":"text.done"}', "missing_field"),
     ('{"type":"text.done","id":"never"}', "unknown_id"),

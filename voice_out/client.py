@@ -150,15 +150,22 @@ class VoiceOutClient:
         return time.monotonic()
 
     def send_text(
-        self, uid: str, delta: str, voice: str | None = None, fast_first: int | None = None, alignment: bool = False
+        self,
+        uid: str,
+        delta: str,
+        voice: str | None = None,
+        fast_first: int | None = None,
+        alignment: bool = False,
+        *,
+        instructions: str | None = None,
+        speed: float | None = None,
     ) -> float:
-        """Send a ``text.delta``; ``voice``, ``fast_first`` and ``alignment`` (ask for
-        ``audio.alignment`` events) count on an utterance's first one."""
+        """Send a ``text.delta``; ``voice``, ``fast_first``, ``alignment`` (ask for
+        ``audio.alignment`` events), ``instructions`` and ``speed`` count on an utterance's
+        first one."""
         msg: dict[str, object] = {"type": "text.delta", "id": uid, "delta": delta}
-        if voice is not None:
-            msg["voice"] = voice
-        if fast_first is not None:
-            msg["fast_first"] = fast_first
+        options = {"voice": voice, "fast_first": fast_first, "instructions": instructions, "speed": speed}
+        msg.update({k: v for k, v in options.items() if v is not None})
         if alignment:
             msg["alignment"] = True
         return self._send(msg)

@@ -51,8 +51,7 @@ from aiohttp.streams import EofStream
 from voice_out.config import Config, ServerConfig
 from voice_out.engine.api import EngineLike
 from voice_out.errors import VoiceOutError
-from voice_out.server import elevenlabs
-from voice_out.server import openai_speech
+from voice_out.server import elevenlabs, openai_speech
 from voice_out.server.metrics import Metrics
 from voice_out.server.session import Session
 from voice_out.server.signaling import AdmissionError, SessionManager

@@ -21,6 +21,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from voice_out.engine.api import MAX_SPEED, MIN_SPEED
 from voice_out.errors import VoiceOutError
 
 PROTOCOL_VERSION = 1
@@ -35,6 +36,8 @@ MAX_VOICE_CHARS = 128
 #: Largest ``fast_first`` a text.delta may name (the engine's own limit is lower: below its
 #: first hop, 25 tokens by default); guards the integer before it reaches the engine.
 MAX_FAST_FIRST = 1000
+#: Longest ``instructions`` a text.delta may carry (the engine's limit: every character is LLM prompt).
+MAX_INSTRUCTIONS_CHARS = 500
 
 
 class ErrorCode(enum.StrEnum):
@@ -91,13 +94,17 @@ class InterruptMessage(ClientMessage):
 class TextDelta(DataMessage):
     """Append ``delta`` to utterance ``id``; a new id starts an utterance in ``voice``, with a
     first chunk of ``fast_first`` speech tokens when set (0: upstream's; None: the server's
-    ``engine.fast_first_tokens``), and ``audio.alignment`` events when ``alignment`` is set."""
+    ``engine.fast_first_tokens``), ``audio.alignment`` events when ``alignment`` is set,
+    CosyVoice2's ``instructions`` (instruct mode) and token2wav ``speed`` (None: 1; != 1: the
+    utterance's audio comes in one piece once all of it is made)."""
 
     id: str
     delta: str
     voice: str | None = None
     fast_first: int | None = None
     alignment: bool = False
+    instructions: str | None = None
+    speed: float | None = None
 
 
 @dataclass(frozen=True)
@@ -324,7 +331,37 @@ def parse(text: str | bytes) -> ClientMessage:
             raise ProtocolError(
                 ErrorCode.BAD_FIELD, f"text.delta: 'alignment' must be true or false, got {alignment!r:.40}", uid
             )
-        return TextDelta(id=uid, delta=delta, voice=voice, fast_first=fast_first, alignment=alignment)
+        instructions = obj.get("instructions")
+        if instructions is not None and (
+            not isinstance(instructions, str)
+            or not instructions.strip()
+            or len(instructions) > MAX_INSTRUCTIONS_CHARS
+            or has_surrogate(instructions)
+        ):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"text.delta: 'instructions' must be a non-empty string of at most {MAX_INSTRUCTIONS_CHARS} "
+                f"characters, got {instructions!r:.40}",
+                uid,
+            )
+        speed = obj.get("speed")
+        if speed is not None and (
+            isinstance(speed, bool) or not isinstance(speed, int | float) or not MIN_SPEED <= speed <= MAX_SPEED
+        ):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"text.delta: 'speed' must be a number in [{MIN_SPEED}, {MAX_SPEED}], got {speed!r:.40}",
+                uid,
+            )
+        return TextDelta(
+            id=uid,
+            delta=delta,
+            voice=voice,
+            fast_first=fast_first,
+            alignment=alignment,
+            instructions=instructions,
+            speed=None if speed is None else float(speed),
+        )
     if mtype == "text.done":
         uid = _id(obj, mtype)
         assert uid is not None

@@ -297,11 +297,17 @@ class Session:
             # auto_ack off: the track acks what was *played*, so the engine's back-pressure
             # follows the listener, not this session's buffer.
             stream = self.engine.open_stream(
-                msg.voice, stream_id=f"{self.id}/{msg.id}", auto_ack=False, fast_first=msg.fast_first
+                msg.voice,
+                stream_id=f"{self.id}/{msg.id}",
+                auto_ack=False,
+                fast_first=msg.fast_first,
+                instructions=msg.instructions,
+                speed=1.0 if msg.speed is None else msg.speed,
             )
         except VoiceOutError as e:
             code = _error_code(e)
-            # bad_field: an option of this text.delta out of the engine's range (fast_first)
+            # bad_field: an option of this text.delta out of the engine's range (fast_first,
+            # speed, instructions)
             text = f"text.delta: {e}" if code is p.ErrorCode.BAD_FIELD else str(e)
             raise p.ProtocolError(code, text, msg.id) from None
         self._seq += 1
