@@ -30,7 +30,15 @@ def _params(fn: object) -> list[tuple[str, object, object]]:
 
 def test_open_stream_options_match_the_protocol() -> None:
     expected = _params(EngineLike.open_stream)
-    assert [n for n, *_ in expected] == ["voice", "stream_id", "seed", "auto_ack", "fast_first"]
+    assert [n for n, *_ in expected] == [
+        "voice",
+        "stream_id",
+        "seed",
+        "auto_ack",
+        "fast_first",
+        "instructions",
+        "speed",
+    ]
     assert _params(Engine.open_stream) == expected
     assert _params(FakeEngine.open_stream) == expected
 

@@ -224,10 +224,11 @@ async def test_openai_client_streams_pcm_before_the_utterance_is_made(served: Se
     assert 'voice_out_api_first_audio_seconds_count{api="openai"} 1.0' in metrics
 
 
-async def test_a_client_that_hangs_up_cancels_the_engine_stream(served: Served, engine: Engine) -> None:
+@pytest.mark.parametrize("fmt", ["pcm", "opus"])  # opus: its encoder runs in the executor
+async def test_a_client_that_hangs_up_cancels_the_engine_stream(served: Served, engine: Engine, fmt: str) -> None:
     client = served.client()
     async with client.audio.speech.with_streaming_response.create(
-        model="tts-1", voice=VOICE, input=LONG_TEXT, response_format="pcm"
+        model="tts-1", voice=VOICE, input=LONG_TEXT, response_format=fmt
     ) as response:
         async for piece in response.iter_bytes():
             if piece:
@@ -380,3 +381,41 @@ async def test_a_failure_after_audio_started_truncates_or_reports(fake_served: S
     assert last["type"] == "error" and "synthesis failed" in last["error"]["message"]
     fake: FakeEngine = fake_served.engine
     assert not fake.active and all(s.state.terminal for s in fake.opened)
+
+
+# -- the documentation's examples, run as written -----------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def openai_snippets() -> list[tuple[str, str]]:
+    """(file, code) of every Python block of README.md and docs/agents.md that uses the client."""
+    out = []
+    for name in ("README.md", "docs/agents.md"):
+        text = (REPO / name).read_text()
+        for block in text.split("```python\n")[1:]:
+            code = block.split("```", 1)[0]
+            if "audio.speech" in code:
+                out.append((name, code))
+    return out
+
+
+def test_the_docs_have_openai_snippets() -> None:
+    assert {name for name, _ in openai_snippets()} == {"README.md", "docs/agents.md"}
+
+
+@pytest.mark.parametrize(("name", "code"), openai_snippets())
+async def test_doc_snippet_runs_against_the_server(
+    served: Served, engine: Engine, name: str, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _require("openai")
+    for placeholder in ("<server.auth_token, or anything without one>", "<server.auth_token>"):
+        code = code.replace(placeholder, TOKEN)
+    code = code.replace("http://localhost:8080/v1", f"{served.url}/v1").replace('voice="alice"', f'voice="{VOICE}"')
+    monkeypatch.chdir(tmp_path)
+    played: list[bytes] = []
+    scope: dict[str, Any] = {"play": played.append}
+    await asyncio.to_thread(exec, compile(code, name, "exec"), scope)  # the sync client; the server runs here
+    heard = b"".join(played) or scope.get("pcm", b"")
+    assert len(heard) == 2 * len(spoken(served.engine.streams[0]))
+    await wait_freed(engine)

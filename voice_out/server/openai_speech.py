@@ -358,13 +358,17 @@ class SpeechHandler:
         sse = req.stream_format == "sse"
         loop = asyncio.get_running_loop()
         samples = 0
+        #: the encode running in the executor: the encoder is closed only once it has returned
+        #: (FFmpeg state is not for two threads at once), also when the client left meanwhile
+        inflight: asyncio.Future[bytes] | None = None
 
         async def encode(pcm: Any | None) -> bytes:
-            if encoder.heavy:
-                return await loop.run_in_executor(
-                    None, encoder.flush if pcm is None else encoder.encode, *(() if pcm is None else (pcm,))
-                )
-            return encoder.flush() if pcm is None else encoder.encode(pcm)
+            nonlocal inflight
+            if not encoder.heavy:
+                return encoder.flush() if pcm is None else encoder.encode(pcm)
+            args = () if pcm is None else (pcm,)
+            inflight = loop.run_in_executor(None, encoder.flush if pcm is None else encoder.encode, *args)
+            return await asyncio.shield(inflight)
 
         async def send(data: bytes) -> None:
             if not data:
@@ -416,8 +420,10 @@ class SpeechHandler:
         finally:
             for task in (gone, work):
                 task.cancel()
-                with contextlib.suppress(BaseException):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            if inflight is not None:
+                await asyncio.wait({inflight})
         if not resp.prepared:  # an utterance with no audio at all (an empty wav still has a header)
             await resp.prepare(request)
         if sse:
