@@ -39,6 +39,7 @@ from voice_out.engine.api import (
     StreamState,
     TextTooLongError,
     UnknownVoiceError,
+    check_speed,
 )
 from voice_out.engine.ray_serve.messages import (
     EngineFailedError,
@@ -99,6 +100,8 @@ class RayStream:
         seed: int | None,
         fast_first: int | None,
         auto_ack: bool,
+        instructions: str | None = None,
+        speed: float = 1.0,
         max_text_chars: int,
     ) -> None:
         self._engine = engine
@@ -106,6 +109,8 @@ class RayStream:
         self._voice = voice
         self._seed = seed
         self._fast_first = fast_first
+        self._instructions = instructions
+        self._speed = speed
         self._auto_ack = auto_ack
         self._max_text_chars = max_text_chars
         self._pending: list[str] = []
@@ -202,6 +207,8 @@ class RayStream:
             ended=self._ended,
             seed=self._seed,
             fast_first=self._fast_first,
+            instructions=self._instructions,
+            speed=self._speed,
             ack_follows=True,
         )
         self._pending = []
@@ -386,16 +393,21 @@ class RayEngine:
         seed: int | None = None,
         auto_ack: bool = True,
         fast_first: int | None = None,
+        instructions: str | None = None,
+        speed: float = 1.0,
     ) -> RayStream:
         """Open an utterance (its call leaves on the next turn of the event loop, carrying the
         text pushed until then). Raises NoVoiceError, UnknownVoiceError, OverloadedError (not
-        connected, or the deployment does not answer), BadOptionError (``fast_first``); a
+        connected, or the deployment does not answer), BadOptionError (``fast_first``,
+        ``speed``; ``instructions`` are checked by the replica's engine, whose refusal ends the
+        iteration); a
         replica's own refusal (e.g. ``overloaded``) ends the iteration with its error."""
         info = self.info
         if not self.ready or info is None:
             raise OverloadedError("the Ray engine deployment is not answering; try again later")
         if fast_first is not None and not 0 <= fast_first < info.first_hop_tokens:
             raise BadOptionError(f"fast_first = {fast_first} must be in 0..{info.first_hop_tokens - 1} tokens")
+        speed = check_speed(speed)
         name = voice if voice is not None else info.default_voice
         if name is None:
             raise NoVoiceError("no voice was named and no default voice is configured")
@@ -413,6 +425,8 @@ class RayEngine:
             seed=seed if seed is not None else secrets.randbits(62),
             fast_first=fast_first,
             auto_ack=auto_ack,
+            instructions=instructions,
+            speed=speed,
             max_text_chars=info.max_text_chars,
         )
         self._streams[sid] = stream

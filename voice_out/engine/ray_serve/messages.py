@@ -47,6 +47,9 @@ class UtteranceRequest:
     ended: bool = False
     seed: int | None = None
     fast_first: int | None = None
+    #: CosyVoice2's instruct mode and token2wav speed (``EngineLike.open_stream``).
+    instructions: str | None = None
+    speed: float = 1.0
     ack_follows: bool = False
 
 

@@ -140,6 +140,8 @@ class SpeechReplica:
                 seed=req.seed,
                 auto_ack=not req.ack_follows,
                 fast_first=req.fast_first,
+                instructions=req.instructions,
+                speed=req.speed,
             )
         except EngineError as e:
             yield Failed(e.code, str(e))
