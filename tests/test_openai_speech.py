@@ -419,3 +419,16 @@ async def test_doc_snippet_runs_against_the_server(
     heard = b"".join(played) or scope.get("pcm", b"")
     assert len(heard) == 2 * len(spoken(served.engine.streams[0]))
     await wait_freed(engine)
+
+
+async def test_the_servers_own_refusals_take_openais_shape_under_v1_audio(fake_served: Served) -> None:
+    async with fake_served.http.get(
+        f"{fake_served.url}/v1/audio/speech", headers={"Authorization": f"Bearer {TOKEN}"}
+    ) as resp:
+        assert resp.status == 405 and resp.headers["Allow"] == "POST"
+        error = (await resp.json())["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "method_not_allowed"
+    async with fake_served.http.post(f"{fake_served.url}/v1/audio/speech", json={}) as resp:  # no token
+        assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
+    async with fake_served.http.get(f"{fake_served.url}/voices") as resp:  # elsewhere: the server's shape
+        assert resp.status == 401 and set((await resp.json())["error"]) == {"code", "message"}
