@@ -432,3 +432,16 @@ async def test_the_servers_own_refusals_take_openais_shape_under_v1_audio(fake_s
         assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
     async with fake_served.http.get(f"{fake_served.url}/voices") as resp:  # elsewhere: the server's shape
         assert resp.status == 401 and set((await resp.json())["error"]) == {"code", "message"}
+
+
+async def test_an_utterance_cut_by_the_engine_is_not_a_complete_body(fake_served: Served) -> None:
+    """The engine ends the stream ABORTED (it is shutting down): the client must not take the
+    audio so far for the whole utterance."""
+    text = "a longer line of text that takes several chunks to speak"
+    resp = await fake_served.post({"model": "tts-1", "input": text, "voice": "alice", "response_format": "pcm"})
+    assert resp.status == 200
+    assert await resp.content.readany()  # audio has started
+    (stream,) = fake_served.engine.opened
+    stream.cancel()  # as Engine.__aexit__ does to every open stream
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await resp.read()

@@ -63,6 +63,7 @@ from voice_out.engine.api import (
     PcmChunk,
     Stream,
     StreamFailedError,
+    StreamState,
     UnknownVoiceError,
 )
 from voice_out.engine.voicebook import MAX_INSTRUCTION_CHARS
@@ -386,6 +387,8 @@ class SpeechHandler:
             async for chunk in stream:
                 samples += len(chunk.pcm)
                 await send(await encode(chunk.pcm))
+            if stream.state is StreamState.ABORTED:  # not by us: the engine is stopping
+                raise StreamFailedError("the server is shutting down; the utterance was cut")
             await send(await encode(None))
 
         gone = asyncio.ensure_future(_until_gone(request))
