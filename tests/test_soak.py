@@ -57,6 +57,8 @@ class Tally:
     disconnects: int = 0
     sessions: int = 0
     errors: list[str] = field(default_factory=list)
+    #: The server's and engine's state, for a failure message.
+    describe: Callable[[], str] = lambda: ""
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,31 @@ def check_events(client: VoiceOutClient, left_early: bool, tally: Tally) -> None
 
 
 def ended(uid: str) -> Callable[[p.ServerMessage], bool]:
-    """``uid`` was cut, or had played out before the cancel arrived."""
-    return lambda m: getattr(m, "id", None) == uid and m.TYPE in ("cancelled", "audio.done")
+    """``uid``'s terminal event: played out, cut, or failed."""
+    return lambda m: getattr(m, "id", None) == uid and m.TYPE in ("cancelled", "audio.done", "error")
+
+
+async def wait_end(client: VoiceOutClient, uid: str, tally: Tally) -> str:
+    """Wait for ``uid``'s end; an ``error`` (none is expected) is recorded."""
+    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    while True:
+        try:
+            m = await client.wait_for(ended(uid), timeout_s=1.0)
+            break
+        except TimeoutError:
+            if client.channel.readyState != "open":  # the server ended the session under us
+                tally.errors.append(f"{uid}: the session ended before the utterance ({tally.describe()})")
+                return "closed"
+            if time.monotonic() < deadline:
+                continue
+        seen = [(round(ev.t, 3), ev.message) for ev in client.events if getattr(ev.message, "id", None) == uid]
+        raise AssertionError(
+            f"{uid} did not end within {EVENT_TIMEOUT_S} s; its events: {seen}; channel "
+            f"{client.channel.readyState}, connection {client.pc.connectionState}; {tally.describe()}"
+        ) from None
+    if isinstance(m, p.Error):
+        tally.errors.append(f"{uid}: error {m.code}: {m.message}")
+    return m.TYPE
 
 
 async def one_session(url: str, rng: random.Random, n_utterances: int, tally: Tally, wid: int) -> None:
@@ -130,7 +155,7 @@ async def one_session(url: str, rng: random.Random, n_utterances: int, tally: Ta
             if fate < 0.25:  # barge-in at a random moment, before or during its audio
                 await asyncio.sleep(rng.uniform(0.0, 1.0))
                 client.cancel(uid)
-                await client.wait_for(ended(uid), timeout_s=EVENT_TIMEOUT_S)
+                ended_as = await wait_end(client, uid, tally)
                 tally.cancels += 1
             elif fate < 0.40:  # the client leaves mid-utterance, without cancel or goodbye
                 await asyncio.sleep(rng.uniform(0.0, 1.0))
@@ -138,8 +163,10 @@ async def one_session(url: str, rng: random.Random, n_utterances: int, tally: Ta
                 tally.disconnects += 1
                 return
             else:
-                await client.wait_for("audio.done", uid, timeout_s=EVENT_TIMEOUT_S)
+                ended_as = await wait_end(client, uid, tally)
                 tally.completed += 1
+            if ended_as == "closed":
+                return
     finally:
         await client.close()
         check_events(client, left_early, tally)
@@ -186,14 +213,29 @@ async def soak(engine: Any, seconds: float | None) -> tuple[Tally, Resources, Re
     await server.start_server()
     url = str(server.make_url("")).rstrip("/")
     rng = random.Random(20261128)
+
+    def describe() -> str:
+        sessions = app[SESSIONS_KEY]
+        live = {
+            sid: [(u.id, u.state.value, u.stream.state.value) for u in peer.session.live.values()]
+            for sid, peer in sessions.peers.items()
+        }
+        states = {
+            sid: (peer.pc.connectionState, peer.channel.readyState if peer.channel else None)
+            for sid, peer in sessions.peers.items()
+        }
+        return f"server sessions {states}, live utterances {live}, engine {engine.stats()}"
+
     try:
         await run_round(url, rng, CI_UTTERANCES, Tally())  # warm-up
         before = await settle(app, engine)
-        tally, rounds = Tally(), 0
+        tally, rounds = Tally(describe=describe), 0
         t_end = time.monotonic() + (seconds or 0)
         while rounds == 0 or time.monotonic() < t_end:
             await run_round(url, rng, CI_UTTERANCES, tally)
             rounds += 1
+            if seconds:
+                print(f"round {rounds}: {tally.utterances} utterances, {Resources.now()}", flush=True)
         after = await settle(app, engine)
     finally:
         await server.close()
