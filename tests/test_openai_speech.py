@@ -409,7 +409,7 @@ async def test_doc_snippet_runs_against_the_server(
     served: Served, engine: Engine, name: str, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _require("openai")
-    for placeholder in ("<server.auth_token, or anything without one>", "<server.auth_token>"):
+    for placeholder in ("<server.auth_token, or anything without one>", "change-me-please"):
         code = code.replace(placeholder, TOKEN)
     code = code.replace("http://localhost:8080/v1", f"{served.url}/v1").replace('voice="alice"', f'voice="{VOICE}"')
     monkeypatch.chdir(tmp_path)
