@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from voice_out.engine.api import MAX_SPEED, MIN_SPEED
+from voice_out.engine.voicebook import MAX_INSTRUCTION_CHARS
 from voice_out.errors import VoiceOutError
 
 PROTOCOL_VERSION = 1
@@ -36,8 +37,8 @@ MAX_VOICE_CHARS = 128
 #: Largest ``fast_first`` a text.delta may name (the engine's own limit is lower: below its
 #: first hop, 25 tokens by default); guards the integer before it reaches the engine.
 MAX_FAST_FIRST = 1000
-#: Longest ``instructions`` a text.delta may carry (the engine's limit: every character is LLM prompt).
-MAX_INSTRUCTIONS_CHARS = 500
+#: Longest ``instructions`` a text.delta may carry: the engine's own limit (every character is LLM prompt).
+MAX_INSTRUCTIONS_CHARS = MAX_INSTRUCTION_CHARS
 
 
 class ErrorCode(enum.StrEnum):
