@@ -28,10 +28,10 @@ import pytest
 from tests.conftest import REPO_ROOT
 
 ILLUSTRATIVE = re.compile(r"<!--\s*illustrative:\s*(?P<why>\S.*?)\s*-->")
-#: The blocks that do not run, per file: API sketches with placeholders (llm.md, token2wav.md)
-#: and the voice store, which needs a real model's prompt networks and a recording (voices.md);
-#: the tests named in each marker run those calls.
-ILLUSTRATIVE_BLOCKS = {"docs/llm.md": 1, "docs/token2wav.md": 2, "docs/voices.md": 2}
+#: The blocks that do not run, per file: API sketches with placeholders (llm.md, token2wav.md),
+#: a fragment of a LiveKit agent (agents.md) and the voice store, which needs a real model's
+#: prompt networks and a recording (voices.md); the tests named in each marker run those calls.
+ILLUSTRATIVE_BLOCKS = {"docs/agents.md": 1, "docs/llm.md": 1, "docs/token2wav.md": 2, "docs/voices.md": 2}
 RUN_TIMEOUT_S = 300
 SERVE_START_S = 240
 
