@@ -58,7 +58,11 @@ class VoiceBook:
         chosen = name if name is not None else self.default
         if chosen is None:
             known = ", ".join(self.names())
-            fix = f"voices here: {known}; {NO_VOICE_HINT}" if known else f"{ADD_VOICE_HINT}, then {NO_VOICE_HINT}"
+            fix = (
+                f"(voices here: {known}) {NO_VOICE_HINT}; or {ADD_VOICE_HINT}"
+                if known
+                else f"{ADD_VOICE_HINT}, then {NO_VOICE_HINT}"
+            )
             raise NoVoiceError(f"no voice was named and no default voice is configured: {fix}")
         if chosen in self.builtin and (self.store is None or chosen not in self.store):
             return self.builtin[chosen]
