@@ -225,3 +225,45 @@ def test_a_removed_engine_key_fails_in_one_line_naming_its_replacement(tmp_path:
     assert len(REMOVED_ENGINE_KEYS) == 21
     default = load_config(REPO / "configs" / "default.toml", environ={})
     assert default.engine == EngineConfig(max_streams=64)
+
+
+@pytest.mark.parametrize(
+    ("spec", "devices"),
+    [
+        ("auto", ("auto",)),
+        ("cuda:3", ("cuda:3",)),
+        ("cuda:all", ("cuda:all",)),
+        ("cuda:0,cuda:1", ("cuda:0", "cuda:1")),
+        (" cuda:1 , cuda:0 ", ("cuda:1", "cuda:0")),
+        ("cpu,cpu", ("cpu", "cpu")),
+    ],
+)
+def test_model_device_takes_a_list_of_devices(spec: str, devices: tuple[str, ...]) -> None:
+    cfg = load_config(None, environ={}, overrides=parse_overrides([f"model.device={spec}"]))
+    assert cfg.model.devices == devices
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ("cuda:0,cuda:0", "cuda:0 named twice (one engine per GPU)"),
+        ("cuda:0,", "an empty item in the list"),
+        ("cuda:0,cpu", "a list is all CPU (tests) or all cuda:N, not both"),
+        ("cuda,cuda:1", "'cuda' cannot be part of a list"),
+        ("cuda:all,cuda:1", "'cuda:all' cannot be part of a list"),
+        ("auto,cpu", "'auto' cannot be part of a list"),
+        ("cuda:x", "'cuda:x' is not a device"),
+        ("cuda:01", "'cuda:01' is not a device"),
+        ("gpu0", "'gpu0' is not a device"),
+    ],
+)
+def test_bad_device_lists_get_precise_errors(spec: str, why: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, environ={}, overrides=parse_overrides([f"model.device={spec}"]))
+    assert f"model.device = {spec!r} is invalid: {why}" in str(e.value)
+    assert "cuda:0,cuda:1" in str(e.value)  # what is accepted
+
+
+def test_engine_processes_is_checked() -> None:
+    with pytest.raises(ConfigError, match="model.engine_processes = 'threads' is invalid: expected one of auto"):
+        load_config(None, environ={}, overrides=parse_overrides(["model.engine_processes=threads"]))

@@ -32,6 +32,10 @@ ENV_PREFIX = "VOICE_OUT_"
 DEFAULT_MODEL = "FunAudioLLM/CosyVoice2-0.5B"
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+#: Where the engines of several devices run: ``shared`` (all in the server's process, one
+#: worker thread each), ``per_device`` (each in a process of its own), ``auto`` (the measured
+#: default: docs/scale-out.md).
+ENGINE_PROCESSES = ("auto", "shared", "per_device")
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -50,6 +54,43 @@ def _check(cond: bool, section: str, name: str, value: object, expected: str) ->
         raise ConfigError(f"{section}.{name} = {value!r} is invalid: expected {expected}")
 
 
+DEVICE_EXPECTED = "auto, cpu, cuda, cuda:N, cuda:all, or a comma-separated list such as cuda:0,cuda:1"
+
+
+def device_list(spec: str) -> tuple[str, ...]:
+    """The devices of a ``model.device`` value, one engine each, in order (no torch here).
+
+    One device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. Several: ``cuda:0,cuda:1`` (distinct
+    ``cuda:N``) or ``cpu,cpu`` (CPU engines, for tests); ``cuda:all`` stays as it is, for
+    :func:`voice_out.engine.loading.expand_devices` to expand to every visible GPU.
+    Raises ConfigError naming what is wrong.
+    """
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"model.device = {spec!r} is invalid: {why}; expected {DEVICE_EXPECTED}")
+
+    items = [d.strip() for d in spec.split(",")]
+    if any(not d for d in items):
+        raise bad("an empty item in the list")
+    for d in items:
+        if d in DEVICES or d == "cuda:all":
+            continue
+        index = d.removeprefix("cuda:")
+        if not d.startswith("cuda:") or not index.isdigit() or (len(index) > 1 and index[0] == "0"):
+            raise bad(f"{d!r} is not a device")
+    if len(items) == 1:
+        return (items[0],)
+    for d in items:
+        if d in ("auto", "cuda", "cuda:all"):
+            raise bad(f"{d!r} cannot be part of a list (name each GPU: cuda:0,cuda:1)")
+    if "cpu" in items and len(set(items)) > 1:
+        raise bad("a list is all CPU (tests) or all cuda:N, not both")
+    dupes = sorted({d for d in items if d != "cpu" and items.count(d) > 1})
+    if dupes:
+        raise bad(f"{', '.join(dupes)} named twice (one engine per GPU)")
+    return tuple(items)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to load and how.
@@ -64,7 +105,11 @@ class ModelConfig:
     revision: str | None = None
     cache_dir: str = field(default_factory=_default_cache_dir)
     offline: bool = False
+    #: One device, or several (``cuda:0,cuda:1``, ``cuda:all``): one engine each, utterances
+    #: placed by load (docs/scale-out.md); see :func:`device_list`.
     device: str = "auto"
+    #: With several devices: where their engines run (``ENGINE_PROCESSES``).
+    engine_processes: str = "auto"
     dtype: DType = "bfloat16"
     #: Seed of the random-weights builder (``random:*`` models only).
     random_seed: int = 0
@@ -72,15 +117,21 @@ class ModelConfig:
     def __post_init__(self) -> None:
         s = "model"
         _check(bool(self.model.strip()), s, "model", self.model, "a model directory, hub id or random:NAME")
+        device_list(self.device)
         _check(
-            self.device in DEVICES or self.device.startswith("cuda:"),
+            self.engine_processes in ENGINE_PROCESSES,
             s,
-            "device",
-            self.device,
-            "one of auto, cpu, cuda, cuda:N",
+            "engine_processes",
+            self.engine_processes,
+            f"one of {', '.join(ENGINE_PROCESSES)}",
         )
         _check(self.dtype in DTYPES, s, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         _check(bool(self.cache_dir), s, "cache_dir", self.cache_dir, "a directory path")
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """:func:`device_list` of ``device``."""
+        return device_list(self.device)
 
 
 #: Engine keys that are no longer settings, and what replaced them: the fast path's choices

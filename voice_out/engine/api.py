@@ -73,6 +73,14 @@ class StreamFailedError(EngineError):
     code = "internal"
 
 
+class EngineFailedError(StreamFailedError):
+    """The engine that held the stream failed as a whole (its worker crashed, its process
+    died): every stream on it ends with this error; a placement layer routes new streams to
+    its other engines (docs/scale-out.md)."""
+
+    code = "engine_failed"
+
+
 class StreamState(enum.Enum):
     """Lifecycle of one stream (utterance). Terminal: FINISHED, ABORTED, FAILED."""
 

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from voice_out.config import Config, ConfigError, parse_gpu_memory
+from voice_out.config import Config, ConfigError, device_list, parse_gpu_memory
+from voice_out.config import replace as replace_config
+from voice_out.engine.api import EngineLike
 from voice_out.engine.engine import (
     AUTO_FORCED,
     NOISE_VOICE,
@@ -26,6 +28,7 @@ from voice_out.engine.engine import (
     warn_random,
 )
 from voice_out.engine.kernels import precompile
+from voice_out.engine.placement import Placement
 from voice_out.engine.request import TextPiece, TextPipeline, VoicePrompt
 from voice_out.engine.runner import FlowVoice, Runner, noise_voice
 from voice_out.engine.scheduler import ForcedTokens, hop_policy
@@ -63,6 +66,11 @@ class DeviceError(ConfigError):
 def resolve_device(device: str) -> torch.device:
     """``model.device`` -> the torch device; raises :class:`DeviceError` (one line naming the
     fix) for a CUDA device that this torch build or machine does not have."""
+    if "," in device or device == "cuda:all":
+        raise ConfigError(
+            f"model.device = {device!r} names several devices: one engine runs on one "
+            "(the server and `voice-out bench --mode placement` run one per device)"
+        )
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
@@ -84,6 +92,65 @@ def resolve_device(device: str) -> torch.device:
                 "pass --device cuda:0 .. cuda:N-1, or auto"
             )
     return dev
+
+
+def expand_devices(spec: str) -> tuple[str, ...]:
+    """The devices of ``model.device``, ``cuda:all`` expanded to every visible GPU."""
+    devices = device_list(spec)
+    if devices == ("cuda:all",):
+        n = torch.cuda.device_count()
+        if n == 0:
+            raise ConfigError(f"model.device = {spec!r}: no CUDA device is visible")
+        return tuple(f"cuda:{i}" for i in range(n))
+    return devices
+
+
+def engine_labels(devices: tuple[str, ...]) -> list[str]:
+    """The label of each device's engine (the ``gpu`` label of /metrics): the device, with the
+    engine's index where a device repeats (``cpu,cpu`` -> ``cpu:0``, ``cpu:1``)."""
+    return [f"{d}:{i}" if devices.count(d) > 1 else d for i, d in enumerate(devices)]
+
+
+def planned_capacity(cfg: Config) -> int:
+    """The most streams the engine of ``cfg`` is planned to hold: what placement measures an
+    engine's headroom against."""
+    return cfg.engine.max_streams
+
+
+def uses_processes(cfg: Config, n_devices: int) -> bool:
+    """Whether the engines of ``cfg`` run in a process each (``model.engine_processes``)."""
+    mode = cfg.model.engine_processes
+    if mode == "auto":
+        return n_devices > 1
+    return mode == "per_device"
+
+
+def load_placement(cfg: Config, *, voices: Any | None = None, **options: Any) -> Placement:
+    """A :class:`~voice_out.engine.placement.Placement` of one engine per device of
+    ``model.device`` (not started). ``options``: keyword arguments of :meth:`Engine.load`.
+
+    In-process engines share ``voices`` (the server's store); engines in processes of their
+    own (:func:`uses_processes`) open the store at ``server.voices_dir`` themselves when
+    ``voices`` is given, else their engine's default."""
+    from voice_out.engine.engine import Engine
+    from voice_out.engine.process import ProcessEngine
+
+    devices = expand_devices(cfg.model.device)
+    if devices == ("auto",):
+        devices = (str(resolve_device("auto")),)
+    engines: list[tuple[str, EngineLike, int]] = []
+    processes = uses_processes(cfg, len(devices))
+    for device, label in zip(devices, engine_labels(devices), strict=True):
+        one = replace_config(cfg, "model", device=device)
+        engine: EngineLike
+        if processes:
+            engine = ProcessEngine(
+                one, label=label, load_options=options, voice_store=voices is not None, voices=voices
+            )
+        else:
+            engine = Engine.load(one, voices=voices, **options)
+        engines.append((label, engine, planned_capacity(one)))
+    return Placement(engines)
 
 
 class DeltaPipeline:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from voice_out.engine.api import EngineError, PcmChunk, StreamFailedError
+from voice_out.engine.api import EngineError, EngineFailedError, PcmChunk, StreamFailedError
 from voice_out.engine.request import RequestStatus, VoicePrompt
 from voice_out.engine.scheduler import Emitted, Ended, FirstAudioTrace, Output, Scheduler, StepPlan, StepResult
 
@@ -211,7 +211,7 @@ class Worker:
             except BaseException:
                 # a bug in the loop itself: end every stream rather than leave consumers hanging
                 log.exception("the engine worker crashed")
-                err = StreamFailedError("the engine worker crashed")
+                err = EngineFailedError("the engine worker crashed")
                 for sink in list(self._sinks.values()):
                     _safe_deliver(sink, EndOfStream(RequestStatus.FAILED, err))
                 self._sinks.clear()

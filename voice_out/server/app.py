@@ -490,7 +490,7 @@ async def healthz(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     sessions = request.app[SESSIONS_KEY]
     accepting = engine.ready and sessions.accepting and len(sessions) < sessions.max_sessions
-    body = {
+    body: dict[str, Any] = {
         "status": "ok" if accepting else "unavailable",
         "engine_ready": engine.ready,
         "sessions": len(sessions),
@@ -499,6 +499,16 @@ async def healthz(request: web.Request) -> web.Response:
     plan = getattr(engine, "plan", None)  # the engine's fast-path plan (voice_out.fast.plan); fakes have none
     if plan is not None:
         body["plan"] = plan.as_dict()
+    reports = getattr(engine, "reports", None)
+    if callable(reports):  # a placement: each engine, with its plan (docs/scale-out.md)
+        items = []
+        for report, one in zip(reports(), engine.engines, strict=True):
+            item = report.to_json()
+            one_plan = getattr(one, "plan", None)
+            if one_plan is not None:
+                item["plan"] = one_plan.as_dict()
+            items.append(item)
+        body["engines"] = items
     return web.json_response(body, status=200 if accepting else 503)
 
 
@@ -596,6 +606,9 @@ def create_app(
         middlewares.append(_auth_middleware(server.auth_token))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_UPLOAD_BYTES + 64 * 1024)
     metrics_ = Metrics()
+    reports = getattr(engine, "reports", None)
+    if callable(reports):  # a placement: /metrics reports each engine, label gpu
+        metrics_.watch_engines(reports)
     app[CONFIG_KEY] = cfg
     app[ENGINE_KEY] = engine
     app[VOICES_KEY] = voice_store
@@ -828,9 +841,9 @@ def load_runtime(cfg: Config) -> tuple[EngineLike, VoiceStoreLike | None]:
     Raises a one-line :class:`VoiceOutError` when something the user can fix is missing.
     """
     try:
-        from voice_out.engine.engine import Engine
+        from voice_out.engine.loading import load_placement
     except ModuleNotFoundError as e:
-        if e.name == "voice_out.engine.engine":
+        if e.name in ("voice_out.engine.engine", "voice_out.engine.loading"):
             raise EngineUnavailableError(
                 "cannot serve: the streaming engine (voice_out.engine.engine) is not part of this build"
             ) from None
@@ -848,7 +861,8 @@ def load_runtime(cfg: Config) -> tuple[EngineLike, VoiceStoreLike | None]:
         from voice_out.engine.ray_serve.client import RayEngine
 
         return RayEngine(cfg, store), store
-    engine = Engine.load(cfg, voices=store)
+    # one engine per device of model.device, new utterances placed by load (docs/scale-out.md)
+    engine = load_placement(cfg, voices=store)
     default = cfg.server.default_voice
     if default is not None and default not in (names := engine.voice_names()):
         raise UnknownDefaultVoiceError(

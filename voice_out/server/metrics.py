@@ -4,6 +4,9 @@ as in tests, never share counters). Updated on the asyncio thread; scraped at ``
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -14,7 +17,9 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS_S = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 BARGE_IN_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5)
@@ -85,5 +90,41 @@ class Metrics:
             registry=r,
         )
 
+    def watch_engines(self, reports: Callable[[], Sequence[Any]]) -> None:
+        """Report each engine of a placement (label ``gpu``) at every scrape: ``reports()``
+        gives :class:`~voice_out.engine.placement.EngineReport` s (any thread that scrapes)."""
+        self.registry.register(_EngineCollector(reports))
+
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
+
+
+class _EngineCollector(Collector):
+    def __init__(self, reports: Callable[[], Sequence[Any]]) -> None:
+        self._reports = reports
+
+    def describe(self) -> list[Metric]:
+        return []  # read at every scrape; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        reports = self._reports()
+        up = GaugeMetricFamily("voice_out_engine_up", "1 while the engine takes new utterances", labels=["gpu"])
+        state = GaugeMetricFamily(
+            "voice_out_engine_state", "The engine's state (1 for the current one)", labels=["gpu", "state"]
+        )
+        streams = GaugeMetricFamily("voice_out_engine_streams", "Utterances in flight on the engine", labels=["gpu"])
+        capacity = GaugeMetricFamily(
+            "voice_out_engine_capacity", "Utterances the engine is planned to hold", labels=["gpu"]
+        )
+        placed = CounterMetricFamily("voice_out_engine_utterances", "Utterances placed on the engine", labels=["gpu"])
+        failed = CounterMetricFamily(
+            "voice_out_engine_failed_utterances", "Utterances ended by the engine's failure", labels=["gpu"]
+        )
+        for r in reports:
+            up.add_metric([r.label], 1.0 if r.state.value == "ready" else 0.0)
+            state.add_metric([r.label, r.state.value], 1.0)
+            streams.add_metric([r.label], float(r.in_flight))
+            capacity.add_metric([r.label], float(r.capacity))
+            placed.add_metric([r.label], float(r.placed))
+            failed.add_metric([r.label], float(r.failed_streams))
+        yield from (up, state, streams, capacity, placed, failed)

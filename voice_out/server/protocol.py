@@ -60,6 +60,7 @@ class ErrorCode(enum.StrEnum):
     NOT_READY = "not_ready"  # the engine is starting or stopping
     INTERNAL = "internal"  # a failure inside the server or engine; the session goes on
     SHUTTING_DOWN = "shutting_down"  # the server is stopping: the session ends after this message
+    ENGINE_FAILED = "engine_failed"  # the engine (GPU) holding the utterance failed; others go on
 
 
 class ProtocolError(VoiceOutError):
