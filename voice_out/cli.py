@@ -224,11 +224,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure latency and capacity")
     _common(p)
     _model_flags(p)
-    p.add_argument("--mode", choices=["engine", "webrtc"], default="engine")
-    p.add_argument("--streams", help="comma-separated stream counts (default 1,2,4,8,16,32,48,64)")
+    p.add_argument(
+        "--mode",
+        choices=["engine", "webrtc", "placement"],
+        default="engine",
+        help="engine: one in-process engine; webrtc: the server and a client; placement: capacity through "
+        "the placement layer on one GPU and on every device of --device (e.g. cuda:0,cuda:1)",
+    )
+    p.add_argument(
+        "--streams",
+        help="comma-separated stream counts (default 1,2,4,8,16,32,48,64); placement mode: the first count per GPU "
+        "(default 20)",
+    )
     p.add_argument("--out", help="write JSON results here")
     p.add_argument("--quick", action="store_true", help="small repetitions and short texts (a CPU smoke run)")
-    p.add_argument("--reps", type=int, help="repetitions of each TTFA measurement (default 30; webrtc 10)")
+    p.add_argument(
+        "--reps", type=int, help="repetitions of each TTFA measurement (default 30; webrtc 10; placement: searches, 3)"
+    )
+    p.add_argument("--step", type=int, help="placement mode: streams between two rounds of a search (default 2)")
+    p.add_argument(
+        "--engine-processes",
+        help="placement mode: the designs to measure, per_device and/or shared (default per_device)",
+    )
+    p.add_argument("--budget-s", type=float, help="placement mode: start no capacity round after this many seconds")
     p.add_argument("--tokens-per-text-token", type=int, help="forced speech tokens per text token (default 3)")
     p.add_argument("--ttfa-target-ms", type=float, help="p95 TTFA target of the capacity sweep (default 150)")
     p.add_argument("--text-rates", help="text arrival rates in text tokens/s (default 20,60)")

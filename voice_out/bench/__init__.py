@@ -30,6 +30,7 @@ from voice_out.config import replace as replace_config
 
 if TYPE_CHECKING:
     from voice_out.bench.engine_bench import EngineBenchOptions
+    from voice_out.bench.placement_bench import PlacementBenchOptions
     from voice_out.bench.webrtc_bench import WebrtcBenchOptions
 
 #: The model ``voice-out bench`` measures unless one is named: the full-size architecture
@@ -114,6 +115,27 @@ def parse_pin(item: str) -> tuple[str, object]:
         raise UserError(f"--pin {item!r}: expected true/false, an integer or a list of integers") from None
 
 
+def _placement_options(args: argparse.Namespace) -> PlacementBenchOptions:
+    """``--streams`` (the first count, per GPU), ``--reps`` (searches), ``--step``,
+    ``--engine-processes`` (designs), ``--budget-s``; the capacity round's own options as in
+    engine mode."""
+    from voice_out.bench.placement_bench import PlacementBenchOptions
+
+    engine = _engine_options(args)
+    over: dict[str, Any] = {"engine": engine}
+    streams = _ints(getattr(args, "streams", None))
+    if streams:
+        over["start"] = streams[0]
+    for name in ("reps", "step", "budget_s"):
+        value = getattr(args, name, None)
+        if value is not None:
+            over[name] = value
+    designs = getattr(args, "engine_processes", None)
+    if designs:
+        over["designs"] = tuple(d.strip() for d in designs.split(",") if d.strip())
+    return PlacementBenchOptions(**over)
+
+
 def _webrtc_options(args: argparse.Namespace) -> WebrtcBenchOptions:
     from voice_out.bench.webrtc_bench import WebrtcBenchOptions
 
@@ -162,8 +184,8 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
             raise UserError(str(e)) from None
     command = command_line(args)
     log = _logger()
-    if mode not in ("engine", "webrtc"):
-        raise UserError(f"unknown bench mode {mode!r} (engine or webrtc)")
+    if mode not in ("engine", "webrtc", "placement"):
+        raise UserError(f"unknown bench mode {mode!r} (engine, webrtc or placement)")
     if getattr(args, "update_docs", False) and not docs.is_dir():
         raise UserError(f"--update-docs: no docs directory at {docs}")
     from_json = getattr(args, "from_json", None)
@@ -174,14 +196,7 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
             raise UserError(f"--from-json {from_json}: not a benchmark result ({e})") from None
         if not report.complete:
             report.notes.append("the run was cut short: these are the figures it measured before it stopped")
-    elif mode == "engine":
-        from voice_out.bench.engine_bench import gpu_name, run_engine_bench
-
-        try:
-            opts = _engine_options(args)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        report = Report("engine", gpu_name(cfg), command)
+    elif mode in ("engine", "placement"):
         out = getattr(args, "out", None)
 
         def save() -> None:  # partial results survive a run cut short
@@ -190,7 +205,26 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
                 write_json(report, out)
                 report.complete = True
 
-        run_engine_bench(cfg, opts, report, log, save)
+        if mode == "engine":
+            from voice_out.bench.engine_bench import gpu_name, run_engine_bench
+
+            try:
+                opts = _engine_options(args)
+            except ValueError as e:
+                raise UserError(str(e)) from None
+            report = Report("engine", gpu_name(cfg), command)
+            run_engine_bench(cfg, opts, report, log, save)
+        else:
+            from voice_out.bench.placement_bench import gpu_name as gpus_name
+            from voice_out.bench.placement_bench import run_placement_bench
+            from voice_out.engine.loading import expand_devices
+
+            try:
+                popts = _placement_options(args)
+            except ValueError as e:
+                raise UserError(str(e)) from None
+            report = Report("placement", gpus_name(expand_devices(cfg.model.device)), command)
+            run_placement_bench(cfg, popts, report, log, save)
     else:
         try:
             from voice_out.bench.webrtc_bench import NoBrowserError, run_webrtc_bench

@@ -40,7 +40,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -48,8 +48,8 @@ import voice_out
 from voice_out.bench.listener import Listener, percentile, run_stream
 from voice_out.bench.report import Report
 from voice_out.config import Config, load_config, parse_overrides
-from voice_out.engine.api import SAMPLE_RATE, StreamClosedError
-from voice_out.engine.engine import Engine
+from voice_out.engine.api import SAMPLE_RATE, EngineLike, StreamClosedError
+from voice_out.engine.engine import Engine, EngineStats
 from voice_out.engine.loading import resolve_device
 from voice_out.engine.scheduler import FirstAudioTrace, ForcedTokens
 
@@ -314,10 +314,21 @@ class CapacityRound:
         return self.busy_s / max(self.wall_s, 1e-9)
 
 
+class MeasuredEngine(EngineLike, Protocol):
+    """What a capacity round needs of an engine: the in-process :class:`Engine`, or a
+    placement over several (``voice_out.bench.placement_bench``)."""
+
+    def stats(self) -> EngineStats: ...
+
+    async def await_idle(self) -> None: ...
+
+
 async def capacity_round(
-    engine: Engine, n: int, text: str, opts: EngineBenchOptions, device: torch.device
+    engine: MeasuredEngine, n: int, text: str, opts: EngineBenchOptions, device: torch.device | None
 ) -> CapacityRound:
-    if device.type == "cuda":
+    """``n`` streams of ``text`` started over ``opts.ramp_s``, each with a real-time listener.
+    ``device``: whose peak memory the round reports (None: none)."""
+    if device is not None and device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     before = engine.stats()
     t0 = time.perf_counter()
@@ -335,7 +346,9 @@ async def capacity_round(
         steps=after.steps - before.steps,
         busy_s=after.busy_s - before.busy_s,
         wall_s=wall,
-        gpu_max_allocated_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+        gpu_max_allocated_gib=(
+            torch.cuda.max_memory_allocated(device) / GIB if device is not None and device.type == "cuda" else None
+        ),
         first_audio=after.first_audio[-traced:] if traced > 0 else (),
     )
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from voice_out.engine.api import SAMPLE_RATE
 
 if TYPE_CHECKING:
-    from voice_out.engine.engine import Engine
+    from voice_out.engine.api import EngineLike
 
 #: How often the simulated listener reports what it has played to the engine (well below
 #: ``engine.max_ahead_s``; 64 streams acknowledging every 20 ms would be 3,200 messages/s).
@@ -89,7 +89,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 async def run_stream(
-    engine: Engine, i: int, text: str, rate: float, delay_s: float, *, step_chars: int = 4
+    engine: EngineLike, i: int, text: str, rate: float, delay_s: float, *, step_chars: int = 4
 ) -> Listener:
     """Open one stream (seed ``1000 + i``) after ``delay_s``, give it ``text`` at once
     (``rate <= 0``) or at ``rate`` characters per second in deltas of ``step_chars``, and
