@@ -235,7 +235,8 @@ def run_placement_bench(
                     async with Placement(members) as placement:
                         # the first use of each kernel on each engine is not a benchmark
                         await capacity_round(placement, 2 * gpus, text_of(WARM_CHARS), opts, None)
-                        start = capacities.get(gpus) or popts.start * gpus
+                        # the first design's capacity here; else linear scaling from one GPU
+                        start = capacities.get(gpus) or capacities.get(1, popts.start) * gpus
                         found = await _measure(
                             placement, design, gpus, popts, report, log, save, over_budget, start, per_engine * gpus
                         )

@@ -97,11 +97,13 @@ def compile_ahead(
     workers: int = COMPILE_WORKERS,
     *,
     meanwhile: Callable[[], None] | None = None,
+    device: torch.device | None = None,
 ) -> int:
     """Compile the kernels of ``launches`` (distinct ones) on ``workers`` threads; returns how
     many compiled (or were already in Triton's caches). With ``meanwhile``: the :func:`early`
     kernels are compiled first, and once they are, the calling thread runs ``meanwhile()``
-    while the others compile (it must launch none of them)."""
+    while the others compile (it must launch none of them). ``device``: the CUDA device the
+    threads compile for (Triton keeps a kernel per current device: the engine's, not cuda:0)."""
     todo = sorted(distinct_launches(launches), key=lambda ln: not early(ln))  # stable: early first
     if not todo:
         if meanwhile is not None:
@@ -116,7 +118,13 @@ def compile_ahead(
             log.warning("compiling %s ahead failed; it compiles on first use", ln.kernel, exc_info=True)
             return False
 
-    with ThreadPoolExecutor(max_workers=min(workers, len(todo)), thread_name_prefix="voice_out-compile") as pool:
+    def on_device() -> None:
+        if device is not None and device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
+
+    with ThreadPoolExecutor(
+        max_workers=min(workers, len(todo)), thread_name_prefix="voice_out-compile", initializer=on_device
+    ) as pool:
         futures = [pool.submit(compile_one, ln) for ln in todo]  # started in this order
         if meanwhile is not None:
             wait([f for f, ln in zip(futures, todo, strict=True) if early(ln)])
@@ -237,6 +245,8 @@ def precompile(
             meanwhile()
         return 0, 0.0
     t0 = time.perf_counter()
-    n = compile_ahead(dry_run_launches(runner, voice, state_chunks=state_chunks), workers, meanwhile=meanwhile)
+    n = compile_ahead(
+        dry_run_launches(runner, voice, state_chunks=state_chunks), workers, meanwhile=meanwhile, device=runner.device
+    )
     torch.cuda.synchronize(runner.device)
     return n, time.perf_counter() - t0

@@ -271,6 +271,11 @@ def build_engine(
         from voice_out.model.sampling import SamplingParams
         from voice_out.model.token2wav import Token2Wav
 
+        if device.type == "cuda" and device.index is not None:
+            # this (worker) thread's current device: Triton launches, graph captures and the
+            # default streams follow it, per thread; an engine on cuda:1 beside one on cuda:0
+            # (several engines in one process) or in a process of its own needs it set
+            torch.cuda.set_device(device)
         seed = mc.random_seed
         if device.type == "cuda":
             enforce_budget(plan, device)
