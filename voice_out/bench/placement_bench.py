@@ -128,21 +128,37 @@ async def find_capacity(
     return 0, True
 
 
-async def _measure(
-    placement: Placement,
-    name: str,
-    gpus: int,
+@dataclass
+class _Setup:
+    """One configuration measured: a design on ``gpus`` GPUs, and its searches so far."""
+
+    design: str
+    gpus: int
+    placement: Placement
+    limit: int
+    start: int | None = None
+    found: list[int] = dataclasses.field(default_factory=list)
+    warm: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"placement.{self.design}.gpus_{self.gpus}"
+
+
+async def _search(
+    setup: _Setup,
+    rep: int,
     popts: PlacementBenchOptions,
     report: Report,
     log: Callable[[str], None],
     save: Callable[[], None],
     over_budget: Callable[[], bool],
-    start: int,
-    limit: int,
-) -> int | None:
-    """The median capacity of ``popts.reps`` searches (None: no search closed in the budget)."""
+) -> bool:
+    """One repetition's search of ``setup``; False when the budget cut it."""
     opts = popts.engine
     text = text_of(opts.capacity_chars)
+    placement = setup.placement
+    where = f"{setup.design}, {setup.gpus} GPU"
 
     async def passes(n: int) -> bool:
         placed_before = [r.placed for r in placement.reports()]
@@ -150,34 +166,47 @@ async def _measure(
         sub = Report(report.mode, report.gpu, report.command, report.date)
         ok = report_round(sub, r, opts.ttfa_target_ms)
         for m in sub.metrics:
-            report.metrics.append(dataclasses.replace(m, name=f"placement.{name}.gpus_{gpus}.rep{rep[0]}.{m.name}"))
+            report.metrics.append(dataclasses.replace(m, name=f"{setup.name}.rep{rep}.{m.name}"))
         placed = [r.placed - b for r, b in zip(placement.reports(), placed_before, strict=True)]
-        log(f"{name}, {gpus} GPU: {n} streams {'PASS' if ok else 'fail'}: {round_summary(r)}; placed {placed}")
+        log(f"{where}: {n} streams {'PASS' if ok else 'fail'}: {round_summary(r)}; placed {placed}")
         save()
         return ok
 
-    found: list[int] = []
-    rep = [0]  # the repetition the rounds belong to (1-based), for their records' names
-    for k in range(popts.reps):
-        rep[0] = k + 1
-        if over_budget():
-            report.notes.append(f"{name}, {gpus} GPU: {k} of {popts.reps} repetitions within the time budget")
-            break
-        best, closed = await find_capacity(passes, start, popts.step, limit, over_budget)
-        if not closed:
-            report.notes.append(f"{name}, {gpus} GPU, repetition {k + 1}: the time budget cut the search")
-            break
-        found.append(best)
-        report.add(f"placement.{name}.gpus_{gpus}.rep{k + 1}.capacity.max_streams", best, "streams", best)
-        log(f"{name}, {gpus} GPU: repetition {k + 1}: capacity {best} streams")
-        start = max(best, popts.step)
-    if not found:
-        return None
-    capacity = int(statistics.median_low(found))
-    report.add(f"placement.{name}.gpus_{gpus}.capacity.max_streams", capacity, "streams", capacity)
-    log(f"{name}, {gpus} GPU: capacity {capacity} streams (repetitions: {found})")
+    if not setup.warm:  # the first use of each kernel on each engine is not a benchmark
+        await capacity_round(placement, 2 * setup.gpus, text_of(WARM_CHARS), opts, None)
+        setup.warm = True
+    assert setup.start is not None
+    best, closed = await find_capacity(passes, setup.start, popts.step, setup.limit, over_budget)
+    if not closed:
+        report.notes.append(f"{where}, repetition {rep}: the time budget cut the search")
+        return False
+    setup.found.append(best)
+    setup.start = max(best, popts.step)
+    report.add(f"{setup.name}.rep{rep}.capacity.max_streams", best, "streams", best)
+    log(f"{where}: repetition {rep}: capacity {best} streams")
     save()
-    return capacity
+    return True
+
+
+def _conclude(setups: list[_Setup], popts: PlacementBenchOptions, report: Report, log: Callable[[str], None]) -> None:
+    """The median capacity of each setup's searches, and each design's scaling over one GPU."""
+    capacity: dict[tuple[str, int], int] = {}
+    for setup in setups:
+        if setup.found:
+            c = int(statistics.median_low(setup.found))
+            capacity[(setup.design, setup.gpus)] = c
+            report.add(f"{setup.name}.capacity.max_streams", c, "streams", c)
+            log(f"{setup.design}, {setup.gpus} GPU: capacity {c} streams (searches: {setup.found})")
+            if len(setup.found) < popts.reps:
+                report.notes.append(
+                    f"{setup.design}, {setup.gpus} GPU: {len(setup.found)} of {popts.reps} searches within the budget"
+                )
+    # one GPU is measured with the first design: a lone engine is the same in either
+    one = next((c for (_, g), c in capacity.items() if g == 1), None)
+    for (design, gpus), c in capacity.items():
+        if gpus > 1 and one:
+            report.add(f"placement.{design}.gpus_{gpus}.scaling", c / one, "x", c)
+            log(f"{design}: {gpus} GPUs hold {c / one:.2f}x the streams of one")
 
 
 def run_placement_bench(
@@ -223,28 +252,30 @@ def run_placement_bench(
             await asyncio.gather(*(stack.enter_async_context(e) for es in built.values() for e in es))
             report.add("placement.startup_s", time.perf_counter() - t0, "s", 0)
             log(f"engines ready in {time.perf_counter() - t0:.1f} s")
-            capacities: dict[int, int] = {}  # GPUs -> the first design's capacity
-            for k, (design, engines) in enumerate(built.items()):
-                capacity = planned_capacity(bench_config(cfg, opts))
-                # one GPU with the first design only: a lone engine is the same in either
-                counts = sorted({1, len(engines)}) if k == 0 else [len(engines)]
-                for gpus in counts:
-                    members: list[tuple[str, EngineLike, int]] = [
-                        (labels[i], engines[i], capacity) for i in range(gpus)
-                    ]
-                    async with Placement(members) as placement:
-                        # the first use of each kernel on each engine is not a benchmark
-                        await capacity_round(placement, 2 * gpus, text_of(WARM_CHARS), opts, None)
-                        # the first design's capacity here; else linear scaling from one GPU
-                        start = capacities.get(gpus) or capacities.get(1, popts.start) * gpus
-                        found = await _measure(
-                            placement, design, gpus, popts, report, log, save, over_budget, start, per_engine * gpus
-                        )
-                    if found is not None:
-                        capacities.setdefault(gpus, found)
-                        one = capacities.get(1)  # a lone engine: the same in either design
-                        if gpus > 1 and one:
-                            report.add(f"placement.{design}.gpus_{gpus}.scaling", found / one, "x", found)
-                            log(f"{design}: {gpus} GPUs hold {found / one:.2f}x the streams of one")
+            capacity = planned_capacity(bench_config(cfg, opts))
+            setups: list[_Setup] = []
+            async with AsyncExitStack() as placements:
+                for k, (design, engines) in enumerate(built.items()):
+                    # one GPU with the first design only: a lone engine is the same in either
+                    for gpus in sorted({1, len(engines)}) if k == 0 else [len(engines)]:
+                        members: list[tuple[str, EngineLike, int]] = [
+                            (labels[i], engines[i], capacity) for i in range(gpus)
+                        ]
+                        placement = await placements.enter_async_context(Placement(members))
+                        setups.append(_Setup(design, gpus, placement, per_engine * gpus))
+                # repetitions outside, setups inside: a budget cut leaves every setup measured
+                for rep in range(1, popts.reps + 1):
+                    for setup in setups:
+                        if over_budget():
+                            break
+                        if setup.start is None:
+                            # the first design's capacity on as many GPUs; else linear from one GPU
+                            found = [(s.gpus, s.found[0]) for s in setups if s.found and s.found[0] > 0]
+                            same = next((c for g, c in found if g == setup.gpus), None)
+                            one = next((c for g, c in found if g == 1), popts.start)
+                            setup.start = same or one * setup.gpus
+                        await _search(setup, rep, popts, report, log, save, over_budget)
+            _conclude(setups, popts, report, log)
+            save()
 
     asyncio.run(main())
