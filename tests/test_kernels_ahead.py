@@ -18,8 +18,7 @@ from voice_out.engine.kernels import (
     dry_run_launches,
     specialisation,
 )
-from voice_out.model import launch as launch_mod
-from voice_out.model.launch import Launch, launch, recording
+from voice_out.model.launch import Launch, launch, recording, recording_active
 
 
 class FakeKernel:
@@ -62,9 +61,23 @@ def test_launch_runs_the_kernel_outside_a_recording_and_records_it_inside() -> N
         assert stand_in.numel() == 1 and stand_in.dtype == real.dtype and stand_in.device == real.device
         assert stand_in.data_ptr() % 16 == real.data_ptr() % 16
         assert stand_in.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
-    assert launch_mod._recorded is None  # the recording ended with its block
+    assert not recording_active()  # the recording ended with its block
     launch(k, (1,), x, 1)
     assert len(k.launched) == 2
+
+
+def test_a_recording_holds_its_own_thread_s_launches_only() -> None:
+    """Two engines of one process start at once: one records its dry runs on its worker
+    thread while the other's launches run."""
+    k = FakeKernel()
+    x = torch.zeros(4)
+    with recording() as launches:
+        other = threading.Thread(target=launch, args=(k, (5,), x))
+        other.start()
+        other.join()
+        launch(k, (6,), x)
+    assert k.launched == [((5,), (x,))]
+    assert [(ln.kernel, ln.grid) for ln in launches] == [(k, (6,))]
 
 
 def test_one_compile_per_specialisation() -> None:
@@ -191,7 +204,7 @@ def test_a_start_and_its_first_utterances_launch_no_kernel_its_dry_runs_missed(m
     launched: dict[tuple[Any, ...], str] = {}
 
     def spy(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        if launch_mod._recorded is None:
+        if not recording_active():
             key = specialisation(Launch(kernel, grid, args, kwargs))
             launched[key] = f"{kernel.fn.__name__} {key[1:]}"
         launch(kernel, grid, *args, **kwargs)

@@ -150,7 +150,9 @@ def load_placement(cfg: Config, *, voices: Any | None = None, **options: Any) ->
         else:
             engine = Engine.load(one, voices=voices, **options)
         engines.append((label, engine, planned_capacity(one)))
-    return Placement(engines)
+    # in-process engines start one after the other: a start-up captures CUDA graphs, and no
+    # other thread of the process may allocate on a GPU meanwhile
+    return Placement(engines, serial_start=not processes)
 
 
 class DeltaPipeline:

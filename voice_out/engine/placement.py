@@ -113,12 +113,14 @@ class Placement:
     """Implements ``EngineLike`` over ``engines``: ``(label, engine, planned capacity)`` each.
 
     Enter it (``async with``) to start every engine at once (each that is an async context
-    manager and not already running); an engine that fails to start is FAILED and the others
+    manager and not already running; one after the other with ``serial_start``: engines of
+    one process, whose start-ups capture CUDA graphs, which no other thread of the process may
+    make CUDA calls beside); an engine that fails to start is FAILED and the others
     serve, unless none started (then the first start error is raised). Leaving it stops the
     engines it started.
     """
 
-    def __init__(self, engines: Sequence[tuple[str, EngineLike, int]]) -> None:
+    def __init__(self, engines: Sequence[tuple[str, EngineLike, int]], *, serial_start: bool = False) -> None:
         if not engines:
             raise ValueError("a placement needs at least one engine")
         labels = [label for label, _, _ in engines]
@@ -128,6 +130,7 @@ class Placement:
             if capacity < 1:
                 raise ValueError(f"engine {label}: planned capacity {capacity} must be >= 1")
         self._slots = [_Slot(label, engine, capacity) for label, engine, capacity in engines]
+        self._serial_start = serial_start
         self._stack: AsyncExitStack | None = None
 
     # ---- what the placement holds ------------------------------------------------------------
@@ -244,7 +247,10 @@ class Placement:
 
     async def __aenter__(self) -> Placement:
         stack = AsyncExitStack()
-        errors = await asyncio.gather(*(self._start(slot, stack) for slot in self._slots))
+        if self._serial_start:
+            errors = [await self._start(slot, stack) for slot in self._slots]
+        else:
+            errors = await asyncio.gather(*(self._start(slot, stack) for slot in self._slots))
         if not any(s.state is EngineState.READY for s in self._slots):
             await stack.aclose()
             first = next((e for e in errors if e is not None), None)

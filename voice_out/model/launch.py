@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +47,12 @@ class Launch:
     kwargs: dict[str, Any]
 
 
-_recorded: list[Launch] | None = None
-#: Stand-ins of the tensors a recording's launches take, by (dtype, device, byte misalignment).
+#: The launches being recorded, in the current context: each thread has its own, so that two
+#: engines of one process (one per GPU) may start at once, one recording its dry runs while
+#: the other launches for real.
+_recorded: ContextVar[list[Launch] | None] = ContextVar("voice_out_recorded_launches", default=None)
+#: Stand-ins of the tensors a recording's launches take, by (dtype, device, byte misalignment)
+#: (a cache: recordings of two threads may share it).
 _stand_ins: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
 
 
@@ -71,31 +76,32 @@ def _stand_in(a: Any) -> Any:
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """Launch ``kernel`` on ``grid``; inside :func:`recording`, record the launch instead (its
     tensors as stand-ins: :func:`_stand_in`)."""
-    if _recorded is not None:
-        _recorded.append(Launch(kernel, grid, tuple(_stand_in(a) for a in args), kwargs))
+    recorded = _recorded.get()
+    if recorded is not None:
+        recorded.append(Launch(kernel, grid, tuple(_stand_in(a) for a in args), kwargs))
         return
     kernel[grid](*args, **kwargs)
 
 
 @contextmanager
 def recording() -> Iterator[list[Launch]]:
-    """Record (not run) every :func:`launch` inside the block, into the list yielded. The
-    kernels' outputs are left as allocated: results computed inside are garbage. Start-up only,
-    on the one thread that owns CUDA (the recording is global)."""
-    global _recorded
-    if _recorded is not None:
+    """Record (not run) every :func:`launch` inside the block, made in the same context (the
+    calling thread), into the list yielded. The kernels' outputs are left as allocated: results
+    computed inside are garbage. Start-up only, on the thread that owns the engine's CUDA."""
+    if _recorded.get() is not None:
         raise RuntimeError("kernel launches are already being recorded")
-    _recorded = []
+    recorded: list[Launch] = []
+    token = _recorded.set(recorded)
     try:
-        yield _recorded
+        yield recorded
     finally:
-        _recorded = None
+        _recorded.reset(token)
         _stand_ins.clear()
 
 
 def recording_active() -> bool:
     """Whether launches are being recorded (and not run) now: see :func:`recording`."""
-    return _recorded is not None
+    return _recorded.get() is not None
 
 
 def dependent_launch_available(device: torch.device | str) -> bool:
