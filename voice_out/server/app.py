@@ -31,6 +31,7 @@ import contextlib
 import errno
 import gc
 import hmac
+import importlib
 import json
 import logging
 import os
@@ -841,6 +842,8 @@ def load_runtime(cfg: Config) -> tuple[EngineLike, VoiceStoreLike | None]:
     Raises a one-line :class:`VoiceOutError` when something the user can fix is missing.
     """
     try:
+        # the streaming engine itself first: the loader may have been imported already
+        importlib.import_module("voice_out.engine.engine")
         from voice_out.engine.loading import load_placement
     except ModuleNotFoundError as e:
         if e.name in ("voice_out.engine.engine", "voice_out.engine.loading"):
