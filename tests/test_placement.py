@@ -59,16 +59,16 @@ class Killer:
             raise WorkerDeath(f"injected engine failure at {request_id}")
 
 
-def config(tmp: Path, device: str = "cpu", processes: str = "shared") -> Config:
+def config(tmp: Path, device: str = "cpu", processes: str = "shared", max_streams: int = 4) -> Config:
     return Config(
         model=ModelConfig(model="random:tiny", device=device, engine_processes=processes),
-        engine=EngineConfig(max_streams=4, max_ahead_s=1.0, max_text_chars=200),
+        engine=EngineConfig(max_streams=max_streams, max_ahead_s=1.0, max_text_chars=200),
         server=ServerConfig(voices_dir=str(tmp / "no-voices")),
     )
 
 
-def tiny_engine(tmp: Path, **options: Any) -> Engine:
-    return Engine.load(config(tmp), **OPTIONS, **options)
+def tiny_engine(tmp: Path, max_streams: int = 4) -> Engine:
+    return Engine.load(config(tmp, max_streams=max_streams), **OPTIONS)
 
 
 async def speak(stream: Stream, text: str = TEXT) -> list[PcmChunk]:
@@ -87,7 +87,8 @@ def labels(streams: list[PlacedStream]) -> list[str]:
 
 @pytest.mark.asyncio
 async def test_each_utterance_goes_to_the_engine_with_the_most_headroom(tmp_path: Path) -> None:
-    placement = Placement([("cpu:0", tiny_engine(tmp_path), 4), ("cpu:1", tiny_engine(tmp_path), 2)])
+    # the capacities given are the engines' own plans (4 and 2 KV slots): placement reads them
+    placement = Placement([("cpu:0", tiny_engine(tmp_path), 1), ("cpu:1", tiny_engine(tmp_path, max_streams=2), 1)])
     async with placement:
         # open and no text yet: each stream stays in flight on its engine
         held = [placement.open_stream(seed=i) for i in range(6)]

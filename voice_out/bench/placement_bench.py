@@ -97,6 +97,7 @@ def build_engines(cfg: Config, design: str, devices: Sequence[str], opts: Engine
                 "flow_path": opts.flow_path,
                 "noise_prompt_tokens": opts.prompt_tokens,
                 "text_normalizer": "none",
+                "pins": dict(opts.pins),
             }
             engines.append(ProcessEngine(one, label=label, load_options=load_options, torch_threads=opts.threads))
     return engines

@@ -112,8 +112,9 @@ def engine_labels(devices: tuple[str, ...]) -> list[str]:
 
 
 def planned_capacity(cfg: Config) -> int:
-    """The most streams the engine of ``cfg`` is planned to hold: what placement measures an
-    engine's headroom against."""
+    """The most streams the engine of ``cfg`` may hold before it has planned its memory: what
+    placement measures an engine's headroom against until the engine's own plan
+    (``engine.plan.max_streams``, voice_out.fast.plan) says how many it fit."""
     return cfg.engine.max_streams
 
 

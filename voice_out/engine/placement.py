@@ -110,7 +110,9 @@ class _Slot:
 
 
 class Placement:
-    """Implements ``EngineLike`` over ``engines``: ``(label, engine, planned capacity)`` each.
+    """Implements ``EngineLike`` over ``engines``: ``(label, engine, planned capacity)`` each;
+    an engine with a memory plan (``engine.plan.max_streams``) has that as its capacity once
+    started.
 
     Enter it (``async with``) to start every engine at once (each that is an async context
     manager and not already running; one after the other with ``serial_start``: engines of
@@ -270,6 +272,12 @@ class Placement:
             return e
         if slot.state is EngineState.STARTING:
             slot.state = EngineState.READY if engine.ready else EngineState.FAILED
+        # the streams the engine's memory plan fit (voice_out.fast.plan), where it has one:
+        # known once the engine has measured its GPU
+        plan = getattr(engine, "plan", None)
+        planned = getattr(plan, "max_streams", None)
+        if isinstance(planned, int) and planned >= 1:
+            slot.capacity = planned
         return None
 
     async def __aexit__(

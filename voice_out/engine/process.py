@@ -10,7 +10,7 @@ How. The child (started with ``spawn``: CUDA and threads do not survive a fork) 
 ``multiprocessing`` pipe. Parent -> child: ``("open", id, voice, seed, fast_first)`` and the
 worker's own messages (``Text``, ``EndText``, ``Ack``, ``Cancel``) as the parent's stream
 handles send them; ``("stats" | "idle" | "voices", token)`` requests; ``("stop",)``. Child ->
-parent: ``("ready", voices, default_voice)`` or ``("start_failed", message)``; per stream
+parent: ``("ready", voices, default_voice, plan)`` or ``("start_failed", message)``; per stream
 ``("chunk", id, PcmChunk)`` ... then ``("end", id, RequestStatus, error)``; the answers to
 requests. The parent's streams are the engine's own :class:`~voice_out.engine.stream.EngineStream`
 handles (same text limits, cancel and ack semantics), their outboxes filled by a reader thread.
@@ -109,6 +109,8 @@ class ProcessEngine:
         self._dead = False
         self._voices: list[str] = []
         self._default_voice: str | None = None
+        #: The child engine's fast-path plan (voice_out.fast.plan.Plan), once it is ready.
+        self.plan: Any = None
         self._started: Callable[[Any], None] | None = None
 
     # ---- EngineLike --------------------------------------------------------------------------
@@ -266,7 +268,9 @@ class ProcessEngine:
                     waiter(msg[2])
             elif kind in ("ready", "start_failed"):
                 if kind == "ready":
-                    self._voices, self._default_voice = msg[1], msg[2]
+                    self._voices, self._default_voice, self.plan = msg[1], msg[2], msg[3]
+                    if self.plan is not None:
+                        self.max_open_streams = 4 * self.plan.max_streams
                     self._ready = True
                 started = self._started
                 if started is not None:
@@ -485,7 +489,7 @@ async def _serve(conn: Connection, engine: Any) -> None:
 
     reader = threading.Thread(target=read, name="voice_out-pipe", daemon=True)
     reader.start()
-    conn.send(("ready", engine.voice_names(), engine.voices.default))
+    conn.send(("ready", engine.voice_names(), engine.voices.default, getattr(engine, "plan", None)))
     try:
         while True:
             msg = await inbox.get()

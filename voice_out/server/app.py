@@ -503,7 +503,7 @@ async def healthz(request: web.Request) -> web.Response:
     reports = getattr(engine, "reports", None)
     if callable(reports):  # a placement: each engine, with its plan (docs/scale-out.md)
         items = []
-        for report, one in zip(reports(), engine.engines, strict=True):
+        for report, one in zip(reports(), getattr(engine, "engines", []), strict=True):
             item = report.to_json()
             one_plan = getattr(one, "plan", None)
             if one_plan is not None:
