@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -288,3 +290,8 @@ async def test_a_killed_child_fails_only_its_own_utterances(children: list[Proce
         assert placement.open_stream(seed=9).engine_label == "cpu:1"
         with pytest.raises(OverloadedError):
             children[0].open_stream()
+    # a supervisor's SIGTERM stops a child as the server would: cleanly, exit status 0
+    survivor = children[1]
+    assert survivor.pid is not None
+    os.kill(survivor.pid, signal.SIGTERM)
+    assert await asyncio.get_running_loop().run_in_executor(None, survivor.wait, 60) == 0

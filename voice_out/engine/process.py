@@ -27,9 +27,12 @@ thread (or one owning thread); the reader thread only fills outboxes and resolve
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import itertools
 import logging
 import multiprocessing
+import signal
 import threading
 import uuid
 import weakref
@@ -373,6 +376,14 @@ class ProcessEngine:
         if self._process is not None:
             self._process.kill()
 
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Block until the child exits (at most ``timeout`` s); its exit code (None: running)."""
+        proc = self._process
+        if proc is None:
+            return None
+        proc.join(timeout)
+        return None if proc.exitcode is None else int(proc.exitcode)
+
     # ---- accounting (bench, tests) -----------------------------------------------------------
 
     def stats(self) -> Any:
@@ -418,6 +429,8 @@ def child_main(conn: Connection, spec: tuple[Config, dict[str, Any], bool, int, 
     """The child process: load the engine of ``spec`` and serve it on ``conn`` until told to
     stop or until the parent is gone."""
     config, options, voice_store, torch_threads, label = spec
+    # Ctrl-C reaches the whole process group: the server's shutdown stops this engine itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s [engine {label}] %(name)s: %(message)s")
     try:
         import torch
@@ -487,6 +500,13 @@ async def _serve(conn: Connection, engine: Any) -> None:
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
+    # SIGTERM (a supervisor stopping every process, multiprocessing at the parent's exit):
+    # stop as if told to, streams cancelled and the device released
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGTERM, inbox.put_nowait, ("stop",))
+    # what start-up made stays out of the collector's sight (as in the serving process)
+    gc.collect()
+    gc.freeze()
     reader = threading.Thread(target=read, name="voice_out-pipe", daemon=True)
     reader.start()
     conn.send(("ready", engine.voice_names(), engine.voices.default, getattr(engine, "plan", None)))
