@@ -197,6 +197,8 @@ class Placement:
         seed: int | None = None,
         auto_ack: bool = True,
         fast_first: int | None = None,
+        instructions: str | None = None,
+        speed: float = 1.0,
     ) -> PlacedStream:
         """Open a stream on the READY engine with the most headroom (see the module docstring).
 
@@ -218,6 +220,10 @@ class Placement:
             options["auto_ack"] = False
         if fast_first is not None:
             options["fast_first"] = fast_first
+        if instructions is not None:
+            options["instructions"] = instructions
+        if speed != 1.0:
+            options["speed"] = speed
         refused: OverloadedError | None = None
         for slot in ranked:
             try:

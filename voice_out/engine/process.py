@@ -7,8 +7,8 @@ interpreter; the server's process only moves text in and PCM out.
 
 How. The child (started with ``spawn``: CUDA and threads do not survive a fork) loads an
 :class:`~voice_out.engine.engine.Engine` for one device and serves it over a duplex
-``multiprocessing`` pipe. Parent -> child: ``("open", id, voice, seed, fast_first)`` and the
-worker's own messages (``Text``, ``EndText``, ``Ack``, ``Cancel``) as the parent's stream
+``multiprocessing`` pipe. Parent -> child: ``("open", id, voice, seed, fast_first,
+instructions, speed)`` and the worker's own messages (``Text``, ``EndText``, ``Ack``, ``Cancel``) as the parent's stream
 handles send them; ``("stats" | "idle" | "voices", token)`` requests; ``("stop",)``. Child ->
 parent: ``("ready", voices, default_voice, plan)`` or ``("start_failed", message)``; per stream
 ``("chunk", id, PcmChunk)`` ... then ``("end", id, RequestStatus, error)``; the answers to
@@ -51,6 +51,7 @@ from voice_out.engine.api import (
     StreamClosedError,
     StreamFailedError,
     StreamState,
+    check_speed,
 )
 from voice_out.engine.request import RequestStatus
 from voice_out.engine.stream import EngineStream, _Outbox
@@ -155,14 +156,17 @@ class ProcessEngine:
         seed: int | None = None,
         auto_ack: bool = True,
         fast_first: int | None = None,
+        instructions: str | None = None,
+        speed: float = 1.0,
     ) -> EngineStream:
         """Open a stream in the child. Raises OverloadedError (not running, too many open
-        streams), BadOptionError (``fast_first`` out of range), ValueError (an id in use); a
-        voice the child cannot resolve ends the stream with its error (``unknown_voice``,
-        ``no_voice``)."""
+        streams), BadOptionError (``fast_first`` or ``speed`` out of range), ValueError (an id
+        in use); a voice or ``instructions`` the child cannot take end the stream with its
+        error (``unknown_voice``, ``no_voice``, ``bad_field``)."""
         first_hop = self.config.engine.first_hop_tokens
         if fast_first is not None and not 0 <= fast_first < first_hop:
             raise BadOptionError(f"fast_first = {fast_first} must be in 0..{first_hop - 1} tokens")
+        check_speed(speed)
         if not self.ready:
             raise OverloadedError(f"the engine on {self.label} is not running")
         sid = stream_id or uuid.uuid4().hex
@@ -184,7 +188,7 @@ class ProcessEngine:
             self._outboxes[sid] = stream.outbox
         stream.finalizer = weakref.finalize(stream, self._post, Cancel(sid))
         try:
-            self._write(("open", sid, voice, seed, fast_first))
+            self._write(("open", sid, voice, seed, fast_first, instructions, float(speed)))
         except OSError:
             self._forget(sid)
             raise OverloadedError(f"the engine on {self.label} is not running") from None
@@ -518,10 +522,16 @@ async def _serve(conn: Connection, engine: Any) -> None:
                 if kind == "stop":
                     break
                 if kind == "open":
-                    _, sid, voice, seed, fast_first = msg
+                    _, sid, voice, seed, fast_first, instructions, speed = msg
                     try:
                         stream = engine.open_stream(
-                            voice, stream_id=sid, seed=seed, auto_ack=False, fast_first=fast_first
+                            voice,
+                            stream_id=sid,
+                            seed=seed,
+                            auto_ack=False,
+                            fast_first=fast_first,
+                            instructions=instructions,
+                            speed=speed,
                         )
                     except EngineError as e:
                         conn.send(("end", sid, RequestStatus.FAILED, e))
