@@ -97,7 +97,7 @@ async def healthy(server: Server) -> None:
 async def test_unknown_routes_404_and_wrong_methods_405_as_json(make_server: Callable[..., Any]) -> None:
     server: Server = await make_server()
     cases = [
-        ("POST", "/v1/audio/speech", 404, "not_found"),
+        ("POST", "/v0/nothing/here", 404, "not_found"),
         ("GET", "/no/such/file", 404, "not_found"),
         ("DELETE", "/nothing", 404, "not_found"),
         ("PUT", "/offer", 405, "method_not_allowed"),
