@@ -32,7 +32,7 @@ ILLUSTRATIVE = re.compile(r"<!--\s*illustrative:\s*(?P<why>\S.*?)\s*-->")
 #: a fragment of a LiveKit agent and a client of a registered voice (agents.md), and the voice
 #: store, which needs a real model's prompt networks and a recording (voices.md); the tests
 #: named in each marker run those calls.
-ILLUSTRATIVE_BLOCKS = {"docs/agents.md": 2, "docs/llm.md": 1, "docs/token2wav.md": 2, "docs/voices.md": 2}
+ILLUSTRATIVE_BLOCKS = {"docs/agents.md": 1, "docs/llm.md": 1, "docs/token2wav.md": 2, "docs/voices.md": 2}
 RUN_TIMEOUT_S = 300
 SERVE_START_S = 240
 

@@ -411,13 +411,13 @@ async def test_doc_snippet_runs_against_the_server(
     _require("openai")
     for placeholder in ("<server.auth_token, or anything without one>", "change-me-please"):
         code = code.replace(placeholder, TOKEN)
-    code = code.replace("http://localhost:8080/v1", f"{served.url}/v1").replace('voice="alice"', f'voice="{VOICE}"')
+    monkeypatch.setenv("VOICE_OUT_URL", served.url)
     monkeypatch.chdir(tmp_path)
-    played: list[bytes] = []
-    scope: dict[str, Any] = {"play": played.append}
+    scope: dict[str, Any] = {}
     await asyncio.to_thread(exec, compile(code, name, "exec"), scope)  # the sync client; the server runs here
-    heard = b"".join(played) or scope.get("pcm", b"")
-    assert len(heard) == 2 * len(spoken(served.engine.streams[0]))
+    first = served.engine.streams[0]
+    assert first.voice == VOICE  # voice="default": the engine's default voice
+    assert len(scope["pcm"]) == 2 * len(spoken(first))
     await wait_freed(engine)
 
 

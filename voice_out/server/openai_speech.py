@@ -8,7 +8,8 @@ request field      here
 =================  =============================================================================
 ``model``          required string; any value (voice_out serves one model)
 ``input``          required, 1 .. ``engine.max_text_chars`` characters
-``voice``          required: a registered voice name, or ``{"id": name}``; OpenAI's built-in names
+``voice``          required: a registered voice name, or ``{"id": name}``; ``default``: the
+                   server's default voice; OpenAI's built-in names
                    (``alloy`` ...) are not voices here and get 400 listing the registered ones
 ``response_format``  ``mp3`` (default, as OpenAI's), ``opus``, ``aac``, ``flac``, ``wav``, ``pcm``
                    (24 kHz s16le mono); one whose encoder the PyAV build lacks gets 400
@@ -74,6 +75,8 @@ log = logging.getLogger(__name__)
 
 ROUTE = "/v1/audio/speech"
 ROUTE_NAME = "openai_speech"
+#: The ``voice`` that names ``server.default_voice`` (the ElevenLabs routes' ``voice_id`` too).
+DEFAULT_VOICE = "default"
 #: OpenAI's ``response_format`` values -> our encoder's format name.
 RESPONSE_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 STREAM_FORMATS = ("audio", "sse")
@@ -327,7 +330,8 @@ class SpeechHandler:
             return openai_error(400, str(e), param="response_format", code="unsupported_value")
         try:
             try:
-                stream = self.engine.open_stream(req.voice, instructions=req.instructions, speed=req.speed)
+                voice = None if req.voice == DEFAULT_VOICE else req.voice
+                stream = self.engine.open_stream(voice, instructions=req.instructions, speed=req.speed)
             except EngineError as e:
                 err = _engine_error(e)
                 metrics.api_requests.labels("openai", str(err.status)).inc()
