@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from voice_out.engine.api import (
     BadOptionError,
     EngineError,
+    EngineFailedError,
     NoVoiceError,
     OverloadedError,
     StreamClosedError,
@@ -22,12 +23,7 @@ from voice_out.engine.api import (
     UnknownVoiceError,
 )
 
-
-class EngineFailedError(EngineError):
-    """The engine serving the stream failed (its replica died or stopped answering); other
-    streams go on, and new ones go to the engines still alive."""
-
-    code = "engine_failed"
+__all__ = ["EngineFailedError", "Failed", "Placed", "ReplicaInfo", "TextEvent", "UtteranceRequest", "error_of"]
 
 
 @dataclass(frozen=True)
