@@ -605,7 +605,7 @@ class VoiceStore:
         if chosen is None:
             from voice_out.engine.voicebook import NO_VOICE_HINT
 
-            raise NoVoiceError(f"no voice was named and no default voice is configured: {NO_VOICE_HINT}")
+            raise NoVoiceError(f"no voice was named and no default voice is configured: {NO_VOICE_HINT}; or {ADD_HINT}")
         return self.get(chosen)
 
     def source_audio(self, name: str) -> bytes:
