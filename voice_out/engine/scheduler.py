@@ -479,11 +479,14 @@ class Scheduler:
         if busy and turns:
             busy = {True, False}  # heavy load: one launch in flight at a time, as with one lane
         now = self.clock()
-        # streams admitted and still without audio: while there are any, only first chunks
-        # and streams about to run dry get the GPU (the plan's first_audio_priority), and no
-        # stream past its back-pressure limit decodes beside its chunk in flight
+        # streams admitted, with text, and still without audio: while there are any, only first
+        # chunks and streams about to run dry get the GPU (the plan's first_audio_priority), and
+        # no stream past its back-pressure limit decodes beside its chunk in flight. A stream
+        # given no text yet has nothing to hurry: counting it would hold every other stream's
+        # later chunks for as long as its client stays silent.
         awaiting = any(
-            r.first_audio_time is None and r.status is not RequestStatus.WAITING for r in self.requests.values()
+            r.first_audio_time is None and r.first_text_time is not None and r.status is not RequestStatus.WAITING
+            for r in self.requests.values()
         )
         first_pending = self.fast_plan.first_audio_priority and awaiting
         for req in self.requests.values():
