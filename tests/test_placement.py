@@ -97,6 +97,7 @@ async def test_each_utterance_goes_to_the_engine_with_the_most_headroom(tmp_path
         # headroom (capacity - in flight) before each: (4,2) (3,2) (2,2) (1,2) (1,1) (0,1); ties: first
         assert labels(held) == ["cpu:0", "cpu:0", "cpu:0", "cpu:1", "cpu:0", "cpu:1"]
         assert [(r.label, r.in_flight, r.capacity) for r in placement.reports()] == [("cpu:0", 4, 4), ("cpu:1", 2, 2)]
+        assert placement.default_voice == "noise"  # the engines' own, as GET /voices reports it
         held[0].cancel()
         held[1].cancel()
         last = placement.open_stream(seed=6)

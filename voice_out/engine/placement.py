@@ -183,6 +183,16 @@ class Placement:
             self._check(slot)
         return any(s.state is EngineState.READY for s in self._slots)
 
+    @property
+    def default_voice(self) -> str | None:
+        """The voice of streams opened without one: the engines' (one config serves them all),
+        None when none is set or no engine says (``GET /voices`` and the page show it)."""
+        for slot in self._slots:
+            voice = getattr(slot.engine, "default_voice", None)
+            if isinstance(voice, str):
+                return voice
+        return None
+
     def voice_names(self) -> list[str]:
         for slot in self._slots:
             if slot.state is EngineState.READY:
