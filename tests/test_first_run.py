@@ -23,6 +23,7 @@ from voice_out.cli import main
 from voice_out.config import Config, ModelConfig, ServerConfig
 from voice_out.engine import engine as engine_module
 from voice_out.engine.engine import Engine, EngineStartError
+from voice_out.engine.placement import Placement
 from voice_out.engine.scheduler import ForcedTokens
 from voice_out.server import app as app_module
 
@@ -52,8 +53,10 @@ def test_random_weights_speak_a_capped_length_whoever_loads_them(tmp_path: Path)
     """``serve`` (``load_runtime``), ``say`` and an embedding agent (``Engine.load(cfg)``) get
     the same forced length for random weights; real weights stop on EOS; None forces nothing."""
     cap = ForcedTokens(engine_module.RANDOM_TOKENS_PER_TEXT_TOKEN)
-    served, _ = app_module.load_runtime(tiny(tmp_path))
-    assert isinstance(served, Engine) and served.forced == cap
+    served, _ = app_module.load_runtime(tiny(tmp_path))  # the server's placement of one engine
+    assert isinstance(served, Placement)
+    (engine,) = served.engines
+    assert isinstance(engine, Engine) and engine.forced == cap
     assert Engine.load(tiny(tmp_path), warmup=False).forced == cap  # what say.py calls
     assert Engine.load(tiny(tmp_path), warmup=False, forced=None).forced is None
     assert Engine.load(tiny(tmp_path), warmup=False, forced=ForcedTokens(5)).forced == ForcedTokens(5)
