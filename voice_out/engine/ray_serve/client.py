@@ -24,7 +24,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 from voice_out.config import Config
 from voice_out.engine.api import (
@@ -271,30 +271,33 @@ class RayStream:
         self.start()
         return self._gen
 
+    def _raise_failure(self, e: Exception) -> NoReturn:
+        """Raise what an error of the streaming call means for this stream (not cancelled by
+        us): the replica cancelled it or Ray lost it, an engine failure; else ``e`` itself."""
+        from ray.serve.exceptions import RequestCancelledError
+
+        if isinstance(e, RequestCancelledError):
+            raise self._fail(EngineFailedError("the engine replica cancelled this stream")) from None
+        err = _map_ray_error(e)
+        if err is None:
+            raise e
+        raise self._fail(err) from e
+
     def __aiter__(self) -> AsyncIterator[PcmChunk]:
         return self._aiter(self._begin())
 
     async def _aiter(self, gen: Any) -> AsyncIterator[PcmChunk]:
         if gen is None:
             return  # cancelled before the call left
-        from ray.serve.exceptions import RequestCancelledError
-
         while True:
             try:
                 item = await gen.__anext__()
             except StopAsyncIteration:
                 break
-            except RequestCancelledError:
-                if self._cancelled:
-                    return
-                raise self._fail(EngineFailedError("the engine replica cancelled this stream")) from None
             except Exception as e:
                 if self._cancelled:
                     return
-                err = _map_ray_error(e)
-                if err is None:
-                    raise
-                raise self._fail(err) from e
+                self._raise_failure(e)
             if self._cancelled:
                 return
             chunk = self._take(item)
@@ -309,24 +312,15 @@ class RayStream:
     def _iter(self, gen: Any) -> Iterator[PcmChunk]:
         if gen is None:
             return
-        from ray.serve.exceptions import RequestCancelledError
-
         while True:
             try:
                 item = next(gen)
             except StopIteration:
                 break
-            except RequestCancelledError:
-                if self._cancelled:
-                    return
-                raise self._fail(EngineFailedError("the engine replica cancelled this stream")) from None
             except Exception as e:
                 if self._cancelled:
                     return
-                err = _map_ray_error(e)
-                if err is None:
-                    raise
-                raise self._fail(err) from e
+                self._raise_failure(e)
             if self._cancelled:
                 return
             chunk = self._take(item)
