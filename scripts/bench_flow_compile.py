@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench.timing import time_ms  # noqa: E402
+from voice_out.fast.graphs import GraphedFn  # noqa: E402
 from voice_out.model.checkpoint import random_flow  # noqa: E402
-from voice_out.model.cuda_graphs import GraphedFn  # noqa: E402
 
 FULL = Path(__file__).resolve().parent.parent / "configs" / "models" / "cosyvoice2-0.5b"
 

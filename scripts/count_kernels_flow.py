@@ -49,8 +49,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench.timing import save_out, time_ms  # noqa: E402
+from voice_out.fast.graphs import GraphedFn  # noqa: E402
 from voice_out.model.checkpoint import random_flow  # noqa: E402
-from voice_out.model.cuda_graphs import GraphedFn  # noqa: E402
 from voice_out.model.flow import Flow  # noqa: E402
 from voice_out.model.flow_estimator import CausalBlock, Estimator, ResBlock, TransformerBlock  # noqa: E402
 

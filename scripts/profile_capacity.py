@@ -47,7 +47,7 @@ from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
-from voice_out.model.cuda_graphs import GraphedFn  # noqa: E402
+from voice_out.fast.graphs import GraphedFn  # noqa: E402
 from voice_out.model.flow import Flow  # noqa: E402
 from voice_out.model.token2wav import Token2Wav  # noqa: E402
 

@@ -30,9 +30,9 @@ from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine import kernels  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
+from voice_out.fast.graphs import GraphedFn  # noqa: E402
+from voice_out.fast.llm_step import GraphedLLM  # noqa: E402
 from voice_out.model import checkpoint  # noqa: E402
-from voice_out.model.cuda_graphs import GraphedFn  # noqa: E402
-from voice_out.model.llm_graphs import GraphedLLM  # noqa: E402
 from voice_out.model.token2wav import Token2Wav  # noqa: E402
 
 TIMES: dict[str, list[float]] = {}

@@ -25,7 +25,7 @@ from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.engine.engine import Engine  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
-from voice_out.model.llm_graphs import PendingIds  # noqa: E402
+from voice_out.fast.llm_step import PendingIds  # noqa: E402
 from voice_out.model.token2wav import Token2Wav  # noqa: E402
 
 TIMES: dict[str, list[float]] = {}

@@ -39,8 +39,8 @@ from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.bench.trace import chrome_trace, merged  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
-from voice_out.model.cuda_graphs import GraphedFn  # noqa: E402
-from voice_out.model.llm_graphs import PendingIds  # noqa: E402
+from voice_out.fast.graphs import GraphedFn  # noqa: E402
+from voice_out.fast.llm_step import PendingIds  # noqa: E402
 from voice_out.model.token2wav import Token2Wav  # noqa: E402
 
 MARK = "ttfa_request"

@@ -615,7 +615,7 @@ def test_a_real_model_directory_speaks_in_a_registered_voice(parity_dir: Path, t
 
 
 def test_the_graphed_llm_path_speaks_like_the_eager_one(engine: Engine) -> None:
-    """``voice_out.model.llm_graphs`` (its eager code on the CPU): same audio as the plain path,
+    """``voice_out.fast.llm_step`` (its eager code on the CPU): same audio as the plain path,
     and real sampling (no forced tokens) runs through its decode+sample step."""
     texts = [["graphs ", "or not"], ["x"]]
     eager = [solo(engine, 60 + i, t) for i, t in enumerate(texts)]
@@ -927,7 +927,7 @@ def test_a_start_captures_every_voice_s_prompt_length(
     captured at start-up (the plan's ``capture_voice_tokens``; its first chunk's whatever the
     setting), so its first utterance captures none (the capture was 0.5 to 0.9 s of that
     utterance's first audio on an H200)."""
-    from voice_out.model.cuda_graphs import GraphedFn
+    from voice_out.fast.graphs import GraphedFn
 
     ec = EngineConfig(max_streams=2)
     pins = {"capture_tokens": 100, "capture_batch_tokens": 60, "capture_voice_tokens": voice_tokens}

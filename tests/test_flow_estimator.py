@@ -270,7 +270,7 @@ def test_cuda_estimator_equals_the_reference() -> None:
 @pytest.mark.requires_cuda
 def test_cuda_graphed_solve_equals_eager() -> None:
     """The solve captures as one CUDA graph (no host sync, fixed shapes) and replays the eager result."""
-    from voice_out.model.cuda_graphs import GraphedFn
+    from voice_out.fast.graphs import GraphedFn
 
     flow = make_flow(tiny_dims()).fuse_().to("cuda")
     gen = torch.Generator().manual_seed(6)

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT, random_speech, random_voice
+from voice_out.fast.graphs import GraphedFn, graphs_disabled
 from voice_out.model import token2wav
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkPlan
-from voice_out.model.cuda_graphs import GraphedFn, graphs_disabled
 from voice_out.model.token2wav import FINAL_COARSE_CHUNKS, FINAL_FINE_TOKENS, Token2Wav, Token2WavStream
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"

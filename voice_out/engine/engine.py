@@ -203,7 +203,7 @@ class Engine:
         ``cached`` flow. ``fault_hook``: a test hook (see ``Runner``). ``pins``: fast-path
         choices set by hand (tests, the bench; ``voice_out.fast.plan.Plan`` field -> value,
         plus ``capability``: "8.9" plans as for that GPU); e.g. ``{"cuda_graphs": True}`` runs
-        the LLM through ``voice_out.model.llm_graphs`` (its eager code off the GPU).
+        the LLM through ``voice_out.fast.llm_step`` (its eager code off the GPU).
         Raises ConfigError when ``engine.gpu_memory`` cannot hold the model and one stream.
         """
         from voice_out.engine import loading

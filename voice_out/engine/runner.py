@@ -32,9 +32,9 @@ from torch import Tensor
 
 from voice_out.engine.request import LlmInputKind
 from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
+from voice_out.fast.graphs import family_stream
+from voice_out.fast.llm_step import GraphedLLM, PendingIds, pack_decode_rows
 from voice_out.model.chunk_schedule import HopPolicy
-from voice_out.model.cuda_graphs import family_stream
-from voice_out.model.llm_graphs import GraphedLLM, PendingIds, pack_decode_rows
 from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT, KVCache, SpeechLM
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, ras_sample_batch
 from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2Wav, Token2WavStream
@@ -225,7 +225,7 @@ class Runner:
         )
         #: CUDA: the stream token2wav runs on while the LLM steps run on the runner's own one
         #: (``llm_stream_priority``). A family stream: no graph was captured on it, so its eager
-        #: GEMMs have a cuBLAS workspace of their own (``voice_out.model.cuda_graphs``).
+        #: GEMMs have a cuBLAS workspace of their own (``voice_out.fast.graphs``).
         self._side_stream = family_stream(SIDE_STREAM_FAMILY, self.device) if self.device.type == "cuda" else None
         #: CUDA, when token2wav has the first-chunk lane's graphs (``use_cuda_graphs(first_lane=
         #: True)``, before the runner is built): the stream of that lane's chunks

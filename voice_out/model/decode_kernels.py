@@ -753,7 +753,7 @@ class StepRows:
 
 @dataclass(frozen=True)
 class PackedColumns:
-    """Where a packed decode row keeps each field (``voice_out.model.llm_graphs``' layout):
+    """Where a packed decode row keeps each field (``voice_out.fast.llm_step``' layout):
     the column of each scalar, of the two uniforms' float64 bits, and of the first of the
     ``win`` history ids."""
 

@@ -68,8 +68,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from voice_out.fast.graphs import GraphedFn
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy, plan_all
-from voice_out.model.cuda_graphs import GraphedFn
 from voice_out.model.hift import HiFT
 from voice_out.model.transfer import to_device
 
@@ -88,7 +88,7 @@ FINAL_COARSE_CHUNKS = 4
 STREAM_CAPTURE_TOKENS = 500
 HIFT_CACHE_FRAMES = 8  # vocoder overlap between chunks (160 ms)
 #: The ``GraphedFn`` family of every token2wav graph: they replay alongside the LLM's graphs
-#: (family "llm"), so they are captured on a stream of their own (``voice_out.model.cuda_graphs``).
+#: (family "llm"), so they are captured on a stream of their own (``voice_out.fast.graphs``).
 GRAPH_FAMILY = "token2wav"
 #: The family of the first-chunk lane's graphs (``use_cuda_graphs(first_lane=True)``): they
 #: replay alongside the other token2wav graphs, so they have a capture stream (cuBLAS

@@ -52,8 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from voice_out.fast.graphs import GraphedFn
 from voice_out.model import decode_kernels
-from voice_out.model.cuda_graphs import GraphedFn
 from voice_out.model.launch import dependent_launch_available
 from voice_out.model.llm_inputs import KIND_SPEECH
 from voice_out.model.qwen2 import Block, KVCache, SpeechLM, attend, group_mask, rope_cos_sin, rope_inv_freq
@@ -61,7 +61,7 @@ from voice_out.model.sampling import NO_TOKEN, SamplingParams, mask_eos_, ras_sa
 from voice_out.model.transfer import to_device
 
 #: The ``GraphedFn`` family of the LLM graphs: they replay alongside token2wav's (family
-#: "token2wav"), so they are captured on a stream of their own (``voice_out.model.cuda_graphs``).
+#: "token2wav"), so they are captured on a stream of their own (``voice_out.fast.graphs``).
 GRAPH_FAMILY = "llm"
 #: Row counts of prefilled rows' draws (:meth:`GraphedLLM.draw`) captured at start-up: streams
 #: that start in the same step, their first input a whole voice prefix.

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from voice_out.model.cuda_graphs import GraphedFn, GraphShapeError, family_stream, graphs_disabled
+from voice_out.fast.graphs import GraphedFn, GraphShapeError, family_stream, graphs_disabled
 
 
 def _fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

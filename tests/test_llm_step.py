@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT
-from voice_out.model.checkpoint import random_llm
-from voice_out.model.llm_graphs import (
+from voice_out.fast.llm_step import (
     COL_FEED,
     COL_HISTORY,
     COL_KIND,
@@ -22,6 +21,7 @@ from voice_out.model.llm_graphs import (
     prefill_static,
     unpack_decode_rows,
 )
+from voice_out.model.checkpoint import random_llm
 from voice_out.model.llm_inputs import KIND_LLM, KIND_SPEECH, KIND_TEXT
 from voice_out.model.qwen2 import KVCache, SpeechLM
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, mask_eos_, ras_sample_batch
