@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -262,10 +263,11 @@ def build_engine(
     except ValueError as e:
         raise ConfigError(f"engine.first_hop_tokens / max_hop_tokens / hop_growth / fast_first_tokens: {e}") from None
     graphs = plan.cuda_graphs
+    t2w_graphs = graphs and plan.token2wav_graphs
     chunks_per_step = plan.max_chunks_per_step
     # first chunks beside the others need their own token2wav graphs and a pipelined runner:
     # decided here once, for token2wav, the runner (through it) and the scheduler
-    first_lane = graphs and device.type == "cuda" and plan.first_chunk_lane and plan.pipeline_vocode
+    first_lane = t2w_graphs and device.type == "cuda" and plan.first_chunk_lane and plan.pipeline_vocode
     plan = dataclasses.replace(plan, first_chunk_lane=first_lane)
     log.info("engine: %s", plan.summary())
 
@@ -307,7 +309,7 @@ def build_engine(
         t2w = Token2Wav(flow, hift, device=device)
         # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere); the first-chunk
         # lane's graphs apart when first chunks run beside the others (the plan's first_chunk_lane)
-        t2w.use_cuda_graphs(graphs, first_lane=first_lane)
+        t2w.use_cuda_graphs(t2w_graphs, first_lane=first_lane)
         runner = Runner(
             llm,
             t2w,
@@ -336,7 +338,7 @@ def build_engine(
     def warm(runner: StepRunner) -> None:
         assert isinstance(runner, Runner)
         voice = FlowVoice(*_warm_voice(fdims.n_mels, fdims.spk_embed_dim))
-        default_voice = _default_voice(book) if graphs else None  # its graphs are captured here
+        default_voice = _default_voice(book) if t2w_graphs else None  # its graphs are captured here
 
         def meanwhile() -> None:
             """What needs none of the flow's kernels, done while they compile: the LLM's
@@ -560,6 +562,12 @@ def enforce_budget(plan: Plan, device: torch.device) -> None:
     CUDA context, the libraries, ONNX Runtime's arena): an allocation past it raises an
     out-of-memory error instead of taking memory the budget leaves to others. GPU worker
     thread, before the weights load."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        # segments that grow in place instead of fixed blocks: without them the blocks freed
+        # between start-up's captures stayed reserved (1.5 GiB at an 8 GiB cap on an H200)
+        # and a 4 GiB start ran out of memory; with them it starts (docs/benchmarks.md).
+        # Process-wide, as the variable would be; a deployer's own setting wins.
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     outside = CONTEXT_BYTES + LIBRARY_BYTES + (ORT_BYTES if onnx_on_device() else 0)
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = max(plan.budget_bytes - outside, 0) / total

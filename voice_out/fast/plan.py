@@ -51,10 +51,16 @@ GRAPH_EXEC_BYTES_PER_TOKEN = int(0.37 * MIB)
 #: capped at 0.5 GiB by ``voice_out.voices.onnx.ORT_ARENA_BYTES``, and its CUDA libraries.
 ORT_BYTES = int(0.75 * GIB)
 #: The engine's buffers beside weights, KV slots, prefixes and states, with the allocator's
-#: slack among them: the LLM's graphs and static inputs, the vocoder's graphs, the flow's
-#: noise, the first-chunk lane. Measured on an H200: 0.97 GiB allocated and 0.46 GiB reserved
-#: but free when the first token2wav graph was captured (a 4 GiB start, 5 KV slots).
-BASE_WORK_BYTES = int(1.5 * GIB)
+#: slack among them, 1.5 GiB in all as measured on an H200 (0.97 GiB allocated and 0.46
+#: reserved but free when the first token2wav graph was captured, a 4 GiB start with 5 KV
+#: slots), in three parts. LLM_BASE_BYTES: the LLM's decode graphs and static inputs, the
+#: flow's noise, eager token2wav's working memory (a 4 GiB start with eager token2wav and 16
+#: KV slots held 3.45 GiB of device memory). TOKEN2WAV_BASE_BYTES, with token2wav's CUDA
+#: graphs: the vocoder's captured lengths and the flow graphs' fixed part. FIRST_LANE_BYTES:
+#: the first-chunk lane's graphs, in a pool of their own.
+LLM_BASE_BYTES = int(0.6 * GIB)
+TOKEN2WAV_BASE_BYTES = int(0.45 * GIB)
+FIRST_LANE_BYTES = int(0.45 * GIB)
 #: Activations and per-stream buffers a serving stream adds beside its KV slot (18 MB a stream
 #: measured over a 32-stream round).
 STREAM_WORK_BYTES = 24 * MIB
@@ -140,8 +146,11 @@ class Plan:
     device_type: str = "cpu"
     capability: str = ""
     budget_bytes: int = 0
-    #: CUDA graphs for the LLM's decode step and token2wav.
+    #: CUDA graphs for the LLM's decode steps (small pools: worth it on any budget).
     cuda_graphs: bool = False
+    #: CUDA graphs for token2wav's flow and vocoder calls (large pools: the plan keeps them
+    #: only where its smallest capture range fits; without them token2wav runs eagerly).
+    token2wav_graphs: bool = False
     fused_decode: bool = False
     fused_linear: bool = False
     dependent_launch: bool = False
@@ -180,7 +189,11 @@ class Plan:
         """One line for the start-up log."""
         if self.device_type != "cuda":
             return f"plan: cpu, {self.max_streams} streams, eager"
-        mode = "graphs" if self.cuda_graphs else "no CUDA graphs"
+        mode = (
+            ("graphs" if self.token2wav_graphs else "LLM graphs, eager token2wav")
+            if self.cuda_graphs
+            else "no CUDA graphs"
+        )
         kernels = ",".join(
             n
             for n, on in (
@@ -196,8 +209,8 @@ class Plan:
         notes = "; " + "; ".join(self.notes) if self.notes else ""
         captured = (
             f"captured {self.capture_tokens} tokens (batched {self.capture_batch_tokens})"
-            if self.cuda_graphs
-            else "nothing captured"
+            if self.token2wav_graphs
+            else "no token2wav capture"
         )
         return (
             f"plan: budget {self.budget_bytes / GIB:.1f} GiB on sm {self.capability}, {mode}, kernels "
@@ -269,7 +282,7 @@ def _fixed(sizes: ModelSizes, onnx_on_device: bool) -> list[tuple[str, int]]:
     fixed = [("cuda_context", CONTEXT_BYTES), ("libraries", LIBRARY_BYTES)]
     if onnx_on_device:
         fixed.append(("onnx_runtime", ORT_BYTES))
-    fixed += [("weights", sizes.weight_bytes), ("engine_base", BASE_WORK_BYTES)]
+    fixed += [("weights", sizes.weight_bytes), ("engine_base", LLM_BASE_BYTES)]
     return fixed
 
 
@@ -344,6 +357,7 @@ def make_plan(
     graphs = not eager
     choice: dict[str, Any] = {
         "cuda_graphs": graphs,
+        "token2wav_graphs": graphs,
         "fused_decode": kernels,
         "fused_linear": kernels,
         "dependent_launch": kernels and capability.hopper,
@@ -386,14 +400,21 @@ def make_plan(
     prefixes = 0
     states = 0
     state_tokens = FLOW_STATE_LADDER[0]
-    if graphs and not take(f"capture {CAPTURE_LADDER[-1]} tokens", pool_bytes(CAPTURE_LADDER[-1])):
+    if graphs and not take(
+        f"token2wav graphs, capture {CAPTURE_LADDER[-1]} tokens",
+        TOKEN2WAV_BASE_BYTES + pool_bytes(CAPTURE_LADDER[-1]),
+    ):
         # not even the first chunks' graphs fit (a stream's first chunk is captured on first
-        # use): no CUDA graphs at all, none of their pools
+        # use): token2wav runs eagerly (its fused kernels need no pool); the LLM's graphs,
+        # a small part of the base, stay
         graphs = False
-        choice.update(cuda_graphs=False, first_chunk_lane=False, max_chunks_per_step=4)
-        notes.append("CUDA graphs left out for lack of memory: the engine runs eagerly")
+        choice.update(token2wav_graphs=False, first_chunk_lane=False, max_chunks_per_step=4)
+        notes.append("token2wav's CUDA graphs left out for lack of memory: token2wav runs eagerly")
     capture = CAPTURE_LADDER[-1] if graphs else 0
     add_streams(4)
+    if graphs and choice["first_chunk_lane"] and not take("first-chunk lane", FIRST_LANE_BYTES):
+        # first chunks queue behind the others' chunks instead of running beside them
+        choice.update(first_chunk_lane=False)
 
     def grow_capture(limit: int) -> None:
         nonlocal capture
@@ -466,7 +487,10 @@ def make_plan(
 def estimate_parts(plan: Plan, sizes: ModelSizes, fixed: list[tuple[str, int]]) -> list[tuple[str, int]]:
     """The memory estimate of a plan's sizes, by part (the same model :func:`make_plan` fills)."""
     parts = list(fixed)
-    if plan.cuda_graphs:
+    if plan.cuda_graphs and plan.token2wav_graphs:
+        parts.append(("token2wav_base", TOKEN2WAV_BASE_BYTES))
+        if plan.first_chunk_lane:
+            parts.append(("first_chunk_lane", FIRST_LANE_BYTES))
         parts.append(("token2wav_graphs", pool_bytes(plan.capture_tokens)))
         parts.append(("batched_graphs", batch_pool_bytes(plan.capture_batch_tokens, plan.max_chunks_per_step)))
     parts.append(("prompt_prefixes", plan.first_chunk_prefix_voices * prefix_bytes(sizes)))
