@@ -10,7 +10,7 @@ engine's graphs leave it out.
     python scripts/bench_flow_kernels.py --sweep         # + every tile candidate of each kernel
 
 ``--sweep`` prints the fastest tiles per kernel for the tier of this row count
-(``voice_out.model.flow_kernels.TILE_TIERS`` holds the chosen ones). GPU only.
+(``voice_out.fast.kernels.flow.TILE_TIERS`` holds the chosen ones). GPU only.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench.timing import graph_us, save_out  # noqa: E402
-from voice_out.model import flow_kernels  # noqa: E402
+from voice_out.fast.kernels import flow as flow_kernels  # noqa: E402
 from voice_out.model.checkpoint import random_flow  # noqa: E402
 from voice_out.model.flow_estimator import ResBlock  # noqa: E402
 

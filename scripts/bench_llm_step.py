@@ -41,10 +41,10 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from voice_out.bench.timing import save_out, time_ms  # noqa: E402
+from voice_out.fast.kernels import decode as decode_kernels  # noqa: E402
+from voice_out.fast.kernels.launch import dependent_launch_available  # noqa: E402
 from voice_out.fast.llm_step import GraphedLLM, pack_decode_rows  # noqa: E402
-from voice_out.model import decode_kernels  # noqa: E402
 from voice_out.model.checkpoint import random_llm  # noqa: E402
-from voice_out.model.launch import dependent_launch_available  # noqa: E402
 from voice_out.model.qwen2 import KVCache, SpeechLM  # noqa: E402
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, new_history, ras_sample_batch  # noqa: E402
 

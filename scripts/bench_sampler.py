@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench.timing import graph_us, save_out  # noqa: E402
-from voice_out.model import decode_kernels  # noqa: E402
+from voice_out.fast.kernels import decode as decode_kernels  # noqa: E402
 from voice_out.model.sampling import NO_TOKEN, SamplingParams  # noqa: E402
 
 VOCAB, EOS = 6564, 6561

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
-from voice_out.engine import kernels  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
 from voice_out.fast.graphs import GraphedFn  # noqa: E402
+from voice_out.fast.kernels import precompile as kernels  # noqa: E402
 from voice_out.fast.llm_step import GraphedLLM  # noqa: E402
 from voice_out.model import checkpoint  # noqa: E402
 from voice_out.model.token2wav import Token2Wav  # noqa: E402

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import REPO_ROOT
+from voice_out.fast.kernels import decode as decode_kernels
+from voice_out.fast.kernels.launch import dependent_launch_available, pdl_options
 from voice_out.fast.llm_step import GraphedLLM, pack_decode_rows, unpack_decode_rows
-from voice_out.model import decode_kernels
 from voice_out.model.checkpoint import random_llm
-from voice_out.model.launch import dependent_launch_available, pdl_options
 from voice_out.model.qwen2 import KVCache, SpeechLM, apply_rope, rope_cos_sin, rope_inv_freq
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, mask_eos_, ras_sample_batch
 

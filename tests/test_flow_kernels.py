@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tests.conftest import REPO_ROOT
 from voice_out.fast.graphs import GraphedFn
-from voice_out.model import flow_kernels
+from voice_out.fast.kernels import flow as flow_kernels
 from voice_out.model.checkpoint import random_flow
 from voice_out.model.flow import Flow
 from voice_out.model.flow_estimator import ResBlock, attention_bias, chunk_mask, pad_left, valid_keys

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT
-from voice_out.model import hift_kernels
+from voice_out.fast.kernels import vocoder as hift_kernels
 from voice_out.model.checkpoint import random_hift
 from voice_out.model.hift import SNAKE_EPS, Snake
 

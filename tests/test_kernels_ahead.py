@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from voice_out.engine.kernels import (
+from voice_out.fast.kernels.launch import Launch, launch, recording, recording_active
+from voice_out.fast.kernels.precompile import (
     compile_ahead,
     distinct_launches,
     dry_run_ends,
     dry_run_launches,
     specialisation,
 )
-from voice_out.model.launch import Launch, launch, recording, recording_active
 
 
 class FakeKernel:
@@ -119,10 +119,10 @@ def test_the_work_meanwhile_runs_once_the_llm_s_and_vocoder_s_kernels_are_compil
     the others go on; everything is compiled when it returns."""
     early = [FakeKernel(compile_s=0.05) for _ in range(2)]
     late = [FakeKernel(compile_s=0.2) for _ in range(3)]
-    for k, module in zip(early, ("voice_out.model.decode_kernels", "voice_out.model.hift_kernels"), strict=True):
+    for k, module in zip(early, ("voice_out.fast.kernels.decode", "voice_out.fast.kernels.vocoder"), strict=True):
         k.fn = SimpleNamespace(__module__=module)  # type: ignore[attr-defined]
     for k in late:
-        k.fn = SimpleNamespace(__module__="voice_out.model.flow_kernels")  # type: ignore[attr-defined]
+        k.fn = SimpleNamespace(__module__="voice_out.fast.kernels.flow")  # type: ignore[attr-defined]
     launches = [Launch(k, (1,), (torch.zeros(4),), {}) for k in late + early]  # the late ones listed first
     seen: list[tuple[int, int]] = []
 
@@ -137,7 +137,7 @@ def test_the_work_meanwhile_runs_once_the_llm_s_and_vocoder_s_kernels_are_compil
 
 
 def test_the_dry_runs_reach_every_tile_tier_the_noise_buffer_allows(monkeypatch: pytest.MonkeyPatch) -> None:
-    from voice_out.model import flow_kernels
+    from voice_out.fast.kernels import flow as flow_kernels
 
     monkeypatch.setattr(flow_kernels, "TILE_TIERS", ((0, {}), (384, {}), (1024, {})))
     dims = SimpleNamespace(enc_chunk=25, token_mel_ratio=2, pre_lookahead=3, max_tokens=1500)
@@ -196,10 +196,11 @@ def test_a_start_and_its_first_utterances_launch_no_kernel_its_dry_runs_missed(m
     benchmark's) with the 25-token warm-up voice: the long chunks captured reach the tall
     tile tier."""
 
-    from voice_out.engine import kernels as kernels_mod
     from voice_out.engine.engine import Engine
     from voice_out.engine.scheduler import ForcedTokens
-    from voice_out.model import decode_kernels, flow_kernels
+    from voice_out.fast.kernels import decode as decode_kernels
+    from voice_out.fast.kernels import flow as flow_kernels
+    from voice_out.fast.kernels import precompile as kernels_mod
 
     launched: dict[tuple[Any, ...], str] = {}
 

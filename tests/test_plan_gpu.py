@@ -14,10 +14,12 @@ import torch
 from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig
 from voice_out.engine.engine import Engine
 from voice_out.engine.scheduler import ForcedTokens
+from voice_out.fast.kernels import decode as decode_kernels
+from voice_out.fast.kernels import flow as flow_kernels
+from voice_out.fast.kernels import launch as launch_mod
+from voice_out.fast.kernels import vocoder as hift_kernels
+from voice_out.fast.kernels.launch import Launch, launch
 from voice_out.fast.plan import GIB, SHARED_MEMORY_PER_BLOCK
-from voice_out.model import decode_kernels, flow_kernels, hift_kernels
-from voice_out.model import launch as launch_mod
-from voice_out.model.launch import Launch, launch
 
 #: Opt-in shared memory per block of an sm 8.6 / 8.9 card (99 KB).
 ADA_SHARED = SHARED_MEMORY_PER_BLOCK[(8, 9)]

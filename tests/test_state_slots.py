@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import REPO_ROOT, random_voice
-from voice_out.model import flow_kernels
+from voice_out.fast.kernels import flow as flow_kernels
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkPlan, HopPolicy, plan_all
 from voice_out.model.flow import Flow, FlowPrompt

@@ -28,13 +28,13 @@ from voice_out.engine.engine import (
     random_dims_dir,
     warn_random,
 )
-from voice_out.engine.kernels import precompile
 from voice_out.engine.placement import Placement
 from voice_out.engine.request import TextPiece, TextPipeline, VoicePrompt
 from voice_out.engine.runner import FlowVoice, Runner, noise_voice
 from voice_out.engine.scheduler import ForcedTokens, hop_policy
 from voice_out.engine.textfeed import TokenizerPipeline
 from voice_out.engine.worker import StepRunner
+from voice_out.fast.kernels.precompile import precompile
 from voice_out.fast.plan import (
     CONTEXT_BYTES,
     GIB,
@@ -532,7 +532,7 @@ def engine_plan(
             return cpu_plan(ec.max_streams, pins)
         except PlanError as e:
             raise ConfigError(str(e)) from None
-    from voice_out.model.launch import triton
+    from voice_out.fast.kernels.launch import triton
 
     props = torch.cuda.get_device_properties(device)
     capability = Capability.of(props.major, props.minor)

@@ -26,7 +26,7 @@ to 32 it costs the same ~10 ms on an H200 whatever the batch (launch-bound; the 
   slot's new length, where they are masked and later overwritten). Returns the hidden state of
   the last real row ``[H]``.
 
-With ``fused`` (the default, where ``voice_out.model.decode_kernels`` can run: CUDA with
+With ``fused`` (the default, where ``voice_out.fast.kernels.decode`` can run: CUDA with
 Triton, bf16/fp16) the step is the fused one: its rows made by one kernel
 (``decode_kernels.decode_prologue``), its layers those of ``SpeechLM.decode_step(fused=True)``
 (``SpeechLM.decode_rows``), the head a GEMM over a padded copy of ``llm_decoder`` and the
@@ -53,8 +53,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from voice_out.fast.graphs import GraphedFn
-from voice_out.model import decode_kernels
-from voice_out.model.launch import dependent_launch_available
+from voice_out.fast.kernels import decode as decode_kernels
+from voice_out.fast.kernels.launch import dependent_launch_available
 from voice_out.model.llm_inputs import KIND_SPEECH
 from voice_out.model.qwen2 import Block, KVCache, SpeechLM, attend, group_mask, rope_cos_sin, rope_inv_freq
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, mask_eos_, ras_sample_batch
@@ -283,11 +283,11 @@ class GraphedLLM:
         self.device = lm.llm_decoder.weight.device
         self.enabled = enabled and self.device.type == "cuda"
         dims = lm.dims
-        #: The decode step runs the Triton kernels (``voice_out.model.decode_kernels``): asked
+        #: The decode step runs the Triton kernels (``voice_out.fast.kernels.decode``): asked
         #: for and available. Their attention runs to each row's length, so one window serves.
         self.fused = fused and self.can_fuse(lm, sampling)
         #: With :attr:`fused`: the step's Triton kernels launched programmatically dependent
-        #: (``voice_out.model.launch``: Hopper and later): each is launched
+        #: (``voice_out.fast.kernels.launch``: Hopper and later): each is launched
         #: while the kernel before it still runs, and waits for its results inside.
         self.pdl = self.fused and dependent_launch and dependent_launch_available(self.device)
         #: With the fused linears (:attr:`fused_linear`): the split w2 reduction's products and
@@ -569,7 +569,7 @@ class GraphedLLM:
 
     def decode_eagerly(self, batch: int = 1) -> Tensor:
         """Run the decode step once without a graph, every row idle (nothing is appended): for a
-        start-up dry run of its kernels (``voice_out.model.launch.recording``). Returns its output."""
+        start-up dry run of its kernels (``voice_out.fast.kernels.launch.recording``). Returns its output."""
         return self._decode[self._decode_windows[0]].fn(self._idle_rows(batch))
 
     def _idle_rows(self, batch: int) -> Tensor:

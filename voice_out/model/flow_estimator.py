@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from voice_out.model import flow_kernels
+from voice_out.fast.kernels import flow as flow_kernels
 
 #: Upstream fixed constants of the estimator (not in any config file).
 TIME_EMBED_SCALE = 1000.0  # sinusoidal time embedding argument = 1000 * t * f_k
@@ -209,7 +209,7 @@ class CausalConv(nn.Conv1d):
     def forward_kernels(self, x: Tensor, ctx: Tensor | None = None, ws: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """One fused kernel: x ``[B, T, Cin]`` -> ``[B, T, Cout]``; left context zeros or
         ``ctx`` ``[B, Cin, k-1]`` (only read); ``ws``: a split reduction's workspace
-        (:func:`voice_out.model.flow_kernels.conv_workspace`) or None."""
+        (:func:`voice_out.fast.kernels.flow.conv_workspace`) or None."""
         return flow_kernels.conv(x, self.weight_taps(), _bias(self), self.kernel_size[0], ctx=ctx, ws=ws)
 
 
@@ -250,7 +250,7 @@ class CausalBlock(nn.Module):
     ) -> Tensor:
         """One fused kernel: x ``[B, T, Cin]`` -> ``[B, T, Cout]``, plus ``add`` ``[1 or B,
         Cout]`` on every frame, plus a 1x1 conv ``res`` = (input, weight, bias) of the same
-        frame (:func:`voice_out.model.flow_kernels.conv`); left context zeros or ``ctx`` ``[B,
+        frame (:func:`voice_out.fast.kernels.flow.conv`); left context zeros or ``ctx`` ``[B,
         Cin, k-1]`` (only read); ``ws``: a split reduction's workspace or None."""
         norm = (self.norm.weight, self.norm.bias, self.norm.eps)
         w, b = self.conv.weight_taps(), _bias(self.conv)
@@ -404,7 +404,7 @@ class TransformerBlock(nn.Module):
     ) -> Tensor:
         """The call in 5 fused kernels (norm + q/k/v, attention, out + residual, norm + FF in +
         GELU, FF out + residual): x ``[B, T, C]`` with contiguous rows, frames ``start ..``
-        (or from ``at``, on the device); the mask as :func:`voice_out.model.flow_kernels.attention`
+        (or from ``at``, on the device); the mask as :func:`voice_out.fast.kernels.flow.attention`
         takes it (``chunk`` frames, 0 = none; ``key_frames`` ``[B]`` or None); the keys and
         values of frames ``0 .. start`` from ``prefix`` (a state's ``[B, H, capacity, D]``
         buffers; with ``write`` this call's are stored there too, at ``start ..``); ``ws``: the
@@ -464,10 +464,10 @@ class EstimatorPrep:
     * ``chunk``, ``key_frames``: the same mask as the fused kernels take it (chunk frames, 0
       when not streaming; the key-padding lengths ``[B]`` or None).
     * ``conv_ws``: the fused convs' split-reduction workspace for ``B L`` rows
-      (:func:`voice_out.model.flow_kernels.conv_workspace`), or None (no fused kernels, or a
+      (:func:`voice_out.fast.kernels.flow.conv_workspace`), or None (no fused kernels, or a
       tier that does not split). Scratch shared by the solve's calls, one at a time.
     * ``attn_ws``: likewise the fused attention's, for calls after a prefix
-      (:func:`voice_out.model.flow_kernels.attention_workspace`), or None.
+      (:func:`voice_out.fast.kernels.flow.attention_workspace`), or None.
     """
 
     inputs: Tensor
@@ -571,8 +571,8 @@ class Estimator(nn.Module):
 
     def use_kernels(self, on: bool = True) -> bool:
         """Run the stateless calls (no :class:`EstimatorState`, start 0: the re-run and final
-        paths) through :mod:`voice_out.model.flow_kernels` where they can run (Triton, CUDA,
-        bf16/fp16, the estimator's widths: :func:`voice_out.model.flow_kernels.available`).
+        paths) through :mod:`voice_out.fast.kernels.flow` where they can run (Triton, CUDA,
+        bf16/fp16, the estimator's widths: :func:`voice_out.fast.kernels.flow.available`).
         Returns whether they now do. Call after moving the module to its device and dtype."""
         w = self.time_linear1.weight
         self.kernels = on and flow_kernels.available(w.device, w.dtype, self.channels, self.in_channels, self.head_dim)
@@ -740,7 +740,7 @@ class Estimator(nn.Module):
         at: Tensor | None = None,
     ) -> Tensor:
         """The call with the fused kernels: ~5 kernels per transformer block, 2 per ResBlock, 1
-        per causal conv (see :mod:`voice_out.model.flow_kernels`). Same contract as
+        per causal conv (see :mod:`voice_out.fast.kernels.flow`). Same contract as
         :meth:`forward` without state, or with a read-only ``prefix`` of frames ``0 ..
         prep.start`` (its keys, values and conv contexts are read, never written), or with
         ``at``: ``prefix`` is a stream's state of frames ``0 .. at``, which the call extends

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from voice_out.model import hift_kernels
+from voice_out.fast.kernels import vocoder as hift_kernels
 
 # Fixed by the upstream architecture (they appear in no config file).
 CONV_PRE_KERNEL = 7

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from voice_out.model import decode_kernels
+from voice_out.fast.kernels import decode as decode_kernels
 from voice_out.model.llm_inputs import KIND_LLM, KIND_SPEECH, KIND_TEXT
 from voice_out.model.transfer import to_device
 
@@ -439,7 +439,7 @@ class SpeechLM(nn.Module):
           and its K/V go to position 0 of ``scratch_slot`` (a slot no stream owns), so a slot
           that is mid-utterance but not decoding this step is left exactly as it was.
         * ``fused``: RoPE, the K/V append and attention as one Triton kernel per layer, and the
-          MLP gate as one (``voice_out.model.decode_kernels``; check ``decode_kernels.available``
+          MLP gate as one (``voice_out.fast.kernels.decode``; check ``decode_kernels.available``
           first). Attention then runs to each row's own length and ``kv_len`` only bounds the
           positions. An inactive row attends over its slot's keys and its new key (the eager
           path reads whatever is at its position instead); its output is unused either way.

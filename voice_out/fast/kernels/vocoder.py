@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from voice_out.model.launch import launch
+from voice_out.fast.kernels.launch import launch
 
 try:  # Triton comes with PyTorch's CUDA wheels; the CPU build has none (then: the torch form)
     import triton

@@ -8,7 +8,7 @@ them before the engine is ready. Inside :func:`recording`, :func:`launch` append
 (kernel, grid, arguments) to a list instead of running it, and the wrappers' outputs stay
 uninitialised: a model call made inside it (a "dry run") costs almost nothing and yields every
 launch it would make, which the engine then compiles in parallel
-(``voice_out.engine.kernels.compile_ahead``) before its real warm-up.
+(``voice_out.fast.kernels.precompile.compile_ahead``) before its real warm-up.
 
 Programmatic dependent launch (PDL, Hopper and later): a kernel launched with ``pdl_options(True)``
 is started while the kernel before it in the stream still runs, as soon as that one's programs

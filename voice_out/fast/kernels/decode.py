@@ -40,7 +40,7 @@ MLP's gate in one kernel instead of two.
   is packed with its id into one int64 key, so the k largest keys are the sort's first k.
 
 The step's wrappers (all but ``silu_mul`` and ``decode_prologue``, which runs first) take
-``pdl``: launch the kernel programmatically dependent (``voice_out.model.launch``, Hopper and
+``pdl``: launch the kernel programmatically dependent (``voice_out.fast.kernels.launch``, Hopper and
 later), its launch hidden behind the kernel before it.
 
 All of them need Triton (it ships with PyTorch's CUDA builds); :func:`available` and
@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from voice_out.model.launch import launch, pdl_options, recording_active
+from voice_out.fast.kernels.launch import launch, pdl_options, recording_active
 from voice_out.model.sampling import SamplingParams
 
 try:  # Triton comes with PyTorch's CUDA wheels; the CPU build has none (then: the eager path)
@@ -114,7 +114,7 @@ def sampler_available(device: torch.device | str, vocab: int, top_k: int) -> boo
 
 
 if triton is not None:
-    from voice_out.model.launch import await_previous
+    from voice_out.fast.kernels.launch import await_previous
 
     @triton.jit
     def _attend_block(q, keys, vals, n_ok, m, l_sum, acc, qk_scale):  # type: ignore[no-untyped-def]
@@ -624,7 +624,7 @@ def rope_append_attend(
       positions (0 for a lone row): the last ``offset[b]`` of those keys are those rows' new
       keys, taken from ``qkv`` (the cache holds the rest);
       ``write_slot``/``write_pos`` int64 ``[B]``: where the new k/v go.
-    * ``pdl``: launch it programmatically dependent (``voice_out.model.launch``).
+    * ``pdl``: launch it programmatically dependent (``voice_out.fast.kernels.launch``).
     * ``workspace``, ``splits``: each row's cached keys are split over ``splits`` programs per
       kv head, whose softmax states the last of them merges in a fixed order (more SMs for a
       step of few rows, :func:`attention_splits`); without a workspace, one program.
@@ -816,7 +816,7 @@ def decode_prologue(
     )
     if recording_active():
         # the kernel is recorded, not run: inactive rows of the scratch slot, so the torch ops
-        # after it index nothing else (a start-up dry run, voice_out.engine.kernels)
+        # after it index nothing else (a start-up dry run, voice_out.fast.kernels.precompile)
         longs.zero_()
         flags.zero_()
         rows.slots.fill_(scratch_slot)
@@ -985,7 +985,7 @@ def norm_linear(
       accumulated in float32, bias added, rounded once.
     * ``gated``: ``weight`` is ``[gate; up]`` (``[2N, K]``) and the result ``silu(gate) * up``
       ``[M, N]``, gate and up rounded as a GEMM stores them, then as :func:`silu_mul`.
-    * ``pdl``: launch it programmatically dependent (``voice_out.model.launch``).
+    * ``pdl``: launch it programmatically dependent (``voice_out.fast.kernels.launch``).
 
     Returns ``[M, N]`` in x's dtype. Graph-capturable; CUDA with Triton only.
     """
@@ -1104,7 +1104,7 @@ def ras_sample(
     head's output), ``history`` int64 ``[B, W]`` (its last ``win_size`` columns are the
     window; rows may be strided, e.g. a view of the packed decode rows), ``uniforms`` float32
     ``[B, 2]`` contiguous, ``eos_masked`` bool ``[B]``; ``pdl``: launch it programmatically
-    dependent (``voice_out.model.launch``). Returns int64 ``[B]``. No host sync; CUDA with
+    dependent (``voice_out.fast.kernels.launch``). Returns int64 ``[B]``. No host sync; CUDA with
     Triton (:func:`sampler_available`).
 
     With a ``workspace`` (:class:`SampleWorkspace`), each row's vocabulary is ranked in

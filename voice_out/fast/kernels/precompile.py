@@ -6,7 +6,7 @@ else ``~/.triton/cache``) is empty that is ~25 compiles of ~1.3 s each in the en
 :func:`precompile` first makes dry runs of the model calls that use them, a re-run chunk, a
 batched chunk and a final chunk of the flow (short and tall: each tile tier) and one decode
 step of the LLM, with their launches recorded instead of run
-(``voice_out.model.launch.recording``), then compiles each distinct launch with Triton's
+(``voice_out.fast.kernels.launch.recording``), then compiles each distinct launch with Triton's
 ``JITFunction.warmup`` on a thread pool: Triton releases the GIL while LLVM optimises and emits
 PTX, and ``ptxas`` is a process of its own, so the compiles overlap.
 The warm-up that follows then finds every kernel compiled. A launch that fails to compile ahead
@@ -33,9 +33,11 @@ import torch
 from torch import Tensor
 
 from voice_out.engine.runner import FlowVoice, Runner
-from voice_out.model import decode_kernels, flow_kernels, hift_kernels
+from voice_out.fast.kernels import decode as decode_kernels
+from voice_out.fast.kernels import flow as flow_kernels
+from voice_out.fast.kernels import vocoder as hift_kernels
+from voice_out.fast.kernels.launch import Launch, recording
 from voice_out.model.flow import Flow
-from voice_out.model.launch import Launch, recording
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +137,7 @@ def compile_ahead(
 def dry_run_ends(flow: Flow, n_prompt: int) -> list[int]:
     """The chunk ends (prompt + tokens) the flow's dry runs take: the first chunk boundary
     after the prompt, then, where the noise buffer allows, the first end whose every call has
-    rows enough for each taller tile tier (:data:`voice_out.model.flow_kernels.TILE_TIERS`)
+    rows enough for each taller tile tier (:data:`voice_out.fast.kernels.flow.TILE_TIERS`)
     than the ends before reach. The kernels are compiled once per tier: start-up captures
     chunks of several (a long utterance's re-run and final chunks are the tall ones), so a dry
     run of the first chunk alone left their compiles for the captures, one after another."""
@@ -160,7 +162,7 @@ def dry_run_launches(runner: Runner, voice: FlowVoice, *, state_chunks: bool = T
     have flow states of their own (the plan's ``flow_state_streams``); without, their chunks'
     dry runs (a stand-in state of up to 400 tokens, ~1.8 GB at full size) are left out.
 
-    Recorded launches keep no tensor of the dry runs (``voice_out.model.launch.recording``):
+    Recorded launches keep no tensor of the dry runs (``voice_out.fast.kernels.launch.recording``):
     its peak is one model call's, within what serving holds for the same calls."""
     flow = runner.t2w.flow
     if not isinstance(flow, Flow):
