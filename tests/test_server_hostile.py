@@ -254,6 +254,92 @@ async def test_a_client_reset_mid_body_logs_no_traceback(
     assert not tracebacks, [r.getMessage() for r in tracebacks]
 
 
+# -- the agents' HTTP routes read bodies as every route does --------------------------------
+
+
+@dataclass(frozen=True)
+class AgentRoute:
+    """An agent-compatibility route: its path, a good body, its body limit (bytes), and how
+    its own error shape names an error (OpenAI: ``error.code``; ElevenLabs: ``detail.status``)."""
+
+    path: str
+    body: dict[str, Any]
+    limit: int
+
+    def error_code(self, body: dict[str, Any]) -> str:
+        if self.path.startswith("/v1/audio/"):
+            assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
+            return str(body["error"]["code"])
+        assert set(body) == {"detail"} and set(body["detail"]) == {"status", "message"}, body
+        return str(body["detail"]["status"])
+
+
+AGENT_ROUTES = {
+    "elevenlabs": AgentRoute("/v1/text-to-speech/alice/stream?output_format=pcm_24000", {"text": "Hi there."}, 1 << 20),
+    "openai": AgentRoute(
+        "/v1/audio/speech",
+        {"model": "tts-1", "input": "Hi there.", "voice": "alice", "response_format": "pcm"},
+        128 * 1024,
+    ),
+}
+TOO_LARGE = {"elevenlabs": "text_too_long", "openai": "request_too_large"}
+TIMEOUT = {"elevenlabs": "request_timeout", "openai": "request_timeout"}
+
+
+async def agent_error(route: AgentRoute, resp: aiohttp.ClientResponse) -> tuple[int, str]:
+    assert resp.content_type == "application/json", (resp.status, resp.content_type, (await resp.read())[:80])
+    return resp.status, route.error_code(await resp.json())
+
+
+async def speaks(server: Server, route: AgentRoute) -> None:
+    """A good request on ``route`` answers audio, and the engine holds no stream after it."""
+    async with server.http.post(server.url + route.path, json=route.body) as r:
+        assert r.status == 200, await r.text()
+        assert len(await r.read()) > 1000
+    await asyncio.sleep(0.05)
+    assert not server.engine.active
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("api", sorted(AGENT_ROUTES))
+async def test_agent_routes_refuse_oversized_bodies_by_bytes_read(make_server: Callable[..., Any], api: str) -> None:
+    server: Server = await make_server()
+    route = AGENT_ROUTES[api]
+    # Valid JSON over the limit, so that only the byte limit can refuse it (the text is short).
+    big = json.dumps({**route.body, "pad": "x" * route.limit}).encode()
+
+    async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: the limit is on bytes read
+        for i in range(0, len(big), 64 * 1024):
+            yield big[i : i + 64 * 1024]
+
+    for data in (chunked(), big):
+        async with server.http.post(server.url + route.path, data=data) as r:
+            assert await agent_error(route, r) == (413, TOO_LARGE[api])
+    assert not server.engine.opened
+    await speaks(server, route)
+    await healthy(server)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("api", sorted(AGENT_ROUTES))
+async def test_agent_routes_time_out_a_stalled_body_with_408(make_server: Callable[..., Any], api: str) -> None:
+    server: Server = await make_server(body_timeout_s=0.5)
+    route = AGENT_ROUTES[api]
+    never = asyncio.Event()
+
+    async def stalled() -> AsyncIterator[bytes]:
+        yield b'{"text": "Hi'
+        await never.wait()  # the rest never comes
+
+    t0 = time.perf_counter()
+    async with server.http.post(server.url + route.path, data=stalled(), timeout=aiohttp.ClientTimeout(total=5)) as r:
+        assert await agent_error(route, r) == (408, TIMEOUT[api])
+    assert 0.4 < time.perf_counter() - t0 < 3
+    assert not server.engine.opened
+    await speaks(server, route)
+    await healthy(server)
+
+
 # -- Origin ----------------------------------------------------------------------------------
 
 

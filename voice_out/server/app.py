@@ -45,14 +45,13 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-import aiohttp
 from aiohttp import BodyPartReader, WSMsgType, web
-from aiohttp.streams import EofStream
 
 from voice_out.config import Config, ServerConfig
 from voice_out.engine.api import EngineLike
 from voice_out.errors import VoiceOutError
 from voice_out.server import elevenlabs, openai_speech
+from voice_out.server.body import ClientGoneError, HttpError, read_body, read_within
 from voice_out.server.metrics import Metrics
 from voice_out.server.session import Session
 from voice_out.server.signaling import AdmissionError, SessionManager
@@ -148,21 +147,6 @@ def error_shape(request: web.Request) -> ErrorShape:
         if request.path.startswith(prefix):
             return shape
     return json_error
-
-
-class HttpError(Exception):
-    """Raised by a handler (or a helper it calls) to answer with a JSON error."""
-
-    def __init__(self, status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.headers = headers
-
-
-class ClientGoneError(Exception):
-    """The client reset or closed its connection while sending its request body."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,39 +305,8 @@ async def static(request: web.Request) -> web.StreamResponse:
     return await _no_route(request)  # e.g. GET /offer: 405, not "no such file"
 
 
-async def _read(request: web.Request, what: str, read: Awaitable[bytes], timeout_s: float) -> bytes:
-    """One read of the request body, at most ``timeout_s`` (the client stalled: 408) and
-    never a traceback when the client resets (:class:`ClientGoneError`)."""
-    try:
-        return await asyncio.wait_for(read, timeout_s)
-    except TimeoutError:
-        raise HttpError(408, "timeout", f"the {what} did not arrive within {timeout_s:g} s") from None
-    except (ConnectionError, aiohttp.ClientPayloadError, EofStream) as e:
-        raise ClientGoneError(f"the client went away while sending the {what} ({type(e).__name__})") from None
-
-
-async def read_body(request: web.Request, limit: int, what: str) -> bytes:
-    """The whole request body, enforcing ``limit`` on the bytes read (a chunked body has no
-    Content-Length) and ``server.body_timeout_s`` on the whole of it."""
-    if (request.content_length or 0) > limit:
-        raise HttpError(413, "too_large", f"the {what} is at most {limit} bytes")
-    timeout_s = request.app[CONFIG_KEY].server.body_timeout_s
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    body = bytearray()
-    while True:
-        left = deadline - asyncio.get_running_loop().time()
-        if left <= 0:
-            raise HttpError(408, "timeout", f"the {what} did not arrive within {timeout_s:g} s")
-        chunk = await _read(request, what, request.content.readany(), left)
-        if not chunk:
-            return bytes(body)
-        body += chunk
-        if len(body) > limit:
-            raise HttpError(413, "too_large", f"the {what} is at most {limit} bytes")
-
-
 async def offer(request: web.Request) -> web.Response:
-    raw = await read_body(request, MAX_OFFER_BYTES, "SDP offer")
+    raw = await read_body(request, MAX_OFFER_BYTES, "SDP offer", request.app[CONFIG_KEY].server.body_timeout_s)
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
@@ -429,7 +382,7 @@ async def add_voice(request: web.Request) -> web.Response:
         reader = await request.multipart()
         total = 0
         while True:
-            part = await _read_part(request, reader.next(), idle_s)
+            part = await read_within("upload", reader.next(), idle_s)
             if part is None:
                 break
             if not isinstance(part, BodyPartReader):
@@ -437,7 +390,7 @@ async def add_voice(request: web.Request) -> web.Response:
             keep = part.name in ("name", "audio", "transcript")
             data = bytearray()
             # an unknown part is read and dropped, but counted: it cannot grow memory or run on
-            while chunk := await _read(request, "upload", part.read_chunk(), idle_s):
+            while chunk := await read_within("upload", part.read_chunk(), idle_s):
                 total += len(chunk)
                 if total > MAX_UPLOAD_BYTES:
                     return json_error(413, "too_large", f"upload larger than {MAX_UPLOAD_BYTES} bytes")
@@ -463,15 +416,6 @@ async def add_voice(request: web.Request) -> web.Response:
         return json_error(_voice_status(code), code, str(e))
     body = _voice_json(voice) if voice is not None else {"name": voice_name}
     return web.json_response({"voice": body}, status=201)
-
-
-async def _read_part(request: web.Request, read: Awaitable[Any], timeout_s: float) -> Any:
-    try:
-        return await asyncio.wait_for(read, timeout_s)
-    except TimeoutError:
-        raise HttpError(408, "timeout", f"the upload did not arrive within {timeout_s:g} s") from None
-    except (ConnectionError, aiohttp.ClientPayloadError, EofStream) as e:
-        raise ClientGoneError(f"the client went away while sending the upload ({type(e).__name__})") from None
 
 
 async def delete_voice(request: web.Request) -> web.Response:
@@ -642,7 +586,12 @@ def create_app(
     r.add_get("/metrics", metrics, name="metrics")
     r.add_get("/sessions/{session_id}/control", control, name="control")
     elevenlabs.add_routes(
-        app, engine, auth_token=server.auth_token, max_text_chars=cfg.engine.max_text_chars, metrics=metrics_
+        app,
+        engine,
+        auth_token=server.auth_token,
+        max_text_chars=cfg.engine.max_text_chars,
+        body_timeout_s=server.body_timeout_s,
+        metrics=metrics_,
     )
     openai_speech.add_routes(
         app,
@@ -650,6 +599,7 @@ def create_app(
         metrics_,
         max_input_chars=cfg.engine.max_text_chars,
         accepting=lambda: app[SESSIONS_KEY].accepting,
+        body_timeout_s=server.body_timeout_s,
         error_shapes=app[ERROR_SHAPES_KEY],
     )
     if server.serve_web:

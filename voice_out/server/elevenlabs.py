@@ -41,6 +41,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from voice_out.engine.api import SAMPLE_RATE, EngineError, EngineLike, PcmChunk, Stream, StreamState
 from voice_out.server.audio_encode import AudioEncoder, UnsupportedFormatError, make_encoder
+from voice_out.server.body import HttpError, read_body
 from voice_out.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -147,11 +148,13 @@ def alignment_json(text: str, chunk: PcmChunk) -> dict[str, Any] | None:
 
 @dataclass
 class ElevenLabsApi:
-    """What the routes need: the engine, the bearer token (None: open), the text limit."""
+    """What the routes need: the engine, the bearer token (None: open), the text limit, and the
+    seconds an HTTP body may take to arrive (``server.body_timeout_s``)."""
 
     engine: EngineLike
     auth_token: str | None
     max_text_chars: int
+    body_timeout_s: float
     metrics: Metrics | None = None
 
     def authorized(self, *keys: str | None) -> bool:
@@ -218,12 +221,21 @@ async def _encode(encoder: AudioEncoder, pcm: Any | None) -> bytes:
 # HTTP
 
 
+#: ElevenLabs' ``status`` for the body reader's refusals (``voice_out.server.body``).
+_BODY_STATUS = {413: "text_too_long", 408: "request_timeout"}
+
+
 async def _read_tts_body(request: web.Request, api: ElevenLabsApi) -> str:
-    if (request.content_length or 0) > MAX_MESSAGE_BYTES:
-        raise ElevenLabsError("text_too_long", f"the body is limited to {MAX_MESSAGE_BYTES} bytes", 413)
+    """The request's ``text``, read as every route reads a body (a limit on the bytes read, a
+    deadline on the whole body), its refusals in ElevenLabs' shape. A client gone mid-body
+    raises ``ClientGoneError`` (the app's middleware logs one line)."""
     try:
-        body = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError):
+        raw = await read_body(request, MAX_MESSAGE_BYTES, "request body", api.body_timeout_s)
+    except HttpError as e:
+        raise ElevenLabsError(_BODY_STATUS.get(e.status, e.code), e.message, e.status) from None
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         raise ElevenLabsError("invalid_json", 'the body must be JSON: {"text": "..."}') from None
     if not isinstance(body, dict) or not isinstance(body.get("text"), str):
         raise ElevenLabsError("invalid_request", 'the body must be a JSON object with a string "text"', 422)
@@ -535,10 +547,11 @@ def add_routes(
     *,
     auth_token: str | None,
     max_text_chars: int,
+    body_timeout_s: float,
     metrics: Metrics | None = None,
 ) -> None:
     """Register the routes of the module docstring on ``app``."""
-    app[API_KEY] = ElevenLabsApi(engine, auth_token, max_text_chars, metrics)
+    app[API_KEY] = ElevenLabsApi(engine, auth_token, max_text_chars, body_timeout_s, metrics)
     r = app.router
     base = "/v1/text-to-speech/{voice_id}"
     r.add_get(base + "/stream-input", stream_input, name="el_stream_input")

@@ -69,6 +69,7 @@ from voice_out.engine.api import (
 )
 from voice_out.engine.voicebook import MAX_INSTRUCTION_CHARS
 from voice_out.server.audio_encode import AudioEncoder, UnsupportedFormatError, available_formats, make_encoder
+from voice_out.server.body import HttpError, read_body
 from voice_out.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -240,20 +241,15 @@ def parse_speech_request(body: Any, *, max_input_chars: int) -> SpeechRequest:
     return SpeechRequest(model, text, voice, fmt, float(speed), instructions, stream_format)
 
 
-async def _read_body(request: web.Request) -> bytes:
-    """The body, refused beyond :data:`MAX_BODY_BYTES` whatever Content-Length says (a chunked
-    body has none)."""
-    too_large = SpeechRequestError(
-        413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large"
-    )
-    if (request.content_length or 0) > MAX_BODY_BYTES:
-        raise too_large
-    data = bytearray()
-    while chunk := await request.content.readany():
-        data += chunk
-        if len(data) > MAX_BODY_BYTES:
-            raise too_large
-    return bytes(data)
+async def _read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The body, read as every route reads one (``voice_out.server.body``): refused beyond
+    :data:`MAX_BODY_BYTES` read, whatever Content-Length says (a chunked body has none), and
+    when it takes over ``timeout_s`` to arrive; the refusals in OpenAI's shape."""
+    try:
+        return await read_body(request, MAX_BODY_BYTES, "request body", timeout_s)
+    except HttpError as e:
+        code = {413: "request_too_large", 408: "request_timeout"}.get(e.status, e.code)
+        raise SpeechRequestError(e.status, e.message, code=code) from None
 
 
 def _decode_json(raw: bytes) -> Any:
@@ -305,18 +301,26 @@ class SpeechHandler:
     instance per app; asyncio thread only."""
 
     def __init__(
-        self, engine: EngineLike, metrics: Metrics, *, max_input_chars: int, accepting: Callable[[], bool]
+        self,
+        engine: EngineLike,
+        metrics: Metrics,
+        *,
+        max_input_chars: int,
+        accepting: Callable[[], bool],
+        body_timeout_s: float,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.max_input_chars = max_input_chars
         self.accepting = accepting
+        self.body_timeout_s = body_timeout_s
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         received = time.perf_counter()
         metrics = self.metrics
         try:
-            req = parse_speech_request(_decode_json(await _read_body(request)), max_input_chars=self.max_input_chars)
+            raw = await _read_body(request, self.body_timeout_s)
+            req = parse_speech_request(_decode_json(raw), max_input_chars=self.max_input_chars)
             if not self.engine.ready or not self.accepting():
                 raise SpeechRequestError(
                     503, "the engine is not ready (starting or shutting down)", code="unavailable", type_="server_error"
@@ -449,11 +453,14 @@ def add_routes(
     *,
     max_input_chars: int,
     accepting: Callable[[], bool],
+    body_timeout_s: float,
     error_shapes: dict[str, Any],
 ) -> None:
     """Register ``POST /v1/audio/speech`` on ``app`` (``voice_out.server.app.create_app`` does),
     and in ``error_shapes`` (path prefix -> error shape) OpenAI's shape for the server's own
     refusals under ``/v1/audio/`` (auth, wrong method, an unexpected failure)."""
-    handler = SpeechHandler(engine, metrics, max_input_chars=max_input_chars, accepting=accepting)
+    handler = SpeechHandler(
+        engine, metrics, max_input_chars=max_input_chars, accepting=accepting, body_timeout_s=body_timeout_s
+    )
     app.router.add_post(ROUTE, handler.handle, name=ROUTE_NAME)
     error_shapes["/v1/audio/"] = server_error
