@@ -106,6 +106,35 @@ def test_ray_engine_keeps_the_engine_contract() -> None:
     assert inspect.iscoroutinefunction(RayEngine.__aenter__) and inspect.iscoroutinefunction(RayEngine.__aexit__)
 
 
+def test_reports_follow_the_live_replicas(cfg: Config) -> None:
+    """The front's per-replica view, fed listings of live replicas (no Ray): a replica that
+    leaves is ``stopped``; only the latest :data:`GONE_REPLICAS_KEPT` that left are kept."""
+    from voice_out.engine.ray_serve.client import GONE_REPLICAS_KEPT
+
+    eng = RayEngine(cfg, None)
+
+    def live(*ids: str) -> dict[str, str]:
+        return {i: f"SERVE_REPLICA::voice_out#SpeechReplica#{i}" for i in ids}
+
+    eng._note_live(live("a", "b"))
+    assert [(r.label, r.state.value, r.kind) for r in eng.reports()] == [
+        ("a", "ready", "replica"),
+        ("b", "ready", "replica"),
+    ]
+    eng._note_live(live("b", "c"))
+    assert [(r.label, r.state.value) for r in eng.reports()] == [("a", "stopped"), ("b", "ready"), ("c", "ready")]
+    assert eng.reports()[0].to_json()["replica"] == "a"
+    for i in range(GONE_REPLICAS_KEPT + 3):  # each listing replaces the replica of the last
+        eng._note_live(live(f"n{i}"))
+    states = [(r.label, r.state.value) for r in eng.reports()]
+    assert states[-1] == (f"n{GONE_REPLICAS_KEPT + 2}", "ready")
+    assert len(states) == GONE_REPLICAS_KEPT + 1 and all(st == "stopped" for _, st in states[:-1])
+    eng._note_live(None)  # Ray could not say: nothing changes
+    assert [(r.label, r.state.value) for r in eng.reports()] == states
+    eng._note_live({})
+    assert not eng.ready and all(r.state.value == "stopped" for r in eng.reports())
+
+
 def test_serve_run_builder_takes_typed_arguments(tmp_path: Path) -> None:
     """``serve run voice_out.engine.ray_serve.replica:build_app config=FILE num_replicas=2 ...``"""
     from voice_out.engine.ray_serve.replica import build_app
@@ -416,3 +445,121 @@ def app_status(name: str) -> str | None:
 
 async def drain_list(it: Any) -> list[Any]:
     return [c async for c in it]
+
+
+# --------------------------------------------------------------------------------------------
+# The front over applications of its own: a replica killed under a WebRTC session, autoscaling
+
+
+async def deploy_app(cfg: Config, options: DeploymentOptions) -> Any:
+    from voice_out.engine.ray_serve.replica import deploy
+
+    return await asyncio.get_running_loop().run_in_executor(None, deploy, cfg, options, LOAD)
+
+
+async def delete_app(name: str) -> None:
+    await with_timeout(asyncio.get_running_loop().run_in_executor(None, serve.delete, name))
+
+
+async def get_healthz(http: Any, url: str) -> tuple[int, dict[str, Any]]:
+    async with http.get(url + "/healthz") as r:
+        return r.status, await r.json()
+
+
+async def healthz_until(
+    http: Any, url: str, until: Callable[[int, dict[str, Any]], bool], timeout_s: float = TIMEOUT_S
+) -> tuple[int, dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, body = await get_healthz(http, url)
+        if until(status, body):
+            return status, body
+        assert time.monotonic() < deadline, f"/healthz never met the condition; last: {status} {body}"
+        await asyncio.sleep(0.2)
+
+
+def replica_entries(body: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["replica"]: e for e in body["engines"]}
+
+
+@pytest.mark.asyncio
+async def test_a_killed_replica_surfaces_at_the_front(cfg: Config, handle: Any) -> None:
+    """A one-replica application behind the aiohttp front. Killing the replica's actor while a
+    WebRTC session's utterance speaks: the client gets ``error`` with ``engine_failed`` for that
+    utterance, ``/healthz`` and ``/metrics`` show the replica failed, and once Serve has started
+    a replacement, ``/healthz`` is 200 again and the same session speaks on the new replica.
+    With the application deleted (nothing can serve), the front reports not ready and refuses
+    the next utterance at once with ``not_ready``."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from voice_out.client import connect
+    from voice_out.engine.ray_serve.client import REPLICA_ACTOR_PREFIX
+    from voice_out.server import protocol as p
+    from voice_out.server.app import create_app
+
+    app_name = "voice_out_kill"
+    options = DeploymentOptions(app_name=app_name, num_replicas=1, num_gpus=0, num_cpus=0, health_check_period_s=1.0)
+    kill_handle = await deploy_app(cfg, options)
+    engine = RayEngine(cfg, None, handle=kill_handle, health_period_s=0.5)
+    server = TestServer(create_app(cfg, engine, None, web_dir=None), host="127.0.0.1")
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, body = await get_healthz(http, url)
+            assert status == 200 and body["engine_ready"] is True
+            ((rid, entry),) = replica_entries(body).items()  # listed before any utterance
+            assert (entry["state"], entry["streams"], entry["placed"], entry["capacity"]) == ("ready", 0, 0, 8)
+            client = await connect(url)
+            try:
+                # text still open: the utterance is in flight on the replica when it dies
+                client.send_text("u1", "This utterance is speaking when its replica is killed. " * 3)
+                await client.wait_for("audio.started", "u1", timeout_s=TIMEOUT_S)
+                _, body = await get_healthz(http, url)
+                assert replica_entries(body)[rid]["streams"] == 1
+                victim = ray.get_actor(f"{REPLICA_ACTOR_PREFIX}{app_name}#SpeechReplica#{rid}", namespace="serve")
+                ray.kill(victim, no_restart=True)
+                error = await client.wait_for("error", "u1", timeout_s=TIMEOUT_S)
+                assert isinstance(error, p.Error) and error.code == "engine_failed", error
+
+                _, body = await get_healthz(http, url)
+                dead = replica_entries(body)[rid]
+                assert (dead["state"], dead["streams"], dead["placed"], dead["failed_streams"]) == ("failed", 0, 1, 1)
+                async with http.get(url + "/metrics") as r:
+                    text = await r.text()
+                assert f'voice_out_engine_up{{replica="{rid}"}} 0.0' in text
+                assert f'voice_out_engine_failed_utterances_total{{replica="{rid}"}} 1.0' in text
+                assert 'voice_out_errors_total{code="engine_failed"} 1.0' in text
+
+                # Serve replaces the replica; the front sees it live and is ready again
+                def replaced(status: int, body: dict[str, Any]) -> bool:
+                    return status == 200 and any(
+                        e["state"] == "ready" and r != rid for r, e in replica_entries(body).items()
+                    )
+
+                _, body = await healthz_until(http, url, replaced)
+                (new_rid,) = [r for r, e in replica_entries(body).items() if e["state"] == "ready"]
+                assert replica_entries(body)[rid]["state"] == "failed"  # still reported, apart
+                client.send_text("u2", "Spoken after the replacement.")
+                client.done("u2")
+                done = await client.wait_for("audio.done", "u2", timeout_s=TIMEOUT_S)
+                assert isinstance(done, p.AudioDone) and done.audio_ms > 0
+                _, body = await get_healthz(http, url)
+                assert replica_entries(body)[new_rid]["placed"] == 1
+
+                # nothing can serve any more: not ready, and utterances are refused at once
+                await delete_app(app_name)
+                status, body = await healthz_until(http, url, lambda s, _: s == 503, timeout_s=30)
+                assert body["engine_ready"] is False
+                assert all(e["state"] != "ready" for e in body["engines"])
+                client.send_text("u3", "Nobody is left to speak this.")
+                refused = await client.wait_for("error", "u3", timeout_s=10)
+                assert isinstance(refused, p.Error) and refused.code == "not_ready", refused
+            finally:
+                await client.close()
+    finally:
+        await server.close()
+        if app_status(app_name) is not None:
+            await delete_app(app_name)
+    assert not engine.ready

@@ -72,6 +72,10 @@ class EngineReport:
     #: Streams ever placed on it, and those of them that ended with ``engine_failed``.
     placed: int
     failed_streams: int
+    #: What ``label`` names: ``gpu`` (an engine of a placement: its device) or ``replica``
+    #: (a Ray Serve replica of ``RayEngine``: its replica id); the key of ``/healthz`` and the
+    #: label of ``/metrics``.
+    kind: str = "gpu"
 
     @property
     def headroom(self) -> int:
@@ -79,7 +83,7 @@ class EngineReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "gpu": self.label,
+            self.kind: self.label,
             "state": self.state.value,
             "streams": self.in_flight,
             "capacity": self.capacity,

@@ -445,14 +445,15 @@ async def healthz(request: web.Request) -> web.Response:
     if plan is not None:
         body["plan"] = plan.as_dict()
     reports = getattr(engine, "reports", None)
-    if callable(reports):  # a placement: each engine, with its plan (docs/scale-out.md)
-        items = []
-        for report, one in zip(reports(), getattr(engine, "engines", []), strict=True):
-            item = report.to_json()
-            one_plan = getattr(one, "plan", None)
-            if one_plan is not None:
-                item["plan"] = one_plan.as_dict()
-            items.append(item)
+    if callable(reports):  # a placement or Ray's replicas: each engine (docs/scale-out.md)
+        items = [report.to_json() for report in reports()]
+        # a placement's engines are in this process's reach: each with its memory plan
+        engines = getattr(engine, "engines", None)
+        if engines is not None:
+            for item, one in zip(items, engines, strict=True):
+                one_plan = getattr(one, "plan", None)
+                if one_plan is not None:
+                    item["plan"] = one_plan.as_dict()
         body["engines"] = items
     return web.json_response(body, status=200 if accepting else 503)
 
@@ -552,8 +553,8 @@ def create_app(
     app = web.Application(middlewares=middlewares, client_max_size=MAX_UPLOAD_BYTES + 64 * 1024)
     metrics_ = Metrics()
     reports = getattr(engine, "reports", None)
-    if callable(reports):  # a placement: /metrics reports each engine, label gpu
-        metrics_.watch_engines(reports)
+    if callable(reports):  # /metrics reports each engine: label gpu, or replica (Ray Serve)
+        metrics_.watch_engines(reports, getattr(engine, "report_label", "gpu"))
     app[CONFIG_KEY] = cfg
     app[ENGINE_KEY] = engine
     app[VOICES_KEY] = voice_store

@@ -90,35 +90,38 @@ class Metrics:
             registry=r,
         )
 
-    def watch_engines(self, reports: Callable[[], Sequence[Any]]) -> None:
-        """Report each engine of a placement (label ``gpu``) at every scrape: ``reports()``
+    def watch_engines(self, reports: Callable[[], Sequence[Any]], label: str = "gpu") -> None:
+        """Report each engine at every scrape, labelled ``label``: ``gpu`` for the engines of a
+        placement, ``replica`` for the Ray Serve replicas of a ``RayEngine``. ``reports()``
         gives :class:`~voice_out.engine.placement.EngineReport` s (any thread that scrapes)."""
-        self.registry.register(_EngineCollector(reports))
+        self.registry.register(_EngineCollector(reports, label))
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
 
 
 class _EngineCollector(Collector):
-    def __init__(self, reports: Callable[[], Sequence[Any]]) -> None:
+    def __init__(self, reports: Callable[[], Sequence[Any]], label: str) -> None:
         self._reports = reports
+        self._label = label
 
     def describe(self) -> list[Metric]:
         return []  # read at every scrape; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
         reports = self._reports()
-        up = GaugeMetricFamily("voice_out_engine_up", "1 while the engine takes new utterances", labels=["gpu"])
+        key = self._label
+        up = GaugeMetricFamily("voice_out_engine_up", "1 while the engine takes new utterances", labels=[key])
         state = GaugeMetricFamily(
-            "voice_out_engine_state", "The engine's state (1 for the current one)", labels=["gpu", "state"]
+            "voice_out_engine_state", "The engine's state (1 for the current one)", labels=[key, "state"]
         )
-        streams = GaugeMetricFamily("voice_out_engine_streams", "Utterances in flight on the engine", labels=["gpu"])
+        streams = GaugeMetricFamily("voice_out_engine_streams", "Utterances in flight on the engine", labels=[key])
         capacity = GaugeMetricFamily(
-            "voice_out_engine_capacity", "Utterances the engine is planned to hold", labels=["gpu"]
+            "voice_out_engine_capacity", "Utterances the engine is planned to hold", labels=[key]
         )
-        placed = CounterMetricFamily("voice_out_engine_utterances", "Utterances placed on the engine", labels=["gpu"])
+        placed = CounterMetricFamily("voice_out_engine_utterances", "Utterances placed on the engine", labels=[key])
         failed = CounterMetricFamily(
-            "voice_out_engine_failed_utterances", "Utterances ended by the engine's failure", labels=["gpu"]
+            "voice_out_engine_failed_utterances", "Utterances ended by the engine's failure", labels=[key]
         )
         for r in reports:
             up.add_metric([r.label], 1.0 if r.state.value == "ready" else 0.0)

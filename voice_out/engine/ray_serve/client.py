@@ -57,6 +57,13 @@ ACK_EVERY_SAMPLES = SAMPLE_RATE // 10
 #: How often the front asks the deployment whether it answers (``ready``, ``/healthz``).
 HEALTH_PERIOD_S = 2.0
 HEALTH_TIMEOUT_S = 10.0
+#: Serve names each replica's actor ``SERVE_REPLICA::<app>#<deployment>#<replica id>`` in the
+#: ``serve`` namespace (what ``Placed.actor_name`` carries): how the front lists the live ones.
+REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"
+REPLICA_NAMESPACE = "serve"
+#: Replicas that left the deployment (died, drained, scaled down) stay in the front's reports
+#: while they hold its streams, and at most this many more (the latest to leave).
+GONE_REPLICAS_KEPT = 8
 
 
 def _map_ray_error(e: BaseException) -> EngineError | None:
@@ -73,6 +80,25 @@ def _map_ray_error(e: BaseException) -> EngineError | None:
     if isinstance(e, rex.RayError):
         return EngineFailedError(f"the call to the engine replica failed: {type(e).__name__}: {e}")
     return None
+
+
+class _Replica:
+    """The front's view of one replica: the streams it placed there and how they ended, and
+    whether the replica is among the deployment's live actors (asyncio thread)."""
+
+    def __init__(self, replica_id: str, actor_name: str) -> None:
+        self.replica_id = replica_id
+        self.actor_name = actor_name
+        self.live = True
+        self.failed = False
+        self.left_at = 0.0
+        self.placed = 0
+        self.failed_streams = 0
+        self.streams: weakref.WeakSet[RayStream] = weakref.WeakSet()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for s in self.streams if not s.state.terminal)
 
 
 def _abandon(gen: Any, relay: Any, stream_id: str) -> None:
@@ -241,6 +267,7 @@ class RayStream:
         error for a :class:`Failed`."""
         if isinstance(item, Placed):
             self.placed = item
+            self._engine._on_placed(self, item)
             return None
         if isinstance(item, Failed):
             raise self._fail(error_of(item))
@@ -256,6 +283,7 @@ class RayStream:
     def _fail(self, err: EngineError) -> EngineError:
         self.error = err
         self._state = StreamState.FAILED
+        self._engine._on_failed(self, err)
         self._close_call(cancel=True)
         return err
 
@@ -343,7 +371,16 @@ class RayEngine:
     a replica for the deployment's facts (sample rate, voices, limits), and then checks every
     :data:`HEALTH_PERIOD_S` that the deployment answers (``ready``). ``voices``: the voice store
     the replicas share (its directory), for ``voice_names`` and early unknown-voice errors.
+
+    ``reports()`` gives one :class:`~voice_out.engine.placement.EngineReport` per replica
+    (label: its Serve replica id; ``/healthz`` and ``/metrics`` with the label ``replica``):
+    the replicas listed live at the latest health check, and those that left while holding
+    this front's streams. Its figures are this front's: its streams in flight there, those it
+    placed there, and those that ended with ``engine_failed`` (the replica died under them).
     """
+
+    #: The label of this engine's reports in ``/metrics`` (a placement's is ``gpu``).
+    report_label = "replica"
 
     def __init__(
         self,
@@ -362,6 +399,9 @@ class RayEngine:
         self._healthy = False
         self._health_task: asyncio.Task[None] | None = None
         self._streams: weakref.WeakValueDictionary[str, RayStream] = weakref.WeakValueDictionary()
+        self._replicas: dict[str, _Replica] = {}
+        #: Whether the live-replica listing ever found one (then it is trusted for ``ready``).
+        self._listing_works = False
 
     # ---- EngineLike --------------------------------------------------------------------------
 
@@ -371,8 +411,85 @@ class RayEngine:
 
     @property
     def ready(self) -> bool:
-        """Connected, and the deployment answered its latest health question."""
+        """Connected, the deployment answered its latest health question, and (once the
+        listing has found replicas at all) at least one replica was live at the latest look."""
+        if self._listing_works and not any(r.live and not r.failed for r in self._replicas.values()):
+            return False
         return self.info is not None and self.relay is not None and self._healthy
+
+    def reports(self) -> list[Any]:
+        """One :class:`~voice_out.engine.placement.EngineReport` per replica (see the class
+        docstring), in the order the front first saw them. A replica is ``ready`` while it is
+        live, ``failed`` once an utterance of this front ended with ``engine_failed`` on it,
+        and ``stopped`` when it left the deployment otherwise (drained, scaled down, or died
+        holding none of this front's streams). Asyncio thread (``/metrics`` scrapes on it)."""
+        from voice_out.engine.placement import EngineReport, EngineState
+
+        capacity = self.info.max_streams if self.info is not None else self.config.engine.max_streams
+        out = []
+        for r in self._replicas.values():
+            if r.failed:
+                state = EngineState.FAILED
+            elif r.live:
+                state = EngineState.READY
+            else:
+                state = EngineState.STOPPED
+            out.append(EngineReport(r.replica_id, state, r.in_flight, capacity, r.placed, r.failed_streams, "replica"))
+        return out
+
+    def _replica(self, replica_id: str, actor_name: str) -> _Replica:
+        r = self._replicas.get(replica_id)
+        if r is None:
+            r = self._replicas[replica_id] = _Replica(replica_id, actor_name)
+        return r
+
+    def _on_placed(self, stream: RayStream, placed: Placed) -> None:
+        r = self._replica(placed.replica_id, placed.actor_name)
+        r.placed += 1
+        r.streams.add(stream)
+
+    def _on_failed(self, stream: RayStream, err: EngineError) -> None:
+        placed = stream.placed
+        if placed is None or not isinstance(err, EngineFailedError):
+            return
+        r = self._replica(placed.replica_id, placed.actor_name)
+        r.failed = True
+        r.failed_streams += 1
+
+    def _live_replicas(self) -> dict[str, str] | None:
+        """The deployment's live replicas, replica id -> actor name, from Ray's named actors
+        (an actor's name is released when it dies); None when Ray cannot say. Blocking (a GCS
+        call): run it off the event loop."""
+        import ray.util
+
+        handle = self.handle
+        prefix = f"{REPLICA_ACTOR_PREFIX}{handle.app_name}#{handle.deployment_name}#"
+        try:
+            named = ray.util.list_named_actors(all_namespaces=True)
+        except Exception:  # noqa: BLE001 - the listing only decorates the reports
+            return None
+        return {
+            a["name"][len(prefix) :]: a["name"]
+            for a in named
+            if a["namespace"] == REPLICA_NAMESPACE and a["name"].startswith(prefix)
+        }
+
+    def _note_live(self, live: dict[str, str] | None) -> None:
+        """Apply a listing of the live replicas (asyncio thread)."""
+        if live is None:
+            return
+        if live:
+            self._listing_works = True
+        now = time.monotonic()
+        for rid, name in live.items():
+            self._replica(rid, name)
+        for r in self._replicas.values():
+            if r.live and r.replica_id not in live:
+                r.live = False
+                r.left_at = now
+        gone = sorted((r for r in self._replicas.values() if not r.live and r.in_flight == 0), key=lambda r: r.left_at)
+        for r in gone[: max(0, len(gone) - GONE_REPLICAS_KEPT)]:
+            del self._replicas[r.replica_id]
 
     def voice_names(self) -> list[str]:
         stored = list(self.voices.names()) if self.voices is not None else []
@@ -449,6 +566,7 @@ class RayEngine:
         await loop.run_in_executor(None, self._connect)
         self.info = await asyncio.wait_for(self.handle.info.remote(), HEALTH_TIMEOUT_S * 6)
         self._healthy = True
+        self._note_live(await loop.run_in_executor(None, self._live_replicas))
         self._health_task = loop.create_task(self._watch(), name="ray engine health")
 
     def _connect(self) -> None:
@@ -464,6 +582,7 @@ class RayEngine:
         self.relay = relay_actor(ray.get_runtime_context().get_node_id())
 
     async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self._health_period_s)
             try:
@@ -473,6 +592,7 @@ class RayEngine:
                 raise
             except Exception:
                 self._healthy = False
+            self._note_live(await loop.run_in_executor(None, self._live_replicas))
 
     async def aclose(self) -> None:
         """Cancel every open stream, stop the health checks and the relay. The deployment

@@ -86,6 +86,8 @@ class ReplicaInfo:
     default_voice: str | None
     first_hop_tokens: int
     max_text_chars: int
+    #: ``engine.max_streams`` of the replicas: each one's capacity in the front's reports.
+    max_streams: int
 
 
 _ERRORS: dict[str, type[EngineError]] = {

@@ -208,6 +208,7 @@ class SpeechReplica:
             default_voice=voices.default,
             first_hop_tokens=self.config.engine.first_hop_tokens,
             max_text_chars=self.config.engine.max_text_chars,
+            max_streams=self.config.engine.max_streams,
         )
 
     def stats(self) -> ReplicaStats:
