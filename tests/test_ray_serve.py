@@ -563,3 +563,64 @@ async def test_a_killed_replica_surfaces_at_the_front(cfg: Config, handle: Any) 
         if app_status(app_name) is not None:
             await delete_app(app_name)
     assert not engine.ready
+
+
+@pytest.mark.asyncio
+# a metrics_interval_s shorter than Serve's 10 s default is what makes this test short; Serve
+# warns that the field will become an environment variable
+@pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
+async def test_autoscaling_adds_a_replica_under_load(cfg: Config, handle: Any) -> None:
+    """Autoscaled between 1 and 2 replicas at 1 stream in flight each: four streams held open
+    on the first replica make Serve start the second (``serve.status()`` counts 2 running);
+    utterances opened then go to the new replica; every stream speaks to its end."""
+    app_name = "voice_out_scale"
+    options = DeploymentOptions(
+        app_name=app_name,
+        min_replicas=1,
+        max_replicas=2,
+        target_streams=1,
+        upscale_delay_s=0.5,
+        look_back_s=2.0,
+        metrics_interval_s=0.5,
+        num_gpus=0,
+        num_cpus=0,
+    )
+
+    def running() -> int:
+        app = serve.status().applications[app_name]
+        return int(app.deployments["SpeechReplica"].replica_states.get("RUNNING", 0))
+
+    loop = asyncio.get_running_loop()
+    started = time.monotonic()
+    scale_handle = await deploy_app(cfg, options)
+    try:
+        assert await loop.run_in_executor(None, running) == 1
+        async with RayEngine(cfg, None, handle=scale_handle) as eng:
+            text = "A stream held open while the deployment grows. "
+            first = [eng.open_stream(None, seed=i) for i in range(4)]
+            for s in first:
+                s.push_text(text)  # no end_text yet: each stays in flight
+            iters = await asyncio.gather(*(first_chunk(s) for s in first))
+            assert len({s.placed.replica_id for s in first if s.placed is not None}) == 1
+            old = first[0].placed.replica_id if first[0].placed is not None else None
+            deadline = time.monotonic() + TIMEOUT_S
+            while await loop.run_in_executor(None, running) < 2:
+                assert time.monotonic() < deadline, f"never scaled up: {serve.status().applications[app_name]}"
+                await asyncio.sleep(0.5)
+            scaled_after_s = time.monotonic() - started
+            later = [eng.open_stream(None, seed=10 + i) for i in range(2)]
+            for s in later:
+                s.push_text("Opened once there are two replicas.")
+                s.end_text()
+            for s in first:
+                s.end_text()
+            rests = await with_timeout(asyncio.gather(*(drain_list(it) for it in iters), *(drain(s) for s in later)))
+            assert all(s.state is StreamState.FINISHED for s in first + later)
+            assert all(rest and rest[-1].final for rest in rests[: len(first)])
+            assert all(len(pcm) > 0 for pcm in rests[len(first) :])
+            new = {s.placed.replica_id for s in later if s.placed is not None} - {old}
+            assert new, "no utterance reached the replica the autoscaler added"
+            assert {r.label for r in eng.reports()} >= {old} | new
+        print(f"scaled to 2 replicas {scaled_after_s:.1f} s after the deploy call")
+    finally:
+        await delete_app(app_name)

@@ -173,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-replicas", type=int, default=1, help="autoscaling: at least this many (default 1)")
     p.add_argument("--max-replicas", type=int, default=8, help="autoscaling: at most this many (default 8)")
     p.add_argument("--target-streams", type=float, default=16.0, help="autoscaling: streams per replica (default 16)")
+    p.add_argument(
+        "--upscale-delay-s", type=float, default=30.0, help="autoscaling: seconds of demand before adding (30)"
+    )
+    p.add_argument(
+        "--downscale-delay-s", type=float, default=600.0, help="autoscaling: seconds of slack before removing (600)"
+    )
     p.add_argument("--num-gpus", type=float, default=1.0, help="GPUs per replica (default 1; 0 runs on CPUs)")
     p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica (default 1)")
     p.set_defaults(func=cmd_ray_deploy)

@@ -37,6 +37,8 @@ def ray_deploy(cfg: Config, args: argparse.Namespace) -> int:
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas,
         target_streams=args.target_streams,
+        upscale_delay_s=args.upscale_delay_s,
+        downscale_delay_s=args.downscale_delay_s,
         num_gpus=args.num_gpus,
         num_cpus=args.num_cpus,
     )

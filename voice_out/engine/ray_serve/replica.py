@@ -31,6 +31,8 @@ from voice_out.engine.ray_serve.messages import Failed, Placed, ReplicaInfo, Tex
 
 #: Outcomes of this many recent utterances are kept for :meth:`SpeechReplica.stats`.
 OUTCOMES_KEPT = 256
+#: Serve's default ``metrics_interval_s``: left out of the config (setting it warns).
+DEFAULT_METRICS_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,13 @@ class DeploymentOptions:
     """How the deployment is laid out on the Ray cluster.
 
     ``num_replicas``: a fixed count; None autoscales between ``min_replicas`` and
-    ``max_replicas`` on ``target_streams`` streams in flight per replica. ``num_gpus``: per
+    ``max_replicas`` on ``target_streams`` streams in flight per replica, averaged over the
+    last ``look_back_s``: a replica is added once the average has called for it for
+    ``upscale_delay_s`` and removed after ``downscale_delay_s`` (Serve's defaults: a GPU
+    replica takes tens of seconds to start, so brief peaks should not start one);
+    ``metrics_interval_s``: how often each front's router reports its streams in flight to
+    Serve's controller (shorter reacts sooner, at one small message per front and
+    interval). ``num_gpus``: per
     replica (1 on GPU hosts; 0 runs on CPUs). ``max_queued``: utterances waiting for a replica
     beyond every replica's ``engine.max_streams`` before new ones are refused (``overloaded``);
     -1: no limit. Times in seconds.
@@ -49,6 +57,10 @@ class DeploymentOptions:
     min_replicas: int = 1
     max_replicas: int = 8
     target_streams: float = 16.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    look_back_s: float = 30.0
+    metrics_interval_s: float = 10.0
     num_gpus: float = 1.0
     num_cpus: float = 1.0
     max_queued: int = 64
@@ -76,6 +88,15 @@ class DeploymentOptions:
         for name in ("health_check_period_s", "health_check_timeout_s", "graceful_shutdown_timeout_s"):
             if getattr(self, name) <= 0:
                 raise bad(name, getattr(self, name), "a number of seconds > 0")
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            if getattr(self, name) < 0:
+                raise bad(name, getattr(self, name), "a number of seconds >= 0")
+        if not 0 < self.metrics_interval_s < self.look_back_s:
+            raise bad(
+                "metrics_interval_s",
+                (self.metrics_interval_s, self.look_back_s),
+                "0 < metrics_interval_s < look_back_s (the average needs several reports)",
+            )
 
 
 @dataclass(frozen=True)
@@ -248,14 +269,20 @@ def speech_app(cfg: Config, options: DeploymentOptions, load: Mapping[str, Any] 
     if options.num_replicas is not None:
         layout = {"num_replicas": options.num_replicas}
     else:
-        layout = {
-            "autoscaling_config": {
-                "min_replicas": options.min_replicas,
-                "max_replicas": options.max_replicas,
-                # one utterance = one streaming call in flight: the autoscaler's signal
-                "target_ongoing_requests": options.target_streams,
-            }
+        autoscaling: dict[str, Any] = {
+            "min_replicas": options.min_replicas,
+            "max_replicas": options.max_replicas,
+            # one utterance = one streaming call in flight: the autoscaler's signal
+            "target_ongoing_requests": options.target_streams,
+            "upscale_delay_s": options.upscale_delay_s,
+            "downscale_delay_s": options.downscale_delay_s,
+            "look_back_period_s": options.look_back_s,
         }
+        if options.metrics_interval_s != DEFAULT_METRICS_INTERVAL_S:
+            # Serve warns that this field will become an environment variable; it is still
+            # the interval at which a front's router reports its ongoing requests
+            autoscaling["metrics_interval_s"] = options.metrics_interval_s
+        layout = {"autoscaling_config": autoscaling}
     deployment = serve.deployment(
         SpeechReplica,
         name="SpeechReplica",
