@@ -567,7 +567,8 @@ def enforce_budget(plan: Plan, device: torch.device) -> None:
         # between start-up's captures stayed reserved (1.5 GiB at an 8 GiB cap on an H200)
         # and a 4 GiB start ran out of memory; with them it starts (docs/benchmarks.md).
         # Process-wide, as the variable would be; a deployer's own setting wins.
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.10
+        (setting or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
     outside = CONTEXT_BYTES + LIBRARY_BYTES + (ORT_BYTES if onnx_on_device() else 0)
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = max(plan.budget_bytes - outside, 0) / total
