@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +34,34 @@ class NotBuiltError(UserError):
     """A part of voice_out that this build does not have yet."""
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+#: Commands whose start-up (the memory plan, graph captures, kernel compiles) a user watches.
+INFO_COMMANDS = frozenset({"serve", "bench", "ray-deploy"})
+
+
+def log_level(args: argparse.Namespace) -> int:
+    """The logging level of this command: ``--log-level``, else ``$VOICE_OUT_LOG_LEVEL``, else
+    info for the long-running commands and warning for the others."""
+    name = getattr(args, "log_level", None) or os.environ.get("VOICE_OUT_LOG_LEVEL", "").strip().lower()
+    if name and name not in LOG_LEVELS:
+        raise UserError(f"VOICE_OUT_LOG_LEVEL={name!r}: expected one of {', '.join(LOG_LEVELS)}")
+    if not name:
+        name = "info" if getattr(args, "command", None) in INFO_COMMANDS else "warning"
+    return int(getattr(logging, name.upper()))
+
+
+def configure_logging(level: int) -> None:
+    """Log voice_out's records to stderr at ``level``, unless the process has configured
+    logging itself (an application embedding the CLI keeps its handlers). aiohttp's access
+    log stays at warning below debug: one line per request drowns the engine's."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if level > logging.DEBUG:
+        logging.getLogger("aiohttp.access").setLevel(max(level, logging.WARNING))
+
+
 def _common(p: argparse.ArgumentParser, *, nested: bool = False) -> None:
     """``--config`` and ``--set``. ``nested``: on an action's parser (``voices add``), so that
     they may follow the action too; they default to nothing there, leaving the values given
@@ -45,6 +75,13 @@ def _common(p: argparse.ArgumentParser, *, nested: bool = False) -> None:
         action="append",
         default=argparse.SUPPRESS if nested else [],
         help="override one config value, e.g. --set server.port=9000 (repeatable)",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        help="what the engine and server log to stderr (default: info for serve, bench and ray-deploy, "
+        "warning otherwise; or $VOICE_OUT_LOG_LEVEL)",
+        **keep,
     )
 
 
@@ -312,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        configure_logging(log_level(args))
         return func(args)
     except (VoiceOutError, ConfigError, ModelNotFoundError) as e:
         print(f"voice-out: error: {e}", file=sys.stderr)
