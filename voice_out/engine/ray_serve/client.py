@@ -64,6 +64,11 @@ REPLICA_NAMESPACE = "serve"
 #: Replicas that left the deployment (died, drained, scaled down) stay in the front's reports
 #: while they hold its streams, and at most this many more (the latest to leave).
 GONE_REPLICAS_KEPT = 8
+#: A replica under which an utterance failed (``engine_failed``) is ``failed`` until a listing
+#: taken this long after the failure still finds it live: then the call failed, not the
+#: replica, and it is ``ready`` again. (Ray releases a dead actor's name when it confirms the
+#: death, which is also what ends the caller's call with ``ActorDiedError``.)
+FAILED_CONFIRM_S = 5.0
 
 
 def _map_ray_error(e: BaseException) -> EngineError | None:
@@ -91,6 +96,7 @@ class _Replica:
         self.actor_name = actor_name
         self.live = True
         self.failed = False
+        self.failed_at = 0.0
         self.left_at = 0.0
         self.placed = 0
         self.failed_streams = 0
@@ -412,7 +418,8 @@ class RayEngine:
     @property
     def ready(self) -> bool:
         """Connected, the deployment answered its latest health question, and (once the
-        listing has found replicas at all) at least one replica was live at the latest look."""
+        listing has found replicas at all) at least one replica was live at the latest look
+        and not ``failed`` (see :meth:`reports`)."""
         if self._listing_works and not any(r.live and not r.failed for r in self._replicas.values()):
             return False
         return self.info is not None and self.relay is not None and self._healthy
@@ -420,9 +427,10 @@ class RayEngine:
     def reports(self) -> list[Any]:
         """One :class:`~voice_out.engine.placement.EngineReport` per replica (see the class
         docstring), in the order the front first saw them. A replica is ``ready`` while it is
-        live, ``failed`` once an utterance of this front ended with ``engine_failed`` on it,
-        and ``stopped`` when it left the deployment otherwise (drained, scaled down, or died
-        holding none of this front's streams). Asyncio thread (``/metrics`` scrapes on it)."""
+        live, ``failed`` once an utterance of this front ended with ``engine_failed`` on it
+        (unless a listing :data:`FAILED_CONFIRM_S` later still finds it live), and ``stopped``
+        when it left the deployment otherwise (drained, scaled down, or died holding none of
+        this front's streams). Asyncio thread (``/metrics`` scrapes on it)."""
         from voice_out.engine.placement import EngineReport, EngineState
 
         capacity = self.info.max_streams if self.info is not None else self.config.engine.max_streams
@@ -454,6 +462,7 @@ class RayEngine:
             return
         r = self._replica(placed.replica_id, placed.actor_name)
         r.failed = True
+        r.failed_at = time.monotonic()
         r.failed_streams += 1
 
     def _live_replicas(self) -> dict[str, str] | None:
@@ -474,15 +483,18 @@ class RayEngine:
             if a["namespace"] == REPLICA_NAMESPACE and a["name"].startswith(prefix)
         }
 
-    def _note_live(self, live: dict[str, str] | None) -> None:
-        """Apply a listing of the live replicas (asyncio thread)."""
+    def _note_live(self, live: dict[str, str] | None, taken_at: float | None = None) -> None:
+        """Apply a listing of the live replicas, begun at ``taken_at`` (``time.monotonic()``;
+        None: now). Asyncio thread."""
         if live is None:
             return
         if live:
             self._listing_works = True
-        now = time.monotonic()
+        now = time.monotonic() if taken_at is None else taken_at
         for rid, name in live.items():
-            self._replica(rid, name)
+            r = self._replica(rid, name)
+            if r.failed and now - r.failed_at >= FAILED_CONFIRM_S:
+                r.failed = False  # alive well after the failure: the call failed, not the replica
         for r in self._replicas.values():
             if r.live and r.replica_id not in live:
                 r.live = False
@@ -566,7 +578,8 @@ class RayEngine:
         await loop.run_in_executor(None, self._connect)
         self.info = await asyncio.wait_for(self.handle.info.remote(), HEALTH_TIMEOUT_S * 6)
         self._healthy = True
-        self._note_live(await loop.run_in_executor(None, self._live_replicas))
+        taken_at = time.monotonic()
+        self._note_live(await loop.run_in_executor(None, self._live_replicas), taken_at)
         self._health_task = loop.create_task(self._watch(), name="ray engine health")
 
     def _connect(self) -> None:
@@ -585,6 +598,9 @@ class RayEngine:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self._health_period_s)
+            # the listing first: the info call waits (up to HEALTH_TIMEOUT_S) while no replica is up
+            taken_at = time.monotonic()
+            self._note_live(await loop.run_in_executor(None, self._live_replicas), taken_at)
             try:
                 await asyncio.wait_for(self.handle.info.remote(), HEALTH_TIMEOUT_S)
                 self._healthy = True
@@ -592,7 +608,6 @@ class RayEngine:
                 raise
             except Exception:
                 self._healthy = False
-            self._note_live(await loop.run_in_executor(None, self._live_replicas))
 
     async def aclose(self) -> None:
         """Cancel every open stream, stop the health checks and the relay. The deployment
