@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from voice_out.model.checkpoint import init_random_flow_
-from voice_out.model.flow import Flow, FlowDims, FlowPrompt
+from voice_out.model.flow import Flow
+from voice_out.model.flow_dims import FlowDims, FlowPrompt
 
 TOL = 1e-5  # fp32: the paths differ only by matmul blocking
 

@@ -23,7 +23,8 @@ from voice_out.model.checkpoint import (
     random_flow,
     section,
 )
-from voice_out.model.flow import Flow, FlowDims, fixed_noise
+from voice_out.model.flow import Flow, fixed_noise
+from voice_out.model.flow_dims import FlowDims
 
 TOL = 1e-4  # max abs, mel values ~ -10..0 (parity README section 5)
 

@@ -20,7 +20,8 @@ from tests.conftest import REPO_ROOT, random_voice
 from voice_out.fast.kernels import flow as flow_kernels
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkPlan, HopPolicy, plan_all
-from voice_out.model.flow import Flow, FlowPrompt
+from voice_out.model.flow import Flow
+from voice_out.model.flow_dims import FlowPrompt
 from voice_out.model.flow_estimator import attention_bias, chunk_mask
 from voice_out.model.token2wav import Token2Wav, Token2WavStream
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from voice_out.fast.plan import ModelSizes
-from voice_out.model.flow import Flow, FlowDims
+from voice_out.model.flow import Flow
+from voice_out.model.flow_dims import FlowDims
 from voice_out.model.hift import HiFT, HiFTDims
 from voice_out.model.qwen2 import LLMDims, SpeechLM
 

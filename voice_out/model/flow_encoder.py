@@ -7,7 +7,7 @@ nearest upsampling + causal conv k = 2 ratio + 1 -> Linear + LN + x sqrt(d) -> 4
 blocks -> LN: ``[1, ratio T, enc_dim]``. Chunk-causal attention when streaming (chunks counted
 from the first prompt token).
 
-With a stream cache (:class:`voice_out.model.flow.FlowStreamCache`) each call continues the
+With a stream cache (:class:`voice_out.model.flow_dims.FlowStreamCache`) each call continues the
 stream: every layer reads and extends its cached keys/values, conv left contexts and projected
 relative-position keys, so a call costs its new tokens (plus attention over cached keys).
 
@@ -17,20 +17,15 @@ Pure torch: no I/O, no threads, no global state.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from voice_out.model.flow_dims import UPSTREAM_ENCODER_CHANNELS, FlowDims, FlowStreamCache
 from voice_out.model.flow_estimator import append_kv, causal_conv, chunk_mask, valid_keys
 
-if TYPE_CHECKING:
-    from voice_out.model.flow import FlowDims, FlowStreamCache
-
-#: Hard-coded by upstream, in no config file (parity README: the only fixed flow constants).
-UPSTREAM_ENCODER_CHANNELS = 512  # PreLookaheadLayer and Upsample1D widths
-UPSTREAM_UP_BLOCKS = 4  # conformer blocks after the upsampling
+#: Hard-coded by upstream, in no config file (with the two of flow_dims).
 ENC_LN_EPS = 1e-5  # embed / up_embed / after_norm
 BLOCK_LN_EPS = 1e-12  # conformer blocks (norm_mha, norm_ff)
 LOOKAHEAD_CONV2_KERNEL = 3
