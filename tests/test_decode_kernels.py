@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import REPO_ROOT
+from voice_out.fast import fused_llm
 from voice_out.fast.kernels import decode as decode_kernels
 from voice_out.fast.kernels.launch import dependent_launch_available, pdl_options
 from voice_out.fast.llm_step import GraphedLLM, pack_decode_rows, unpack_decode_rows
@@ -251,7 +252,7 @@ def test_fused_decode_step_equals_eager(dims_dir: Path, linear: bool, pdl: bool)
     linears: dict[str, Any] = {}
     if linear:
         linears = {
-            "fused_linear": True,
+            "linear": True,
             "split_workspace": decode_kernels.SplitWorkspace.allocate(dev, lm.dims.hidden_size),
             "pdl": pdl,
         }
@@ -263,7 +264,7 @@ def test_fused_decode_step_equals_eager(dims_dir: Path, linear: bool, pdl: bool)
         e = lm.embed_speech(torch.randint(0, 6561, (4,), generator=gen, device=dev))
         active = torch.tensor([True, step % 2 == 0, True, step != 3], device=dev)
         want = lm.decode_step(eager, None, e, kv_len=max_len, active=active, scratch_slot=4)
-        got = lm.decode_step(fused, None, e, kv_len=max_len, active=active, scratch_slot=4, fused=True, **linears)
+        got = fused_llm.decode_step(lm, fused, None, e, active=active, scratch_slot=4, **linears)
         rows = active.nonzero()[:, 0]
         err = _relative_error(got[rows], want[rows])
         assert err < 2e-2, f"step {step}: relative error {err:.4f}"
@@ -278,9 +279,9 @@ def test_fused_decode_step_equals_eager(dims_dir: Path, linear: bool, pdl: bool)
     offsets = torch.tensor([j for _, n in runs for j in range(n)] + [0, 0], device=dev)
     active = torch.tensor([True] * 10 + [False, False], device=dev)
     e = torch.randn(12, lm.dims.hidden_size, generator=gen, device=dev).to(dtype)
-    kw: dict[str, Any] = {"kv_len": max_len, "active": active, "scratch_slot": 4, "offsets": offsets}
-    want = lm.decode_step(eager, slots, e, **kw)
-    got = lm.decode_step(fused, slots, e, fused=True, **linears, **kw)
+    kw: dict[str, Any] = {"active": active, "scratch_slot": 4, "offsets": offsets}
+    want = lm.decode_step(eager, slots, e, kv_len=max_len, **kw)
+    got = fused_llm.decode_step(lm, fused, slots, e, **linears, **kw)
     assert _relative_error(got[:10], want[:10]) < 2e-2
     assert fused.lengths.tolist() == eager.lengths.tolist()
     for slot in range(4):
@@ -339,16 +340,16 @@ def test_decode_prologue_equals_the_torch_rows() -> None:
     cos, sin = rope_cos_sin(pos, lm.dims.head_dim, lm.dims.rope_theta)
     torch.testing.assert_close(got.cos, cos, atol=1e-6, rtol=0)
     torch.testing.assert_close(got.sin, sin, atol=1e-6, rtol=0)
-    hidden = lm.decode_rows(caches[0], got, fused_linear=True, split_workspace=g._split_ws)
-    ref = lm.decode_step(
+    hidden = fused_llm.decode_rows(lm, caches[0], got, linear=True, split_workspace=g._split_ws)
+    ref = fused_llm.decode_step(
+        lm,
         caches[1],
         want.slots,
         embeds,
         active=want.active,
         scratch_slot=5,
-        fused=True,
         offsets=want.offsets,
-        fused_linear=True,
+        linear=True,
         split_workspace=g._split_ws,
     )
     torch.testing.assert_close(hidden, ref, atol=2e-2, rtol=2e-2)

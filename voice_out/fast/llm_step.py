@@ -28,8 +28,8 @@ to 32 it costs the same ~10 ms on an H200 whatever the batch (launch-bound; the 
 
 With ``fused`` (the default, where ``voice_out.fast.kernels.decode`` can run: CUDA with
 Triton, bf16/fp16) the step is the fused one: its rows made by one kernel
-(``decode_kernels.decode_prologue``), its layers those of ``SpeechLM.decode_step(fused=True)``
-(``SpeechLM.decode_rows``), the head a GEMM over a padded copy of ``llm_decoder`` and the
+(``decode_kernels.decode_prologue``), its layers those of ``fused_llm.decode_step``
+(``fused_llm.decode_rows``), the head a GEMM over a padded copy of ``llm_decoder`` and the
 sampling one kernel
 (``decode_kernels.ras_sample``); its attention runs to each row's length, so one window, the
 whole cache, serves every step. Otherwise (plain torch) a decode graph is captured per (batch
@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from voice_out.fast import fused_llm
 from voice_out.fast.graphs import GraphedFn
 from voice_out.fast.kernels import decode as decode_kernels
 from voice_out.fast.kernels.launch import dependent_launch_available
@@ -407,10 +408,11 @@ class GraphedLLM:
             prepared = decode_kernels.decode_prologue(
                 packed, self._columns, self.last_ids, self.cache.lengths, tables, self._inv_freq, self.scratch_slot
             )
-            hidden = lm.decode_rows(
+            hidden = fused_llm.decode_rows(
+                lm,
                 self.cache,
                 prepared,
-                fused_linear=self.fused_linear,
+                linear=self.fused_linear,
                 split_workspace=self._split_ws,
                 pdl=self.pdl,
                 attention_workspace=self._attn_ws,

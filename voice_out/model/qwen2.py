@@ -32,13 +32,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from voice_out.fast.kernels import decode as decode_kernels
 from voice_out.model.llm_inputs import KIND_LLM, KIND_SPEECH, KIND_TEXT
 from voice_out.model.transfer import to_device
 
@@ -191,6 +190,18 @@ class KVCache:
         else:
             idx = torch.as_tensor(slots, dtype=torch.long, device=self.lengths.device)
             self.lengths.index_fill_(0, idx, 0)
+
+
+class StepPositions(NamedTuple):
+    """Where a decode step's rows read and write (:meth:`SpeechLM.step_positions`), int64
+    ``[B]`` each: the rows' ``slots`` and ``offsets``, their positions ``pos`` (the slot's
+    length plus the offset), and the slot and position their K/V are written to."""
+
+    slots: Tensor
+    offsets: Tensor
+    pos: Tensor
+    write_slot: Tensor
+    write_pos: Tensor
 
 
 class RMSNorm(nn.Module):
@@ -416,16 +427,12 @@ class SpeechLM(nn.Module):
         kv_len: int | None = None,
         active: Tensor | None = None,
         scratch_slot: int | None = None,
-        fused: bool = False,
         offsets: Tensor | None = None,
-        fused_linear: bool = False,
-        split_workspace: decode_kernels.SplitWorkspace | None = None,
-        pdl: bool = False,
     ) -> Tensor:
         """Append one row per row of ``embeds`` to its slot; return final-norm hidden states ``[B, H]``.
 
-        * ``slots``: int64 ``[B]`` slot indices, or None for slots ``0..B-1`` (the eager path
-          then takes views instead of gathering the K/V of a slot subset every layer).
+        * ``slots``: int64 ``[B]`` slot indices, or None for slots ``0..B-1`` (the step then
+          takes views instead of gathering the K/V of a slot subset every layer).
         * ``embeds``: ``[B, H]``; row b goes to position ``cache.lengths[slots[b]] + offsets[b]``.
         * ``offsets``: int64 ``[B]`` or None (zeros). Several rows may feed one slot: a run of
           consecutive rows with offsets 0, 1, 2, .. appends that many positions to it in one
@@ -438,26 +445,30 @@ class SpeechLM(nn.Module):
           inactive row is computed (static shapes) but appends nothing: its slot's length stays
           and its K/V go to position 0 of ``scratch_slot`` (a slot no stream owns), so a slot
           that is mid-utterance but not decoding this step is left exactly as it was.
-        * ``fused``: RoPE, the K/V append and attention as one Triton kernel per layer, and the
-          MLP gate as one (``voice_out.fast.kernels.decode``; check ``decode_kernels.available``
-          first). Attention then runs to each row's own length and ``kv_len`` only bounds the
-          positions. An inactive row attends over its slot's keys and its new key (the eager
-          path reads whatever is at its position instead); its output is unused either way.
-        * ``fused_linear`` (with ``fused``, at most ``decode_kernels.LINEAR_MAX_ROWS`` rows):
-          the GEMMs as Triton kernels too, each norm inside the GEMM after it, the MLP gate
-          inside the [gate; up] GEMM and the residual adds inside wo and w2: 5 kernels a layer;
-          with ``split_workspace`` (``decode_kernels.SplitWorkspace`` of at least H outputs,
-          used by this step alone) w2's reduction is split over more SMs.
-        * ``pdl`` (with ``fused``): the Triton kernels launched programmatically dependent
-          (check ``launch.dependent_launch_available``): each is launched while the
-          one before it still runs and waits for its results inside, hiding launch latency.
 
-        Static shapes, tensor positions, index writes, no host sync: CUDA-graph capturable.
+        The fast path's step with Triton kernels (``voice_out.fast.fused_llm``) computes the
+        same from the same cache. Static shapes, tensor positions, index writes, no host sync:
+        CUDA-graph capturable.
         """
-        b = int(embeds.shape[0])
         window = cache.max_len if kv_len is None else kv_len
-        dev = embeds.device
-        dtype = self.llm_decoder.weight.dtype
+        h = embeds.to(self.llm_decoder.weight.dtype)  # [B, H]
+        rows = self.step_positions(cache, slots, int(embeds.shape[0]), offsets, active, scratch_slot)
+        h = self._layers(cache, slots, h, rows.pos, rows.write_slot, rows.write_pos, window)
+        return self.advance(cache, h, rows.slots, active)
+
+    def step_positions(
+        self,
+        cache: KVCache,
+        slots: Tensor | None,
+        b: int,
+        offsets: Tensor | None = None,
+        active: Tensor | None = None,
+        scratch_slot: int | None = None,
+    ) -> StepPositions:
+        """Where each of a decode step's ``b`` rows reads and writes (see :meth:`decode_step`
+        for the arguments): the slots, offsets and positions, and the slot and position each
+        row's K/V go to (an inactive row's: position 0 of ``scratch_slot``). No host sync."""
+        dev = cache.lengths.device
         if slots is None:
             slot_idx = torch.arange(b, device=dev)
             lengths = cache.lengths[:b]
@@ -474,54 +485,17 @@ class SpeechLM(nn.Module):
                 raise ValueError("decode_step: active rows need a scratch_slot")
             write_slot = torch.where(active, slot_idx, scratch_slot)
             write_pos = torch.where(active, pos, 0)
-        h = embeds.to(dtype)  # [B, H]
-        if fused:
-            linear = fused_linear and b <= decode_kernels.LINEAR_MAX_ROWS
-            h = self._layers_fused(cache, h, pos, slot_idx, offs, write_slot, write_pos, linear, split_workspace, pdl)
-        else:
-            h = self._layers_eager(cache, slots, h, pos, write_slot, write_pos, window)
-        return self._advance(cache, h, slot_idx, active)
+        return StepPositions(slot_idx, offs, pos, write_slot, write_pos)
 
-    @torch.no_grad()
-    def decode_rows(
-        self,
-        cache: KVCache,
-        rows: decode_kernels.StepRows,
-        fused_linear: bool = False,
-        split_workspace: decode_kernels.SplitWorkspace | None = None,
-        pdl: bool = False,
-        attention_workspace: decode_kernels.AttentionWorkspace | None = None,
-    ) -> Tensor:
-        """:meth:`decode_step` with ``fused``, for rows whose slots, positions, scratch writes,
-        embeddings and RoPE angles ``decode_kernels.decode_prologue`` made on the device (one
-        kernel where the torch form takes ~40): ``rows.embeds`` ``[B, H]``
-        -> final-norm hidden states ``[B, H]``; the other options as :meth:`decode_step`'s.
-        ``attention_workspace``: each row's cached keys split over ``decode_kernels.
-        attention_splits`` programs (``rope_append_attend``). Graph-capturable, no host sync."""
-        linear = fused_linear and rows.embeds.shape[0] <= decode_kernels.LINEAR_MAX_ROWS
-        h = self._layers_fused(
-            cache,
-            rows.embeds,
-            rows.pos,
-            rows.slots,
-            rows.offsets,
-            rows.write_slot,
-            rows.write_pos,
-            linear,
-            split_workspace,
-            pdl,
-            rope=(rows.cos, rows.sin),
-            attention_workspace=attention_workspace,
-        )
-        return self._advance(cache, h, rows.slots, rows.active)
-
-    def _advance(self, cache: KVCache, h: Tensor, slots: Tensor, active: Tensor | None) -> Tensor:
-        """Count each active row's position into its slot's length; the final norm of ``h``."""
+    def advance(self, cache: KVCache, h: Tensor, slots: Tensor, active: Tensor | None) -> Tensor:
+        """A decode step's end: count each active row's position into its slot's length
+        (``slots`` int64 ``[B]``, ``active`` bool ``[B]`` or None for all); the final norm of
+        the last layer's ``h`` ``[B, H]``."""
         step = torch.ones_like(slots, dtype=cache.lengths.dtype) if active is None else active.to(cache.lengths.dtype)
         cache.lengths.index_add_(0, slots, step)
         return self.norm(h)
 
-    def _layers_eager(
+    def _layers(
         self,
         cache: KVCache,
         slots: Tensor | None,
@@ -531,7 +505,7 @@ class SpeechLM(nn.Module):
         write_pos: Tensor,
         window: int,
     ) -> Tensor:
-        """The decode step's layers in plain torch (see :meth:`decode_step`); h ``[B, H]``."""
+        """The decode step's layers (see :meth:`decode_step`); h ``[B, H]``."""
         b, dtype = h.shape[0], h.dtype
         dims = self.dims
         d, hq, hkv = dims.head_dim, dims.n_heads, dims.n_kv_heads
@@ -564,75 +538,6 @@ class SpeechLM(nn.Module):
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G, D]
             h = torch.addmm(h, o.reshape(b, hq * d), attn.wo.weight.t())
             h = layer.mlp(layer.post_attention_layernorm(h), h)
-        return h
-
-    def _layers_fused(
-        self,
-        cache: KVCache,
-        h: Tensor,
-        pos: Tensor,
-        slot: Tensor,
-        offset: Tensor,
-        write_slot: Tensor,
-        write_pos: Tensor,
-        linear: bool = False,
-        split_workspace: decode_kernels.SplitWorkspace | None = None,
-        pdl: bool = False,
-        rope: tuple[Tensor, Tensor] | None = None,
-        attention_workspace: decode_kernels.AttentionWorkspace | None = None,
-    ) -> Tensor:
-        """The decode step's layers with the Triton kernels (row b of ``slot[b]``); h ``[B, H]``;
-        ``rope``: the rows' float32 cos/sin ``[B, D]`` (None: made here from ``pos``);
-        ``attention_workspace``: the attention's keys split (``rope_append_attend``).
-
-        Per layer 7 kernels: norm, qkv GEMM, RoPE + K/V append + attention, wo GEMM with the
-        residual, norm, w13 GEMM, silu * up, w2 GEMM with the residual. The residual GEMMs run
-        in place (``addmm_``: C is the output): an out-of-place ``addmm`` first copies its C
-        operand into a new tensor, a kernel of its own (48 a step, ~0.1 ms at batch 1). The
-        first one is out of place, so ``h`` (the caller's embeddings) is never written.
-
-        With ``linear``, 5 kernels a layer (``decode_kernels``): norm + qkv GEMM + bias; RoPE +
-        K/V append + attention; wo GEMM + residual; norm + [gate; up] GEMM + silu * up; w2 GEMM
-        + residual (its reduction split with ``split_workspace``). ``pdl``: the Triton kernels
-        launched programmatically dependent (``decode_step``).
-        """
-        dims = self.dims
-        cos, sin = rope if rope is not None else rope_cos_sin(pos, dims.head_dim, dims.rope_theta)  # [B, D], per step
-        splits = decode_kernels.attention_splits(h.shape[0]) if attention_workspace is not None else 1
-        for i, layer in enumerate(self.layers):
-            assert isinstance(layer, Block)
-            attn, mlp = layer.attn, layer.mlp
-            norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-            if linear:
-                qkv = decode_kernels.norm_linear(h, attn.wqkv.weight, norm1.weight, norm1.eps, attn.wqkv.bias, pdl=pdl)
-            else:
-                qkv = attn.wqkv(norm1(h))  # [B, (Hq + 2 Hkv) D]
-            o = decode_kernels.rope_append_attend(
-                qkv,
-                cache.k[i],
-                cache.v[i],
-                cos,
-                sin,
-                pos,
-                slot,
-                offset,
-                write_slot,
-                write_pos,
-                dims.n_heads,
-                dims.n_kv_heads,
-                pdl=pdl,
-                workspace=attention_workspace,
-                splits=splits,
-            )
-            if linear:
-                # in place but at layer 0, whose h is the caller's embeddings
-                h = decode_kernels.linear_residual(o, attn.wo.weight, h, out=None if i == 0 else h, pdl=pdl)
-                act = decode_kernels.norm_linear(h, mlp.w13.weight, norm2.weight, norm2.eps, gated=True, pdl=pdl)
-                decode_kernels.linear_residual(act, mlp.w2.weight, h, out=h, workspace=split_workspace, pdl=pdl)
-                continue
-            h = torch.addmm(h, o, attn.wo.weight.t()) if i == 0 else h.addmm_(o, attn.wo.weight.t())
-            act = decode_kernels.silu_mul(mlp.w13(norm2(h)))
-            h.addmm_(act, mlp.w2.weight.t())
         return h
 
     # -- head -------------------------------------------------------------------------------
