@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT
+from voice_out.fast import fused_vocoder
+from voice_out.fast.fused_vocoder import FusedSnake
 from voice_out.fast.kernels import vocoder as hift_kernels
 from voice_out.model.checkpoint import random_hift
 from voice_out.model.hift import SNAKE_EPS, Snake
@@ -18,8 +20,9 @@ def test_snake_kernel_only_for_cuda_float32() -> None:
     assert not hift_kernels.available("cpu", torch.float32)
     assert not hift_kernels.available("cuda", torch.bfloat16)
     hift = random_hift(TINY, "cpu", seed=1)
-    assert not hift.use_kernels(True)
-    assert not any(m.kernel for m in hift.modules() if isinstance(m, Snake))
+    assert any(isinstance(m, Snake) for m in hift.modules())
+    assert not fused_vocoder.use_kernels(hift, True)
+    assert not any(isinstance(m, FusedSnake) for m in hift.modules())
 
 
 @pytest.mark.requires_cuda
@@ -34,11 +37,12 @@ def test_snake_kernel_equals_torch(channels: int, frames: int) -> None:
     with torch.no_grad():
         want = snake(x)
         got = hift_kernels.snake(x, snake.alpha, SNAKE_EPS)
-        snake.kernel = True
-        assert torch.equal(snake(x), got)
+        fused = FusedSnake.of(snake)
+        assert fused.alpha is snake.alpha
+        assert torch.equal(fused(x), got)
         # a strided input falls back to the torch form
         strided = x.transpose(1, 2).contiguous().transpose(1, 2)
-        torch.testing.assert_close(snake(strided), want, atol=0, rtol=0)
+        torch.testing.assert_close(fused(strided), want, atol=0, rtol=0)
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
 
 
@@ -50,7 +54,13 @@ def test_vocoder_with_the_snake_kernel_equals_torch() -> None:
     mel = torch.randn(1, hift.dims.in_channels, 56, generator=torch.Generator(device=dev).manual_seed(3), device=dev)
     with torch.no_grad():
         want, want_source = hift(mel)
-        assert hift.use_kernels(True)
+        names = [n for n, _ in hift.named_parameters()]
+        assert fused_vocoder.use_kernels(hift, True)
+        assert any(isinstance(m, FusedSnake) for m in hift.modules())
+        assert [n for n, _ in hift.named_parameters()] == names  # the same weights, the same names
         got, source = hift(mel)
     assert torch.equal(source, want_source)  # the source has no Snake
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert not fused_vocoder.use_kernels(hift, False)  # and back to the torch form
+    assert not any(isinstance(m, FusedSnake) for m in hift.modules())
+    assert [n for n, _ in hift.named_parameters()] == names

@@ -34,6 +34,7 @@ from voice_out.engine.runner import FlowVoice, Runner, noise_voice
 from voice_out.engine.scheduler import ForcedTokens, hop_policy
 from voice_out.engine.textfeed import TokenizerPipeline
 from voice_out.engine.worker import StepRunner
+from voice_out.fast import fused_vocoder
 from voice_out.fast.kernels.precompile import precompile
 from voice_out.fast.plan import (
     CONTEXT_BYTES,
@@ -304,7 +305,7 @@ def build_engine(
             log.info("engine: flow estimator with fused kernels")
         elif plan.fused_flow and torch.device(device).type == "cuda":
             log.info("engine: fused flow kernels unavailable here (need Triton and bf16/fp16): plain-torch flow")
-        if hift.use_kernels(plan.fused_vocoder):
+        if fused_vocoder.use_kernels(hift, plan.fused_vocoder):
             log.info("engine: vocoder with fused Snake kernels")
         t2w = Token2Wav(flow, hift, device=device)
         # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere); the first-chunk

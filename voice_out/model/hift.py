@@ -27,8 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from voice_out.fast.kernels import vocoder as hift_kernels
-
 # Fixed by the upstream architecture (they appear in no config file).
 CONV_PRE_KERNEL = 7
 CONV_POST_KERNEL = 7
@@ -133,17 +131,13 @@ class HiFTDims:
 class Snake(nn.Module):
     """x + sin^2(alpha x) / (alpha + 1e-9), alpha a per-channel vector in linear scale.
 
-    ``kernel``: run it as one fused kernel (``hift_kernels.snake``) where it can run; set by
-    :meth:`HiFT.use_kernels`. The torch form is the reference."""
+    The reference form; the fast path swaps in one fused kernel (``voice_out.fast.fused_vocoder``)."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
-        self.kernel = False
 
     def forward(self, x: Tensor) -> Tensor:  # x: [B, C, T]
-        if self.kernel and x.is_contiguous():
-            return hift_kernels.snake(x, self.alpha, SNAKE_EPS)
         alpha = self.alpha[None, :, None]
         return x + (1.0 / (alpha + SNAKE_EPS)) * torch.sin(x * alpha).pow(2)
 
@@ -290,16 +284,6 @@ class HiFT(nn.Module):
         self.register_buffer("stft_window", window, persistent=False)
 
     # -- pieces --------------------------------------------------------------------------------
-
-    def use_kernels(self, on: bool = True) -> bool:
-        """Run every Snake activation as one fused kernel (``hift_kernels``) where it can run
-        (Triton, CUDA, float32). Returns whether they now do. Call after moving the module to
-        its device."""
-        on = on and hift_kernels.available(self.conv_pre.weight.device, self.conv_pre.weight.dtype)
-        for module in self.modules():
-            if isinstance(module, Snake):
-                module.kernel = on
-        return on
 
     def predict_f0(self, mel: Tensor) -> Tensor:
         """mel [B, C_mel, T] -> f0 [B, T] in Hz."""
