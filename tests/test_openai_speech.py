@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import os
@@ -445,3 +446,60 @@ async def test_an_utterance_cut_by_the_engine_is_not_a_complete_body(fake_served
     stream.cancel()  # as Engine.__aexit__ does to every open stream
     with pytest.raises(aiohttp.ClientPayloadError):
         await resp.read()
+
+
+async def test_waiting_requests_share_one_disconnect_timer() -> None:
+    """16 requests waiting on a slow engine wake the event loop for one disconnect check per
+    period, not one per request (which was 800 wake-ups a second at 16, each one taking the GIL
+    from the engine's worker); a client that hangs up among them is still seen within a few
+    periods, and its engine stream cancelled."""
+    from voice_out.server import openai_speech
+
+    n, wait_s = 16, 0.6
+    fake = FakeEngine(voices=("alice",), script=FakeScript(first_chunk_delay_s=wait_s), capacity=n)
+    cfg = Config(server=ServerConfig(auth_token=TOKEN))
+    async with contextlib.asynccontextmanager(_serve)(fake, cfg) as served:
+        loop = asyncio.get_running_loop()
+        timers = 0
+        call_at = loop.call_at
+
+        def counting_call_at(when: float, callback: Any, *args: Any, **kw: Any) -> asyncio.TimerHandle:
+            nonlocal timers
+            timers += 1
+            return call_at(when, callback, *args, **kw)
+
+        body = {"model": "tts-1", "input": "hello there", "voice": "alice", "response_format": "pcm"}
+        resps = await asyncio.gather(*(served.post(body) for _ in range(n)))  # headers: first audio
+        await asyncio.gather(*(r.content.readany() for r in resps))
+        for r in resps:
+            r.close()
+        await until(lambda: not fake.active, "the first round's streams end")
+
+        posts = [asyncio.ensure_future(served.post(body)) for _ in range(n)]
+        await until(lambda: len(fake.opened) == 2 * n, "every stream is open")
+        loop.call_at = counting_call_at  # type: ignore[method-assign,assignment]
+        try:
+            await asyncio.sleep(wait_s / 2)  # all n wait for the engine's first chunk
+        finally:
+            del loop.call_at
+        periods = (wait_s / 2) / openai_speech.DISCONNECT_POLL_S
+        # One timer per period for the watch, plus a few of aiohttp's and the test's own; one
+        # timer per request per period would be n * periods = 240.
+        assert timers < periods + 3 * n, (timers, periods)
+        resps = await asyncio.gather(*posts)
+        for r in resps:
+            assert r.status == 200
+            r.close()
+        # A hang-up among many waiting requests.
+        fake.script.first_chunk_delay_s = 5.0
+        posts = [asyncio.ensure_future(served.post(body)) for _ in range(n)]
+        await until(lambda: len(fake.opened) == 3 * n, "every stream is open")
+        third = fake.opened[2 * n :]
+        posts[3].cancel()  # the client closes its connection before any audio
+        t0 = time.perf_counter()
+        await until(lambda: any(s.state is StreamState.ABORTED for s in third), "the hung-up stream is cancelled")
+        assert time.perf_counter() - t0 < 1.0
+        assert sum(s.state is StreamState.ABORTED for s in third) == 1
+        for p in posts:
+            p.cancel()
+        await until(lambda: not fake.active, "every stream ends")
