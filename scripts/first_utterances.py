@@ -100,7 +100,7 @@ async def main() -> None:
     args = ap.parse_args()
     # the start-up's own account: kernels compiled ahead, graphs captured per prompt length
     logging.basicConfig(format="%(message)s")
-    logging.getLogger("voice_out.engine.loading").setLevel(logging.INFO)
+    logging.getLogger("voice_out.engine.build").setLevel(logging.INFO)
     over = parse_overrides([f"model.model={args.model}", f"model.device={args.device}", *args.set])
     cfg = load_config(overrides=over)
     opts = EngineBenchOptions(

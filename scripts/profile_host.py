@@ -31,7 +31,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
-from voice_out.engine.loading import resolve_device  # noqa: E402
+from voice_out.engine.build import resolve_device  # noqa: E402
 from voice_out.engine.worker import Worker  # noqa: E402
 
 

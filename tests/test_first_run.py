@@ -21,7 +21,7 @@ import torch
 from tests.conftest import REPO_ROOT
 from voice_out.cli import main
 from voice_out.config import Config, ModelConfig, ServerConfig
-from voice_out.engine import engine as engine_module
+from voice_out.engine.build import RANDOM_TOKENS_PER_TEXT_TOKEN
 from voice_out.engine.engine import Engine, EngineStartError
 from voice_out.engine.placement import Placement
 from voice_out.engine.scheduler import ForcedTokens
@@ -52,7 +52,7 @@ def tiny(tmp_path: Path, **server: object) -> Config:
 def test_random_weights_speak_a_capped_length_whoever_loads_them(tmp_path: Path) -> None:
     """``serve`` (``load_runtime``), ``say`` and an embedding agent (``Engine.load(cfg)``) get
     the same forced length for random weights; real weights stop on EOS; None forces nothing."""
-    cap = ForcedTokens(engine_module.RANDOM_TOKENS_PER_TEXT_TOKEN)
+    cap = ForcedTokens(RANDOM_TOKENS_PER_TEXT_TOKEN)
     served, _ = app_module.load_runtime(tiny(tmp_path))  # the server's placement of one engine
     assert isinstance(served, Placement)
     (engine,) = served.engines
@@ -82,7 +82,7 @@ def test_say_loads_its_engine_like_serve(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(say_module.Engine, "load", load)
     with pytest.raises(SystemExit):
         main(["say", "Hello.", "--model", "random:tiny", "--device", "cpu", "-o", str(tmp_path / "a.wav")])
-    assert [e.forced for e in seen] == [ForcedTokens(engine_module.RANDOM_TOKENS_PER_TEXT_TOKEN)]
+    assert [e.forced for e in seen] == [ForcedTokens(RANDOM_TOKENS_PER_TEXT_TOKEN)]
 
 
 # ------------------------------------------------------------------------------------------------

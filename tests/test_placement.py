@@ -22,8 +22,7 @@ from voice_out.client import connect
 from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig
 from voice_out.engine.api import EngineFailedError, OverloadedError, PcmChunk, Stream, StreamState
 from voice_out.engine.engine import Engine
-from voice_out.engine.loading import load_placement
-from voice_out.engine.placement import EngineState, PlacedStream, Placement
+from voice_out.engine.placement import EngineState, PlacedStream, Placement, load_placement
 from voice_out.engine.process import ProcessEngine
 from voice_out.engine.scheduler import ForcedTokens
 from voice_out.server import protocol as p

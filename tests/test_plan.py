@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from voice_out.engine.engine import random_dims_dir
+from voice_out.engine.build import random_dims_dir
 from voice_out.fast.plan import (
     CAPTURE_LADDER,
     GIB,
@@ -248,7 +248,7 @@ def test_more_budget_never_plans_less(sizes: ModelSizes) -> None:
 
 def test_the_budget_is_gib_a_share_of_the_card_or_most_of_what_is_free() -> None:
     from voice_out.config import ConfigError
-    from voice_out.engine.loading import DEFAULT_FREE_SHARE, device_budget
+    from voice_out.engine.build import DEFAULT_FREE_SHARE, device_budget
 
     total, free = int(80 * GIB), int(60 * GIB)
     assert device_budget(22.0, free, total) == 22 * GIB

@@ -62,7 +62,7 @@ def device_list(spec: str) -> tuple[str, ...]:
 
     One device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. Several: ``cuda:0,cuda:1`` (distinct
     ``cuda:N``) or ``cpu,cpu`` (CPU engines, for tests); ``cuda:all`` stays as it is, for
-    :func:`voice_out.engine.loading.expand_devices` to expand to every visible GPU.
+    :func:`voice_out.engine.build.expand_devices` to expand to every visible GPU.
     Raises ConfigError naming what is wrong.
     """
 

@@ -217,7 +217,7 @@ def bench(cfg: Config, args: argparse.Namespace) -> int:
         else:
             from voice_out.bench.placement_bench import gpu_name as gpus_name
             from voice_out.bench.placement_bench import run_placement_bench
-            from voice_out.engine.loading import expand_devices
+            from voice_out.engine.build import expand_devices
 
             try:
                 popts = _placement_options(args)

@@ -49,8 +49,8 @@ from voice_out.bench.listener import Listener, percentile, run_stream
 from voice_out.bench.report import Report
 from voice_out.config import Config, load_config, parse_overrides
 from voice_out.engine.api import SAMPLE_RATE, EngineLike, StreamClosedError
+from voice_out.engine.build import resolve_device
 from voice_out.engine.engine import Engine, EngineStats
-from voice_out.engine.loading import resolve_device
 from voice_out.engine.scheduler import FirstAudioTrace, ForcedTokens
 
 #: What an agent says: the benchmark's text, repeated to any length.

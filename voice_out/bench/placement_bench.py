@@ -42,7 +42,7 @@ from voice_out.bench.report import Report
 from voice_out.config import Config
 from voice_out.config import replace as replace_config
 from voice_out.engine.api import EngineLike
-from voice_out.engine.loading import engine_labels, expand_devices, planned_capacity
+from voice_out.engine.build import engine_labels, expand_devices, planned_capacity
 from voice_out.engine.placement import Placement
 from voice_out.engine.process import ProcessEngine
 from voice_out.engine.scheduler import ForcedTokens
@@ -82,7 +82,7 @@ def gpu_name(devices: Sequence[str]) -> str:
 
 def build_engines(cfg: Config, design: str, devices: Sequence[str], opts: EngineBenchOptions) -> list[Any]:
     """One engine per device, in this process (``shared``) or a process each (``per_device``),
-    as :func:`voice_out.engine.loading.load_placement` builds them for the server, with the
+    as :func:`voice_out.engine.placement.load_placement` builds them for the server, with the
     engine benchmark's options (forced tokens, KV length, the synthetic voice)."""
     engines: list[Any] = []
     for device, label in zip(devices, engine_labels(tuple(devices)), strict=True):

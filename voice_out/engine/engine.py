@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import itertools
 import logging
 import queue
@@ -37,7 +36,6 @@ import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -51,7 +49,7 @@ from voice_out.engine.api import (
     check_speed,
 )
 from voice_out.engine.request import TextPipeline
-from voice_out.engine.scheduler import FirstAudioTrace, ForcedTokens, Scheduler
+from voice_out.engine.scheduler import AUTO_FORCED, AutoForced, FirstAudioTrace, ForcedTokens, Scheduler
 from voice_out.engine.stream import EngineStream
 from voice_out.engine.voicebook import ADD_VOICE_HINT, VoiceBook, instruct_prompt
 from voice_out.engine.worker import (
@@ -68,34 +66,6 @@ from voice_out.errors import VoiceOutError
 from voice_out.fast.plan import Plan, cpu_plan
 
 log = logging.getLogger(__name__)
-
-#: The built-in voice of ``random:*`` models (random prompt features: it sounds like noise).
-NOISE_VOICE = "noise"
-#: Speech tokens per text token that random weights speak (they never stop sensibly on EOS:
-#: left to the length guard, a one-line sentence played ~20 s). Real speech is ~3 (40 ms each).
-RANDOM_TOKENS_PER_TEXT_TOKEN = 3
-
-
-class _Auto(enum.Enum):
-    AUTO = "auto"
-
-
-#: ``Engine.load``'s default ``forced``: random weights speak
-#: ``RANDOM_TOKENS_PER_TEXT_TOKEN`` forced tokens per text token, real weights stop on EOS.
-#: ``serve``, ``say`` and the in-process API all take this one rule; None forces nothing.
-AUTO_FORCED = _Auto.AUTO
-#: ``random:<preset>`` -> the dims directory under ``configs/models``.
-RANDOM_DIMS = {"tiny": "tiny", "0.5b": "cosyvoice2-0.5b"}
-
-
-def random_dims_dir(preset: str) -> Path:
-    """The directory holding the dims (no weights) of a ``random:<preset>`` model."""
-    root = Path(__file__).resolve().parents[2] / "configs" / "models"
-    path = root / RANDOM_DIMS[preset]
-    if not (path / "cosyvoice2.yaml").is_file():
-        raise FileNotFoundError(f"the dims of random:{preset} are missing: {path / 'cosyvoice2.yaml'}")
-    return path
-
 
 # --------------------------------------------------------------------------------------------
 # The engine
@@ -177,7 +147,7 @@ class Engine:
         model: str | None = None,
         device: str | None = None,
         voices: Any | None = None,
-        forced: ForcedTokens | None | _Auto = AUTO_FORCED,
+        forced: ForcedTokens | None | AutoForced = AUTO_FORCED,
         kv_len: int = 4096,
         warmup: bool = True,
         flow_path: str = "rerun",
@@ -206,7 +176,8 @@ class Engine:
         the LLM through ``voice_out.fast.llm_step`` (its eager code off the GPU).
         Raises ConfigError when ``engine.gpu_memory`` cannot hold the model and one stream.
         """
-        from voice_out.engine import loading
+        # the assembly lives in build.py, which never imports this module (no circle)
+        from voice_out.engine.build import build_engine
 
         # no config given: the one every command reads ($VOICE_OUT_CONFIG, VOICE_OUT_<SECTION>_<FIELD>)
         cfg = config if config is not None else load_config()
@@ -216,8 +187,7 @@ class Engine:
             cfg = replace_config(cfg, "model", device=device)
         if engine is not None:
             cfg = dataclasses.replace(cfg, engine=engine)
-        return loading.build_engine(
-            cls,
+        parts = build_engine(
             cfg,
             voices=voices,
             forced=forced,
@@ -228,6 +198,15 @@ class Engine:
             noise_prompt_tokens=noise_prompt_tokens,
             text_normalizer=text_normalizer,
             pins=pins,
+        )
+        return cls(
+            cfg,
+            runner_factory=parts.runner_factory,
+            pipeline_factory=parts.pipeline_factory,
+            voices=parts.voices,
+            forced=parts.forced,
+            warmup=parts.warmup,
+            plan=parts.plan,
         )
 
     # ---- EngineLike --------------------------------------------------------------------------
@@ -465,21 +444,9 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-def warn_random(spec: str) -> None:
-    """The loud warning for random weights."""
-    msg = (
-        f"model {spec!r} has RANDOM WEIGHTS: the engine runs the real architecture but speaks NOISE. "
-        "Use it for pipeline checks and benchmarks only; pass a CosyVoice2 model directory to hear speech."
-    )
-    # logged once (with no logging configured, Python's last-resort handler prints it on
-    # stderr); a warnings.warn beside it printed the same message twice
-    log.warning("!" * 20 + " " + msg + " " + "!" * 20)
-
-
 __all__ = [
     "ADD_VOICE_HINT",
     "AUTO_FORCED",
-    "NOISE_VOICE",
     "Engine",
     "EngineStartError",
     "EngineStats",

@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from voice_out.engine.api import (
     EngineFailedError,
@@ -47,6 +47,9 @@ from voice_out.engine.api import (
     StreamFailedError,
     StreamState,
 )
+
+if TYPE_CHECKING:
+    from voice_out.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -414,3 +417,35 @@ class PlacedStream:
 
     def __repr__(self) -> str:
         return f"PlacedStream({self._inner!r} on {self._slot.label})"
+
+
+def load_placement(cfg: Config, *, voices: Any | None = None, **options: Any) -> Placement:
+    """A :class:`Placement` of one engine per device of
+    ``model.device`` (not started). ``options``: keyword arguments of :meth:`Engine.load`.
+
+    In-process engines share ``voices`` (the server's store); engines in processes of their
+    own (:func:`~voice_out.engine.build.uses_processes`) open the store at ``server.voices_dir`` themselves when
+    ``voices`` is given, else their engine's default."""
+    from voice_out.config import replace as replace_config
+    from voice_out.engine.build import engine_labels, expand_devices, planned_capacity, resolve_device, uses_processes
+    from voice_out.engine.engine import Engine
+    from voice_out.engine.process import ProcessEngine
+
+    devices = expand_devices(cfg.model.device)
+    if devices == ("auto",):
+        devices = (str(resolve_device("auto")),)
+    engines: list[tuple[str, EngineLike, int]] = []
+    processes = uses_processes(cfg, len(devices))
+    for device, label in zip(devices, engine_labels(devices), strict=True):
+        one = replace_config(cfg, "model", device=device)
+        engine: EngineLike
+        if processes:
+            engine = ProcessEngine(
+                one, label=label, load_options=options, voice_store=voices is not None, voices=voices
+            )
+        else:
+            engine = Engine.load(one, voices=voices, **options)
+        engines.append((label, engine, planned_capacity(one)))
+    # in-process engines start one after the other: a start-up captures CUDA graphs, and no
+    # other thread of the process may allocate on a GPU meanwhile
+    return Placement(engines, serial_start=not processes)

@@ -139,7 +139,7 @@ class ProcessEngine:
             return list(self._voices)
         if self._voices or self._store is None:
             return list(self._voices)
-        from voice_out.engine.engine import NOISE_VOICE
+        from voice_out.engine.build import NOISE_VOICE
 
         builtin = {NOISE_VOICE} if self.config.model.model.startswith("random:") else set()
         return sorted(set(self._store.names()) | builtin)

@@ -37,6 +37,7 @@ in the next plan. Every method is called from the worker thread only.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -237,6 +238,18 @@ class ForcedTokens:
         if self.token_fn is not None:
             return self.token_fn(seed, i)
         return (seed * 1_000_003 + i * 7919 + 17) % SPEECH_VOCAB
+
+
+class AutoForced(enum.Enum):
+    """The type of :data:`AUTO_FORCED`."""
+
+    AUTO = "auto"
+
+
+#: ``Engine.load``'s default ``forced``: random weights speak a realistic length of forced
+#: tokens per text token (``voice_out.engine.build.RANDOM_TOKENS_PER_TEXT_TOKEN``), real weights
+#: stop on EOS. ``serve``, ``say`` and the in-process API all take this one rule; None forces nothing.
+AUTO_FORCED = AutoForced.AUTO
 
 
 def _default_feed(voice: VoicePrompt, config: EngineConfig) -> TextFeed:

@@ -6,7 +6,7 @@ the deployer's few settings (``engine.max_streams``, ``engine.eager``) in, a fro
 :class:`Plan` out. The plan says which kernels run (fused Triton kernels, programmatic
 dependent launch), what is captured as CUDA graphs and over which lengths, how many KV slots,
 flow states and prompt prefixes are preallocated, and what was left out for lack of memory.
-The engine builds itself from it (``voice_out.engine.loading``); tests and the bench may pin
+The engine builds itself from it (``voice_out.engine.build``); tests and the bench may pin
 single choices through ``pins`` (field name -> value), never through the user's config.
 
 Memory model (bytes of device memory the process holds, as the driver counts it): the CUDA

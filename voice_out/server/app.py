@@ -795,9 +795,9 @@ def load_runtime(cfg: Config) -> tuple[EngineLike, VoiceStoreLike | None]:
     try:
         # the streaming engine itself first: the loader may have been imported already
         importlib.import_module("voice_out.engine.engine")
-        from voice_out.engine.loading import load_placement
+        from voice_out.engine.placement import load_placement
     except ModuleNotFoundError as e:
-        if e.name in ("voice_out.engine.engine", "voice_out.engine.loading"):
+        if e.name in ("voice_out.engine.engine", "voice_out.engine.build"):
             raise EngineUnavailableError(
                 "cannot serve: the streaming engine (voice_out.engine.engine) is not part of this build"
             ) from None

@@ -1,8 +1,12 @@
-"""Assembling an :class:`~voice_out.engine.engine.Engine` from a configuration.
+"""Assembling the parts of an :class:`~voice_out.engine.engine.Engine` from a configuration.
 
-Resolves the model (directory, hub id, or ``random:*``), reads the dims and the tokenizer on
-the calling thread, and returns an engine whose runner factory builds the weights, the KV cache
-and token2wav on the GPU worker thread when the engine starts (CUDA belongs to that thread).
+:func:`build_engine` resolves the model (directory, hub id, or ``random:*``), reads the dims and
+the tokenizer, opens the voices and plans the fast paths on the calling thread, and returns
+:class:`EngineParts`: among them a :class:`RunnerRecipe` whose ``build`` makes the weights, the
+KV cache and token2wav on the GPU worker thread when the engine starts (CUDA belongs to that
+thread), and whose ``warm`` compiles and captures there before the first stream.
+
+``Engine.load`` calls this module; this module never imports the engine (no import circle).
 """
 
 from __future__ import annotations
@@ -12,27 +16,18 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from voice_out.config import Config, ConfigError, device_list, parse_gpu_memory
-from voice_out.config import replace as replace_config
-from voice_out.engine.api import EngineLike
-from voice_out.engine.engine import (
-    AUTO_FORCED,
-    NOISE_VOICE,
-    RANDOM_TOKENS_PER_TEXT_TOKEN,
-    VoiceBook,
-    random_dims_dir,
-    warn_random,
-)
-from voice_out.engine.placement import Placement
 from voice_out.engine.request import TextPiece, TextPipeline, VoicePrompt
 from voice_out.engine.runner import FlowVoice, Runner, noise_voice
-from voice_out.engine.scheduler import ForcedTokens, hop_policy
+from voice_out.engine.scheduler import AUTO_FORCED, AutoForced, ForcedTokens, hop_policy
 from voice_out.engine.textfeed import TokenizerPipeline
+from voice_out.engine.voicebook import VoiceBook
 from voice_out.engine.worker import StepRunner
 from voice_out.fast import fused_vocoder
 from voice_out.fast.kernels.precompile import precompile
@@ -49,16 +44,45 @@ from voice_out.fast.plan import (
     make_plan,
 )
 from voice_out.fast.sizes import model_sizes
-from voice_out.hub import resolve_model
+from voice_out.hub import ModelSource, resolve_model
 
 if TYPE_CHECKING:
-    from voice_out.engine.engine import Engine
+    from voice_out.model.flow import FlowDims
+    from voice_out.model.qwen2 import LLMDims, SpeechLM
+    from voice_out.model.token2wav import Token2Wav
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: The default budget: this share of the device memory free when the engine is built.
 DEFAULT_FREE_SHARE = 0.9
+#: The built-in voice of ``random:*`` models (random prompt features: it sounds like noise).
+NOISE_VOICE = "noise"
+#: Speech tokens per text token that random weights speak (they never stop sensibly on EOS:
+#: left to the length guard, a one-line sentence played ~20 s). Real speech is ~3 (40 ms each).
+RANDOM_TOKENS_PER_TEXT_TOKEN = 3
+#: ``random:<preset>`` -> the dims directory under ``configs/models``.
+RANDOM_DIMS = {"tiny": "tiny", "0.5b": "cosyvoice2-0.5b"}
+
+
+def random_dims_dir(preset: str) -> Path:
+    """The directory holding the dims (no weights) of a ``random:<preset>`` model."""
+    root = Path(__file__).resolve().parents[2] / "configs" / "models"
+    path = root / RANDOM_DIMS[preset]
+    if not (path / "cosyvoice2.yaml").is_file():
+        raise FileNotFoundError(f"the dims of random:{preset} are missing: {path / 'cosyvoice2.yaml'}")
+    return path
+
+
+def warn_random(spec: str) -> None:
+    """The loud warning for random weights."""
+    msg = (
+        f"model {spec!r} has RANDOM WEIGHTS: the engine runs the real architecture but speaks NOISE. "
+        "Use it for pipeline checks and benchmarks only; pass a CosyVoice2 model directory to hear speech."
+    )
+    # logged once (with no logging configured, Python's last-resort handler prints it on
+    # stderr); a warnings.warn beside it printed the same message twice
+    log.warning("!" * 20 + " " + msg + " " + "!" * 20)
 
 
 class DeviceError(ConfigError):
@@ -128,36 +152,6 @@ def uses_processes(cfg: Config, n_devices: int) -> bool:
     return mode == "per_device"
 
 
-def load_placement(cfg: Config, *, voices: Any | None = None, **options: Any) -> Placement:
-    """A :class:`~voice_out.engine.placement.Placement` of one engine per device of
-    ``model.device`` (not started). ``options``: keyword arguments of :meth:`Engine.load`.
-
-    In-process engines share ``voices`` (the server's store); engines in processes of their
-    own (:func:`uses_processes`) open the store at ``server.voices_dir`` themselves when
-    ``voices`` is given, else their engine's default."""
-    from voice_out.engine.engine import Engine
-    from voice_out.engine.process import ProcessEngine
-
-    devices = expand_devices(cfg.model.device)
-    if devices == ("auto",):
-        devices = (str(resolve_device("auto")),)
-    engines: list[tuple[str, EngineLike, int]] = []
-    processes = uses_processes(cfg, len(devices))
-    for device, label in zip(devices, engine_labels(devices), strict=True):
-        one = replace_config(cfg, "model", device=device)
-        engine: EngineLike
-        if processes:
-            engine = ProcessEngine(
-                one, label=label, load_options=options, voice_store=voices is not None, voices=voices
-            )
-        else:
-            engine = Engine.load(one, voices=voices, **options)
-        engines.append((label, engine, planned_capacity(one)))
-    # in-process engines start one after the other: a start-up captures CUDA graphs, and no
-    # other thread of the process may allocate on a GPU meanwhile
-    return Placement(engines, serial_start=not processes)
-
-
 class DeltaPipeline:
     """:class:`TextPipeline` over ``voice_out.text.stream.DeltaTokenizer`` (normalization with
     token-stable release and input offsets)."""
@@ -186,12 +180,40 @@ def text_pipeline_factory(tokenizer: Any, mode: str) -> Callable[[], TextPipelin
     return lambda: DeltaPipeline(DeltaTokenizer(DeltaNormalizer(normalizer), tokenizer))
 
 
+@dataclass(frozen=True)
+class EngineParts:
+    """What :class:`~voice_out.engine.engine.Engine` is made of besides its config: the
+    arguments of its constructor, as :func:`build_engine` assembles them."""
+
+    runner_factory: Callable[[], StepRunner]
+    pipeline_factory: Callable[[], TextPipeline]
+    voices: VoiceBook
+    forced: ForcedTokens | None
+    warmup: Callable[[StepRunner], None] | None
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The model as resolved on the calling thread: its source, where its dims are read
+    (the weights' directory, or a ``random:*`` preset's), its dims and its YAML."""
+
+    source: ModelSource
+    dims_dir: Path
+    dims: LLMDims
+    flow_dims: FlowDims
+    yaml_cfg: dict[str, Any]
+
+    @property
+    def weights_dir(self) -> Path | None:
+        return self.source.path
+
+
 def build_engine(
-    cls: type[Engine],
     cfg: Config,
     *,
     voices: Any | None,
-    forced: ForcedTokens | None | object,
+    forced: ForcedTokens | None | AutoForced,
     kv_len: int,
     warmup: bool,
     flow_path: str,
@@ -199,38 +221,70 @@ def build_engine(
     noise_prompt_tokens: int,
     text_normalizer: str = "auto",
     pins: Mapping[str, object] | None = None,
-) -> Engine:
-    from voice_out.model.checkpoint import flow_dims, hift_dims, llm_dims, load_yaml
+) -> EngineParts:
+    """The parts of an engine for ``cfg`` (calling thread; loads no weights). The keyword
+    arguments are :meth:`Engine.load`'s (see there)."""
     from voice_out.text.tokenizer import load_tokenizer
+
+    files = resolve_model_files(cfg)
+    if forced is AUTO_FORCED:
+        forced = ForcedTokens(RANDOM_TOKENS_PER_TEXT_TOKEN) if files.source.is_random else None
+    assert forced is None or isinstance(forced, ForcedTokens)
+    device = resolve_device(cfg.model.device)
+    dtype = _DTYPES[cfg.model.dtype] if device.type == "cuda" else torch.float32
+    tokenizer = load_tokenizer(files.weights_dir, files.dims.text_vocab_size)
+    book = voice_book(cfg, files, tokenizer.encode, voices, noise_prompt_tokens)
+    plan = plan_engine(cfg, files, device, dtype, kv_len, book, pins or {})
+    recipe = RunnerRecipe(
+        cfg, files, device, dtype, plan, book, kv_len=kv_len, flow_path=flow_path, fault_hook=fault_hook
+    )
+    return EngineParts(
+        runner_factory=recipe.build,
+        pipeline_factory=text_pipeline_factory(tokenizer, text_normalizer),
+        voices=book,
+        forced=forced,
+        warmup=recipe.warm if warmup else None,
+        plan=plan,
+    )
+
+
+def resolve_model_files(cfg: Config) -> ModelFiles:
+    """``model.model`` resolved (fetched from the hub if need be) and its dims read; warns
+    loudly for random weights."""
+    from voice_out.model.checkpoint import flow_dims, llm_dims, load_yaml
 
     mc = cfg.model
     source = resolve_model(mc.model, mc.cache_dir, revision=mc.revision, offline=mc.offline)
-    weights_dir: Path | None = source.path
     if source.random_preset is not None:
         warn_random(source.spec)
         dims_dir = random_dims_dir(source.random_preset)
     else:
-        assert weights_dir is not None
-        dims_dir = weights_dir
-    if forced is AUTO_FORCED:
-        forced = ForcedTokens(RANDOM_TOKENS_PER_TEXT_TOKEN) if source.is_random else None
-    assert forced is None or isinstance(forced, ForcedTokens)
-    device = resolve_device(mc.device)
-    dtype = _DTYPES[mc.dtype] if device.type == "cuda" else torch.float32
-    dims = llm_dims(dims_dir)
+        assert source.path is not None
+        dims_dir = source.path
     yaml_cfg = load_yaml(dims_dir)
-    fdims = flow_dims(yaml_cfg)
-    tokenizer = load_tokenizer(weights_dir, dims.text_vocab_size)
+    return ModelFiles(source, dims_dir, llm_dims(dims_dir), flow_dims(yaml_cfg), yaml_cfg)
 
+
+def voice_book(
+    cfg: Config,
+    files: ModelFiles,
+    encode: Callable[[str], list[int]],
+    voices: Any | None,
+    noise_prompt_tokens: int,
+) -> VoiceBook:
+    """The engine's voices: ``voices`` (a store) or a read-only store at ``server.voices_dir``
+    when it exists, plus the built-in ``noise`` voice of random weights."""
     builtin: dict[str, VoicePrompt] = {}
-    if source.is_random:
+    random = files.source.is_random
+    if random:
+        fd = files.flow_dims
         ids, fv = noise_voice(
-            noise_prompt_tokens, n_mels=fdims.n_mels, spk_dim=fdims.spk_embed_dim, seed=mc.random_seed
+            noise_prompt_tokens, n_mels=fd.n_mels, spk_dim=fd.spk_embed_dim, seed=cfg.model.random_seed
         )
         builtin[NOISE_VOICE] = VoicePrompt(
             NOISE_VOICE,
             # a transcript of P/3 ids, the 5 text : 15 speech ratio the interleave assumes
-            prompt_text_ids=tuple((7 * i + 3) % dims.text_vocab_size for i in range(len(ids) // 3)),
+            prompt_text_ids=tuple((7 * i + 3) % files.dims.text_vocab_size for i in range(len(ids) // 3)),
             prompt_speech_ids=tuple(ids),
             flow_prompt_tokens=len(ids),
             flow=fv,
@@ -240,8 +294,23 @@ def build_engine(
         from voice_out.voices.store import VoiceStore
 
         store = VoiceStore(cfg.server.voices_dir, None, check_fingerprint=False)
-    default = cfg.server.default_voice or (NOISE_VOICE if source.is_random else None)
-    book = VoiceBook(store, tokenizer.encode, builtin=builtin, default=default)
+    default = cfg.server.default_voice or (NOISE_VOICE if random else None)
+    return VoiceBook(store, encode, builtin=builtin, default=default)
+
+
+def plan_engine(
+    cfg: Config,
+    files: ModelFiles,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_len: int,
+    book: VoiceBook,
+    pins: Mapping[str, object],
+) -> Plan:
+    """The engine's fast-path :class:`Plan` (see :func:`engine_plan`), its hop rules checked
+    at load rather than per stream, and the first-chunk lane decided once for token2wav, the
+    runner and the scheduler."""
+    from voice_out.model.checkpoint import hift_dims
 
     ec = cfg.engine
     plan = engine_plan(
@@ -249,79 +318,112 @@ def build_engine(
         device,
         dtype,
         lambda: model_sizes(
-            dims,
-            fdims,
-            hift_dims(yaml_cfg),
+            files.dims,
+            files.flow_dims,
+            hift_dims(files.yaml_cfg),
             dtype_bytes=torch.finfo(dtype).bits // 8,
             kv_len=kv_len,
             prompt_tokens=_prompt_tokens(book),
         ),
-        pins or {},
+        pins,
         voices=max(1, len(book.names())),
     )
     try:  # the token2wav schedule's own rules (hops are whole flow chunks): fail at load, not per stream
         hop_policy(ec, plan).schedule(0, ec.fast_first_tokens)
     except ValueError as e:
         raise ConfigError(f"engine.first_hop_tokens / max_hop_tokens / hop_growth / fast_first_tokens: {e}") from None
-    graphs = plan.cuda_graphs
-    t2w_graphs = graphs and plan.token2wav_graphs
-    chunks_per_step = plan.max_chunks_per_step
-    # first chunks beside the others need their own token2wav graphs and a pipelined runner:
-    # decided here once, for token2wav, the runner (through it) and the scheduler
+    # first chunks beside the others need their own token2wav graphs and a pipelined runner
+    t2w_graphs = plan.cuda_graphs and plan.token2wav_graphs
     first_lane = t2w_graphs and device.type == "cuda" and plan.first_chunk_lane and plan.pipeline_vocode
     plan = dataclasses.replace(plan, first_chunk_lane=first_lane)
     log.info("engine: %s", plan.summary())
+    return plan
 
-    def runner_factory() -> StepRunner:
-        from voice_out.model.checkpoint import load_flow, load_hift, load_llm, random_flow, random_hift, random_llm
-        from voice_out.model.sampling import SamplingParams
-        from voice_out.model.token2wav import Token2Wav
 
+@dataclass(frozen=True)
+class RunnerRecipe:
+    """How the GPU worker thread makes the engine's :class:`Runner` (:meth:`build`, the
+    engine's ``runner_factory``) and warms it up before the first stream (:meth:`warm`).
+    Made on the calling thread; both methods run on the worker thread (CUDA belongs to it)."""
+
+    cfg: Config
+    files: ModelFiles
+    device: torch.device
+    dtype: torch.dtype
+    plan: Plan
+    book: VoiceBook
+    kv_len: int
+    flow_path: str
+    fault_hook: Any | None
+
+    # ---- build (worker thread) ------------------------------------------------------------
+
+    def build(self) -> StepRunner:
+        device, plan = self.device, self.plan
         if device.type == "cuda" and device.index is not None:
             # this (worker) thread's current device: Triton launches, graph captures and the
             # default streams follow it, per thread; an engine on cuda:1 beside one on cuda:0
             # (several engines in one process) or in a process of its own needs it set
             torch.cuda.set_device(device)
-        seed = mc.random_seed
         if device.type == "cuda":
             enforce_budget(plan, device)
-        if weights_dir is not None:
-            llm = load_llm(weights_dir, device, dtype)
-            flow = load_flow(weights_dir, device, dtype)
-            hift = load_hift(weights_dir, device)
+        llm, t2w, flow_kernels = self._models()
+        runner = self._runner(llm, t2w, flow_kernels)
+        if plan.fused_decode and device.type == "cuda" and not runner.graphed.fused:
+            log.info("engine: fused decode kernels unavailable here (need Triton and bf16/fp16): plain-torch decode")
+        return runner
+
+    def _models(self) -> tuple[SpeechLM, Token2Wav, bool]:
+        """The weights (or random ones) on the device: the LLM, token2wav, and whether its flow
+        estimator runs the fused kernels."""
+        from voice_out.model.checkpoint import load_flow, load_hift, load_llm, random_flow, random_hift, random_llm
+        from voice_out.model.token2wav import Token2Wav
+
+        device, dtype, plan, files = self.device, self.dtype, self.plan, self.files
+        seed = self.cfg.model.random_seed
+        if files.weights_dir is not None:
+            llm = load_llm(files.weights_dir, device, dtype)
+            flow = load_flow(files.weights_dir, device, dtype)
+            hift = load_hift(files.weights_dir, device)
         else:
-            llm = random_llm(dims_dir, device, dtype, seed)
-            flow = random_flow(dims_dir, device, dtype, seed)
-            hift = random_hift(dims_dir, device, seed)
+            llm = random_llm(files.dims_dir, device, dtype, seed)
+            flow = random_flow(files.dims_dir, device, dtype, seed)
+            hift = random_hift(files.dims_dir, device, seed)
         log.info(
             "engine: model %s on %s (%s), %d KV slots x %d positions",
-            source.spec,
+            files.source.spec,
             device,
             dtype,
             plan.max_streams,
-            kv_len,
+            self.kv_len,
         )
         if flow.use_kernels(plan.fused_flow):
             log.info("engine: flow estimator with fused kernels")
-        elif plan.fused_flow and torch.device(device).type == "cuda":
+        elif plan.fused_flow and device.type == "cuda":
             log.info("engine: fused flow kernels unavailable here (need Triton and bf16/fp16): plain-torch flow")
         if fused_vocoder.use_kernels(hift, plan.fused_vocoder):
             log.info("engine: vocoder with fused Snake kernels")
         t2w = Token2Wav(flow, hift, device=device)
         # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere); the first-chunk
         # lane's graphs apart when first chunks run beside the others (the plan's first_chunk_lane)
-        t2w.use_cuda_graphs(t2w_graphs, first_lane=first_lane)
-        runner = Runner(
+        t2w.use_cuda_graphs(plan.cuda_graphs and plan.token2wav_graphs, first_lane=plan.first_chunk_lane)
+        return llm, t2w, bool(flow.estimator.kernels)
+
+    def _runner(self, llm: SpeechLM, t2w: Token2Wav, flow_kernels: bool) -> Runner:
+        from voice_out.model.sampling import SamplingParams
+
+        ec, plan = self.cfg.engine, self.plan
+        return Runner(
             llm,
             t2w,
             n_slots=plan.max_streams,
-            max_len=kv_len,
+            max_len=self.kv_len,
             sampling=SamplingParams(top_p=ec.top_p, top_k=ec.top_k, win_size=ec.ras_win_size, tau_r=ec.ras_tau_r),
             hops=hop_policy(ec, plan),
             fast_first=ec.fast_first_tokens,
-            flow_path=flow_path,
-            fault_hook=fault_hook,
-            graphs=graphs,
+            flow_path=self.flow_path,
+            fault_hook=self.fault_hook,
+            graphs=plan.cuda_graphs,
             graph_buckets=plan.graph_batch_buckets,
             pipeline_vocode=plan.pipeline_vocode,
             fused_decode=plan.fused_decode,
@@ -330,36 +432,22 @@ def build_engine(
             batched_input_rows=plan.batched_input_rows,
             # on a GPU only with the fused kernels: the plain estimator would copy a voice's
             # prefix (~0.6 GB) into a state of its own for every first chunk
-            prefix_voices=plan.first_chunk_prefix_voices if flow.estimator.kernels or device.type != "cuda" else 0,
+            prefix_voices=plan.first_chunk_prefix_voices if flow_kernels or self.device.type != "cuda" else 0,
         )
-        if plan.fused_decode and device.type == "cuda" and not runner.graphed.fused:
-            log.info("engine: fused decode kernels unavailable here (need Triton and bf16/fp16): plain-torch decode")
-        return runner
 
-    def warm(runner: StepRunner) -> None:
+    # ---- warm-up (worker thread) ----------------------------------------------------------
+
+    def warm(self, runner: StepRunner) -> None:
+        """Compile the kernels, warm the LLM and token2wav up, prepare the voices' prefixes and
+        flow states, and capture the graphs of the default voice and the other prompt lengths."""
         assert isinstance(runner, Runner)
-        voice = FlowVoice(*_warm_voice(fdims.n_mels, fdims.spk_embed_dim))
-        default_voice = _default_voice(book) if t2w_graphs else None  # its graphs are captured here
-
-        def meanwhile() -> None:
-            """What needs none of the flow's kernels, done while they compile: the LLM's
-            warm-up and graphs, and the final chunks' vocoder graphs of the default voice."""
-            runner.warmup_llm()
-            if default_voice is not None:
-                runner.precapture_vocoder(default_voice[1])
-
-        if graphs:  # the fused kernels, compiled several at a time rather than on first use
-            n, seconds = precompile(runner, voice, meanwhile=meanwhile, state_chunks=plan.flow_state_streams > 0)
-            if n:
-                log.info(
-                    "engine: %d Triton kernels compiled ahead in %.1f s (the LLM's graphs and the vocoder's meanwhile)",
-                    n,
-                    seconds,
-                )
-        else:
-            meanwhile()
+        plan, fd = self.plan, self.files.flow_dims
+        voice = FlowVoice(*_warm_voice(fd.n_mels, fd.spk_embed_dim))
+        # the default voice's token2wav graphs are captured here
+        default_voice = _default_voice(self.book) if plan.cuda_graphs and plan.token2wav_graphs else None
+        self._compile(runner, voice, default_voice)
         runner.warmup_token2wav(voice)
-        _prepare_prefixes(runner, book, plan.first_chunk_prefix_voices)
+        _prepare_prefixes(runner, self.book, plan.first_chunk_prefix_voices)
         # (prefix_voices is 0 on a GPU without the fused kernels: nor does a stream need a state)
         if runner.prefix_voices:
             n_states = runner.prepare_state_slots(plan.flow_state_streams, plan.flow_state_tokens)
@@ -370,34 +458,51 @@ def build_engine(
                     plan.flow_state_tokens,
                 )
         if default_voice is not None:  # the token2wav graphs of its prompt length, before any stream
-            name, flow_voice = default_voice
-            t0 = time.perf_counter()
-            n = runner.precapture(
-                flow_voice,
-                plan.capture_tokens,
-                max_batch=chunks_per_step,
-                batch_tokens=plan.capture_batch_tokens,
-            )
-            log.info(
-                "engine: %d token2wav graphs captured for voice %r (batched chunks up to %d) in %.1f s",
-                n,
-                name,
-                chunks_per_step,
-                time.perf_counter() - t0,
-            )
-            first = 2 * ec.first_hop_tokens  # the first chunk's shapes, whatever the setting
-            n_voice = max(first, min(plan.capture_voice_tokens, plan.capture_tokens))
-            _capture_other_voices(runner, book, flow_voice, n_voice, first, chunks_per_step)
+            self._capture(runner, *default_voice)
 
-    return cls(
-        cfg,
-        runner_factory=runner_factory,
-        pipeline_factory=text_pipeline_factory(tokenizer, text_normalizer),
-        voices=book,
-        forced=forced,
-        warmup=warm if warmup else None,
-        plan=plan,
-    )
+    def _compile(self, runner: Runner, voice: FlowVoice, default_voice: tuple[str, FlowVoice] | None) -> None:
+        """The fused kernels, compiled several at a time rather than on first use (with graphs),
+        and meanwhile what needs none of the flow's kernels."""
+
+        def meanwhile() -> None:
+            """The LLM's warm-up and graphs, and the final chunks' vocoder graphs of the default voice."""
+            runner.warmup_llm()
+            if default_voice is not None:
+                runner.precapture_vocoder(default_voice[1])
+
+        if not self.plan.cuda_graphs:
+            meanwhile()
+            return
+        n, seconds = precompile(runner, voice, meanwhile=meanwhile, state_chunks=self.plan.flow_state_streams > 0)
+        if n:
+            log.info(
+                "engine: %d Triton kernels compiled ahead in %.1f s (the LLM's graphs and the vocoder's meanwhile)",
+                n,
+                seconds,
+            )
+
+    def _capture(self, runner: Runner, name: str, flow_voice: FlowVoice) -> None:
+        """The token2wav graphs of the default voice's prompt length, then of the first chunks
+        of the other voices' prompt lengths."""
+        plan = self.plan
+        chunks_per_step = plan.max_chunks_per_step
+        t0 = time.perf_counter()
+        n = runner.precapture(
+            flow_voice,
+            plan.capture_tokens,
+            max_batch=chunks_per_step,
+            batch_tokens=plan.capture_batch_tokens,
+        )
+        log.info(
+            "engine: %d token2wav graphs captured for voice %r (batched chunks up to %d) in %.1f s",
+            n,
+            name,
+            chunks_per_step,
+            time.perf_counter() - t0,
+        )
+        first = 2 * self.cfg.engine.first_hop_tokens  # the first chunk's shapes, whatever the setting
+        n_voice = max(first, min(plan.capture_voice_tokens, plan.capture_tokens))
+        _capture_other_voices(runner, self.book, flow_voice, n_voice, first, chunks_per_step)
 
 
 def _warm_voice(n_mels: int, spk_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
