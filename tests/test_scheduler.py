@@ -889,7 +889,9 @@ def test_a_chunk_neither_returned_nor_in_flight_fails_its_request() -> None:
 def test_first_audio_traces_split_each_streams_ttfa_into_phases() -> None:
     clock = FakeClock()
     sched = create_scheduler(max_streams=1, clock=clock)
-    sched.first_chunk_wait_rows = 0  # each first chunk planned while its stream decodes: no wait
+    sched.launch = dataclasses.replace(
+        sched.launch, first_chunk_wait_rows=0
+    )  # each first chunk planned while its stream decodes: no wait
     a, b = create_requests(sched, 2, text="a" * 40)  # b waits for a's KV slot
     outs = drive(sched, PipelinedRunner(delay=3), clock=clock)  # a second a step: phases count whole steps
     assert [t.request_id for t in sched.first_audio] == [a, b] and sched.first_audio_count == 2
@@ -1099,7 +1101,7 @@ def test_a_first_chunk_holds_no_steps_another_stream_or_the_config_needs(case: s
     the plan before them its guesses."""
     sched = create_scheduler(max_streams=2)
     if case == "wait_rows_0":
-        sched.first_chunk_wait_rows = 0
+        sched.launch = dataclasses.replace(sched.launch, first_chunk_wait_rows=0)
     (old,) = create_requests(sched, 1, text="abcdefghij" * 6, prefix="old")
     while sched.requests[old].chunks_produced < 1:
         step(sched)

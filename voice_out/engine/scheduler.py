@@ -19,16 +19,10 @@ Each worker iteration is ``plan = scheduler.plan()``, ``result = runner.execute(
 
 Pipelined token2wav: a runner may return a chunk's audio in a later step than the one that
 planned it (on CUDA the runner launches token2wav on a second stream and goes on with LLM steps
-while it runs). It lists such requests in ``StepResult.inflight``. While a chunk is in flight
-no new chunk of its lane is planned (the next batch waits for the lane to free up, so the
-chunks that became ready meanwhile run as one batch instead of queueing one after another);
-when a plan has nothing else to do but in-flight chunks exist, it asks the runner to wait for
-them (``StepPlan.wait_vocode``). There is one lane, or two with ``first_chunk_lane`` (the
-plan's ``first_chunk_lane`` where its runner can: CUDA graphs, pipelined): the
-non-final first chunks (``ChunkPlan.starts_audio``) and the rest, at most
-``max_chunks_per_step`` each, so a first chunk never waits for later chunks. While more than
-the plan's ``first_chunk_lane_max_playing`` streams are playing, the two lanes take turns: one
-launch in flight at a time, of the most pressing chunk's lane.
+while it runs). It lists such requests in ``StepResult.inflight``; no other chunk of such a
+request is planned meanwhile. Which of the ready chunks and LLM steps go to the device in one
+step, beside the chunks in flight (lanes, launches in flight, step-ahead guesses, waits), is
+the :class:`~voice_out.engine.launch.LaunchPolicy`'s business, which ``plan`` consults.
 
 Cancellation is ``finish(ids, ABORTED)``: the request leaves at once and its slot is released
 in the next plan. Every method is called from the worker thread only.
@@ -53,6 +47,7 @@ from voice_out.engine.api import (
     StreamFailedError,
     TextTooLongError,
 )
+from voice_out.engine.launch import LaunchPolicy
 from voice_out.engine.request import (
     EOS_TOKEN,
     FILL_TOKEN,
@@ -146,7 +141,7 @@ class StepPlan:
     vocode: tuple[VocodeWork, ...] = ()
     #: Block until this plan's chunks are back (with none, every chunk in flight): the plan
     #: has nothing else to do, or it holds a first chunk at light load
-    #: (``Scheduler.first_chunk_wait_rows``). A pipelined runner waits for the streams this
+    #: (``LaunchPolicy.first_chunk_wait_rows``). A pipelined runner waits for the streams this
     #: plan's chunks run on, not for the other lane's launches.
     wait_vocode: bool = False
 
@@ -277,29 +272,20 @@ class Scheduler:
         forced: ForcedTokens | None = None,
         plan: Plan | None = None,
         urgent_s: float = 0.5,
-        first_chunk_wait_rows: int = 4,
+        launch: LaunchPolicy | None = None,
     ) -> None:
-        """``plan``: the engine's fast-path plan (its KV slots, chunks per step, lanes and
-        policies; None: a CPU engine's for ``config.max_streams``)."""
+        """``plan``: the engine's fast-path plan (its KV slots, chunks per step and policies;
+        None: a CPU engine's for ``config.max_streams``). ``launch``: what goes to the device
+        in one step (default: the plan's :class:`LaunchPolicy`)."""
         plan = plan if plan is not None else cpu_plan(config.max_streams)
-        if plan.max_chunks_per_step < 1:
-            raise ValueError("max_chunks_per_step must be >= 1")
+        #: Lanes, launches in flight, step-ahead guesses and waits (voice_out.engine.launch).
+        self.launch = launch if launch is not None else LaunchPolicy.of(plan)
         self.config = config
         self.fast_plan = plan
         self.hops = hop_policy(config, plan)
         self.clock = clock
         self.forced = forced
-        self.max_chunks_per_step = plan.max_chunks_per_step
         self.urgent_s = urgent_s
-        #: A step that plans a first chunk and decodes at most this many rows, none of them a
-        #: stream still waiting for its own first audio, waits for the chunk (``wait_vocode``):
-        #: at light load the first chunk then has the GPU to itself (on an H200 it came ~8 ms
-        #: sooner at 1 stream). Under load, beside chunks in flight, or while other first audio
-        #: needs LLM steps, the steps go on.
-        self.first_chunk_wait_rows = first_chunk_wait_rows
-        #: Two token2wav lanes (see the module docstring): the runner runs first chunks beside
-        #: the others (the engine sets it when its token2wav has the first-chunk lane's graphs).
-        self.first_chunk_lane = plan.first_chunk_lane
         self._pipeline_factory = pipeline_factory
         self._feed_factory = feed_factory
         self.requests: dict[str, Request] = {}
@@ -466,6 +452,39 @@ class Scheduler:
 
     def plan(self) -> StepPlan:
         releases, self._releases = tuple(self._releases), []
+        admits = self._admit()
+        now = self.clock()
+        in_flight = [r.vocode_inflight for r in self.requests.values() if r.vocode_inflight is not None]
+        # streams admitted, with text, and still without audio: while there are any, only first
+        # chunks and streams about to run dry get the GPU (the plan's first_audio_priority), and
+        # no stream past its back-pressure limit decodes beside its chunk in flight. A stream
+        # given no text yet has nothing to hurry: counting it would hold every other stream's
+        # later chunks for as long as its client stays silent.
+        awaiting = any(
+            r.first_audio_time is None and r.first_text_time is not None and r.status is not RequestStatus.WAITING
+            for r in self.requests.values()
+        )
+        chosen = self.launch.pick_chunks(self._ready_chunks(now, awaiting), in_flight, self._n_playing())
+        for req, chunk in chosen:
+            req.vocode_inflight = chunk
+            if chunk.index == 0:
+                req.first_chunk_plan_time = now
+        firsts = {r.request_id for r, c in chosen if c.index == 0}
+        llm = self._llm_work(firsts, in_flight=bool(in_flight), awaiting=awaiting)
+        vocode = tuple(VocodeWork(r.request_id, c, r.speech_tokens) for r, c in chosen)
+        wait = self.launch.wait_vocode(
+            in_flight=bool(in_flight),
+            other_work=bool(releases or admits or llm),
+            firsts=bool(firsts),
+            rows=len(llm),
+            first_audio_rows=any(
+                self.requests[w.request_id].first_audio_time is None and w.request_id not in firsts for w in llm
+            ),
+        )
+        return StepPlan(releases, admits, llm, vocode, wait_vocode=wait)
+
+    def _admit(self) -> tuple[Admit, ...]:
+        """Waiting requests given a free KV slot, first come first served."""
         admits = []
         while self.waiting and self.free_slots:
             rid = self.waiting.popleft()
@@ -476,35 +495,18 @@ class Scheduler:
             req.admit_time = self.clock()
             self._slot_owner[slot] = rid
             admits.append(Admit(rid, slot, req.seed, req.voice, req.schedule.fast_first, req.speed))
+        return tuple(admits)
 
-        ready: list[tuple[Request, ChunkPlan]] = []
-        in_flight = [r.vocode_inflight for r in self.requests.values() if r.vocode_inflight is not None]
-        lanes = self.first_chunk_lane
-
-        def lane(chunk: ChunkPlan) -> bool:
-            """The chunk's token2wav lane: True = the first-chunk lane (when there is one)."""
-            return lanes and chunk.starts_audio
-
-        # a lane with a chunk in flight takes no new one: the chunks that become ready meanwhile
-        # go as one batch when it is free (without lanes: one lane, every chunk)
-        busy = {lane(c) for c in in_flight}
-        turns = self._lanes_take_turns()
-        if busy and turns:
-            busy = {True, False}  # heavy load: one launch in flight at a time, as with one lane
-        now = self.clock()
-        # streams admitted, with text, and still without audio: while there are any, only first
-        # chunks and streams about to run dry get the GPU (the plan's first_audio_priority), and
-        # no stream past its back-pressure limit decodes beside its chunk in flight. A stream
-        # given no text yet has nothing to hurry: counting it would hold every other stream's
-        # later chunks for as long as its client stays silent.
-        awaiting = any(
-            r.first_audio_time is None and r.first_text_time is not None and r.status is not RequestStatus.WAITING
-            for r in self.requests.values()
-        )
+    def _ready_chunks(self, now: float, awaiting: bool) -> list[tuple[Request, ChunkPlan]]:
+        """Every request's next chunk that may be vocoded now (none of it in flight), most
+        pressing first: streams about to run dry, then first chunks in arrival order, then by
+        playout deadline. While first audio is due (``awaiting``, the plan's
+        ``first_audio_priority``), later chunks wait unless their listener is about to run dry."""
         first_pending = self.fast_plan.first_audio_priority and awaiting
+        ready: list[tuple[Request, ChunkPlan]] = []
         for req in self.requests.values():
-            chunk = self._vocode_candidate(req)
-            if chunk is None or lane(chunk) in busy:
+            chunk = None if req.vocode_inflight is not None else self._vocode_candidate(req)
+            if chunk is None:
                 continue
             if first_pending and chunk.index > 0 and req.playout_deadline() - now >= self.urgent_s:
                 continue  # its listener has audio for a while yet: after the first audio
@@ -519,75 +521,42 @@ class Scheduler:
             # a stream about to run dry goes before new streams' first chunks
             return (0 if deadline - now < self.urgent_s else 2, deadline, order)
 
-        ready.sort(key=priority)
-        if ready and turns:  # one lane's chunks per launch: the most pressing's
-            ready = [rc for rc in ready if lane(rc[1]) == lane(ready[0][1])]
-        taken = {True: 0, False: 0}  # chunks per lane, at most max_chunks_per_step each
-        chosen: list[tuple[Request, ChunkPlan]] = []
-        for req, chunk in ready:
-            if taken[lane(chunk)] < self.max_chunks_per_step:
-                taken[lane(chunk)] += 1
-                chosen.append((req, chunk))
-        for req, chunk in chosen:
-            req.vocode_inflight = chunk
-            if chunk.index == 0:
-                req.first_chunk_plan_time = now
+        return sorted(ready, key=priority)
+
+    def _n_playing(self) -> int:
+        """Streams that have had first audio and are not finished."""
+        return sum(1 for r in self.requests.values() if r.first_audio_time is not None and not r.status.terminal)
+
+    def _llm_work(self, firsts: set[str], *, in_flight: bool, awaiting: bool) -> tuple[LlmWork, ...]:
+        """One LLM row per request that can decode now and has a step (not waiting for text),
+        unless the launch policy holds them for their first chunks (``firsts``)."""
         decoding = [
             r
             for r in self._ordered(r for r in self.requests.values() if r.status.holds_slot)
             if not r.llm_done and self._can_decode(r, beside=not awaiting)
         ]
-        firsts = {r.request_id for r, c in chosen if c.index == 0}
-        # light load, and every stream that would decode has its first chunk planned now: their
-        # LLM steps pause until it is back, so the chunk has the GPU to itself (an LLM step
-        # beside it slows it by about its own length, and brings the stream nothing it needs
-        # before its first chunk has played for a second). Not beside chunks in flight: the
-        # chunk shares the GPU with them anyway, and the host would sit idle for as long
-        # (steps of 56 ms beside a batch of 8 later chunks at 16 streams on an H100)
-        alone = not in_flight
-        hold = alone and bool(firsts) and len(decoding) <= self.first_chunk_wait_rows
-        hold = hold and all(r.request_id in firsts for r in decoding)
+        if self.launch.hold_llm(in_flight=in_flight, firsts=firsts, decoding=[r.request_id for r in decoding]):
+            return ()
         steps: list[tuple[Request, LlmStep]] = []
-        for req in [] if hold else decoding:
+        for req in decoding:
             step = req.feed.next_step()
             if step is None:
                 continue  # waiting for text: the others go on
             if self.forced is not None and step.force is None:
                 step = self._force(req, step)
             steps.append((req, step))
-        win = self.config.ras_win_size
-        ahead = len(steps) <= self.fast_plan.step_ahead_rows  # light load: launch the next steps ahead
-        # no guess where every stream's token now readies its first chunk at light load: the
-        # next plan holds their steps for that chunk (``hold``), and a guess would run beside it
-        ahead = ahead and not (
-            alone
-            and len(steps) <= self.first_chunk_wait_rows
-            and all(self._readies_first_chunk(r, st) for r, st in steps)
+        ahead = self.launch.step_ahead(
+            len(steps),
+            in_flight=in_flight,
+            readies_first_chunks=lambda: all(self._readies_first_chunk(r, st) for r, st in steps),
         )
+        win = self.config.ras_win_size
         llm: list[LlmWork] = []
         for req, step in steps:
             assert req.slot is not None
             guess = self._guess(req, step, beside=not awaiting) if ahead else None
             llm.append(LlmWork(req.request_id, req.slot, step, tuple(req.history[-win:]), guess))
-
-        vocode = tuple(VocodeWork(r.request_id, c, r.speech_tokens) for r, c in chosen)
-        wait = bool(in_flight) and not (releases or admits or llm)
-        if alone and any(c.index == 0 for _, c in chosen) and len(llm) <= self.first_chunk_wait_rows:
-            # light load: wait for the first chunk, unless a stream in the LLM batch still
-            # needs steps for its own first audio (the wait would delay that)
-            wait = wait or not any(
-                self.requests[w.request_id].first_audio_time is None and w.request_id not in firsts for w in llm
-            )
-        return StepPlan(releases, tuple(admits), tuple(llm), vocode, wait_vocode=wait)
-
-    def _lanes_take_turns(self) -> bool:
-        """With the first-chunk lane: whether more streams are playing than
-        the plan's ``first_chunk_lane_max_playing`` (then the two lanes take turns)."""
-        limit = self.fast_plan.first_chunk_lane_max_playing
-        if not self.first_chunk_lane or limit == 0:
-            return False
-        playing = sum(1 for r in self.requests.values() if r.first_audio_time is not None and not r.status.terminal)
-        return playing > limit
+        return tuple(llm)
 
     def _readies_first_chunk(self, req: Request, step: LlmStep) -> bool:
         """Whether the speech token ``step`` draws completes the tokens of ``req``'s first chunk
@@ -649,57 +618,16 @@ class Scheduler:
             if req is not None:
                 self.hops.on_state(req.schedule)
 
-        guard = self.config.max_speech_tokens_per_text_token
         for work in plan.llm:
             req = self.requests.get(work.request_id)
-            if req is None:
-                continue
-            token = result.tokens.get(work.request_id)
-            if token is None:
-                self._fail(req, StreamFailedError("the runner returned no token"))
-                continue
-            req.llm_steps += 1
-            req.history.append(token)
-            outcome = req.feed.on_token(token)
-            if outcome is TokenOutcome.SPEECH:
-                req.speech_tokens.append(token)
-                req.speech_text_end.append(req.chars_fed())
-                req.alignment.on_speech_token(req.speech_text_end[-1], req.text_id_char_end)
-                req.status = RequestStatus.RUNNING
-                if len(req.speech_tokens) >= guard * max(1, req.n_text_ids) and req.feed.final_phase:
-                    outcome = TokenOutcome.END  # a model that never stops (spec 2.7 quirk C)
-            if req.feed.done:
-                outcome = TokenOutcome.END  # the feed's own length guard or a stop token
-            if outcome is TokenOutcome.END:
-                if not req.speech_tokens:
-                    self.finish([req.request_id], RequestStatus.FINISHED)
-                    continue
-                self._llm_finished(req)
-            if req.first_chunk_ready_time is None and req.speech_tokens:
-                if req.schedule.ready(len(req.speech_tokens), req.llm_done) is not None:
-                    req.first_chunk_ready_time = now
-                    req.first_chunk_llm_steps = req.llm_steps
+            if req is not None:
+                self._on_token(req, result.tokens.get(work.request_id), now)
 
         for rid, pcm in result.audio.items():
             req = self.requests.get(rid)
-            if req is None or req.vocode_inflight is None:
-                continue  # cancelled or failed while its chunk was in flight: the audio is dropped
-            chunk, req.vocode_inflight = req.vocode_inflight, None
-            req.schedule.commit(chunk)
-            end = chunk.token_offset + chunk.hop_tokens
-            text_end = req.speech_text_end[end - 1] if end > 0 else req.chars_fed()
-            spoken = req.alignment.chunk(req.samples_produced, len(pcm), chunk.finalize, req.chars_received)
-            pcm_chunk = PcmChunk(
-                pcm=pcm, start_sample=req.samples_produced, text_end=text_end, final=chunk.finalize, alignment=spoken
-            )
-            req.samples_produced += len(pcm)
-            req.chunks_produced += 1
-            if req.first_audio_time is None:
-                req.first_audio_time = now
-                self._trace_first_audio(req, now)
-            self._outputs.append(Emitted(req.request_id, pcm_chunk))
-            if chunk.finalize:
-                self.finish([req.request_id], RequestStatus.FINISHED)
+            if req is not None and req.vocode_inflight is not None:
+                self._on_audio(req, pcm, now)
+            # else: cancelled or failed while its chunk was in flight: the audio is dropped
         # a chunk neither returned nor reported in flight is lost: fail its request, never wait on it
         lost = [
             r for r in self.requests.values() if r.vocode_inflight is not None and r.request_id not in result.inflight
@@ -707,3 +635,51 @@ class Scheduler:
         for req in lost:
             self._fail(req, StreamFailedError("the runner returned no audio"))
         return self.take_outputs()
+
+    def _on_token(self, req: Request, token: int | None, now: float) -> None:
+        """The token the LLM picked for ``req`` this step (None: the runner returned none)."""
+        if token is None:
+            self._fail(req, StreamFailedError("the runner returned no token"))
+            return
+        req.llm_steps += 1
+        req.history.append(token)
+        outcome = req.feed.on_token(token)
+        if outcome is TokenOutcome.SPEECH:
+            req.speech_tokens.append(token)
+            req.speech_text_end.append(req.chars_fed())
+            req.alignment.on_speech_token(req.speech_text_end[-1], req.text_id_char_end)
+            req.status = RequestStatus.RUNNING
+            guard = self.config.max_speech_tokens_per_text_token
+            if len(req.speech_tokens) >= guard * max(1, req.n_text_ids) and req.feed.final_phase:
+                outcome = TokenOutcome.END  # a model that never stops (spec 2.7 quirk C)
+        if req.feed.done:
+            outcome = TokenOutcome.END  # the feed's own length guard or a stop token
+        if outcome is TokenOutcome.END:
+            if not req.speech_tokens:
+                self.finish([req.request_id], RequestStatus.FINISHED)
+                return
+            self._llm_finished(req)
+        if req.first_chunk_ready_time is None and req.speech_tokens:
+            if req.schedule.ready(len(req.speech_tokens), req.llm_done) is not None:
+                req.first_chunk_ready_time = now
+                req.first_chunk_llm_steps = req.llm_steps
+
+    def _on_audio(self, req: Request, pcm: np.ndarray, now: float) -> None:
+        """The audio of ``req``'s chunk in flight: commit the chunk, emit the audio."""
+        assert req.vocode_inflight is not None
+        chunk, req.vocode_inflight = req.vocode_inflight, None
+        req.schedule.commit(chunk)
+        end = chunk.token_offset + chunk.hop_tokens
+        text_end = req.speech_text_end[end - 1] if end > 0 else req.chars_fed()
+        spoken = req.alignment.chunk(req.samples_produced, len(pcm), chunk.finalize, req.chars_received)
+        pcm_chunk = PcmChunk(
+            pcm=pcm, start_sample=req.samples_produced, text_end=text_end, final=chunk.finalize, alignment=spoken
+        )
+        req.samples_produced += len(pcm)
+        req.chunks_produced += 1
+        if req.first_audio_time is None:
+            req.first_audio_time = now
+            self._trace_first_audio(req, now)
+        self._outputs.append(Emitted(req.request_id, pcm_chunk))
+        if chunk.finalize:
+            self.finish([req.request_id], RequestStatus.FINISHED)
