@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from voice_out.text import bistream as bs
+from voice_out.text.rows import RowKind
 
 FILL = 6563
 EOS = 6561
@@ -17,11 +18,11 @@ TASK = bs.TASK_ID
 
 
 def text_rows(ids: Sequence[int]) -> list[bs.Row]:
-    return [(bs.KIND_TEXT, i) for i in ids]
+    return [(RowKind.TEXT, i) for i in ids]
 
 
 def speech_rows(ids: Sequence[int]) -> list[bs.Row]:
-    return [(bs.KIND_SPEECH, i) for i in ids]
+    return [(RowKind.SPEECH, i) for i in ids]
 
 
 class Driver:
@@ -93,7 +94,7 @@ def test_no_prompt_waits_for_five_text_tokens_then_forces_fill_after_fifteen() -
     # After FILL the next input is 5 text rows; the fill token is never fed.
     assert d.steps[16].feed == tuple(text_rows([6, 7, 8, 9, 10]))
     assert [s.mode for s in d.steps[16:]] == [bs.StepMode.SAMPLE] * 15 + [bs.StepMode.FORCE_FILL]
-    assert all((bs.KIND_SPEECH, FILL) not in s.feed for s in d.steps)
+    assert all((RowKind.SPEECH, FILL) not in s.feed for s in d.steps)
 
 
 def test_prompt_speech_is_interleaved_five_to_fifteen_and_sets_the_fill_phase() -> None:
@@ -188,12 +189,12 @@ def test_big_chunk_is_drained_by_default_but_waits_in_whole_chunk_mode() -> None
     default = Driver(bs.new_state(bs.BistreamConfig()), speech_then_eos(1))
     default.text(text)
     # Per-token pulls: every group is consumed without waiting for more text.
-    text_fed = [r[1] for s in default.steps for r in s.feed if r[0] == bs.KIND_TEXT]
+    text_fed = [r[1] for s in default.steps for r in s.feed if r[0] == RowKind.TEXT]
     assert text_fed == text
     assert sum(s.mode is bs.StepMode.FORCE_FILL for s in default.steps) == 4
     whole = Driver(bs.new_state(bs.BistreamConfig(whole_chunk_events=True)), speech_then_eos(1))
     whole.text(text)
-    text_fed = [r[1] for s in whole.steps for r in s.feed if r[0] == bs.KIND_TEXT]
+    text_fed = [r[1] for s in whole.steps for r in s.feed if r[0] == RowKind.TEXT]
     assert text_fed == text[:5] and whole.state.text_buf == text[5:]
     whole.end()  # upstream flushes the surplus at once before TASK_ID
     assert whole.steps[16].feed[-16:] == (*text_rows(text[5:]), TASK)
@@ -287,8 +288,8 @@ def test_default_schedule_feeds_everything_once_in_order(
     assert d.finished is not None
     rows = [r for s in d.steps for r in s.feed]
     all_text = prompt_text + [t for c in chunks for t in c]
-    assert [r[1] for r in rows if r[0] == bs.KIND_TEXT] == all_text
-    speech_fed = [r[1] for r in rows if r[0] == bs.KIND_SPEECH]
+    assert [r[1] for r in rows if r[0] == RowKind.TEXT] == all_text
+    speech_fed = [r[1] for r in rows if r[0] == RowKind.SPEECH]
     assert speech_fed[: len(prompt_speech)] == prompt_speech
     assert speech_fed[len(prompt_speech) :] == d.emitted[: len(speech_fed) - len(prompt_speech)]
     assert FILL not in speech_fed
@@ -320,7 +321,7 @@ def test_whole_text_request_masks_eos_before_min_len_and_stops() -> None:
         modes.append(step.mode)
         actions = bs.process(state, bs.StepDone(tok))
         assert actions[0] == bs.Emit(tok)
-        assert isinstance(actions[1], bs.Step) and actions[1].feed == ((bs.KIND_SPEECH, tok),)
+        assert isinstance(actions[1], bs.Step) and actions[1].feed == ((RowKind.SPEECH, tok),)
     assert modes == [bs.StepMode.SAMPLE] * 3 + [bs.StepMode.SAMPLE_FINAL]
     assert bs.process(state, bs.StepDone(EOS)) == [bs.Finished(bs.FinishReason.EOS)]
     assert state.cache_len == len(rows) + 4 and state.emitted == 4
@@ -335,3 +336,12 @@ def test_whole_text_request_stops_at_max_len() -> None:
     assert state.step is None and state.phase is bs.Phase.FINISHED
     empty = bs.new_whole_text_state((bs.SOS, TASK), min_len=0, max_len=0)
     assert empty.step is None and empty.finish_reason is bs.FinishReason.MAX_LEN
+
+
+def test_row_kinds_are_the_numbers_of_the_models_embedding_tables() -> None:
+    """A row travels as ``(RowKind, id)`` from the feed to ``SpeechLM.embed_rows``, which reads
+    the kind as the number of its embedding table: the two numberings are one."""
+    from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT
+
+    assert [RowKind.LLM, RowKind.TEXT, RowKind.SPEECH] == [KIND_LLM, KIND_TEXT, KIND_SPEECH]
+    assert sorted(int(k) for k in RowKind) == [KIND_LLM, KIND_TEXT, KIND_SPEECH]

@@ -34,7 +34,7 @@ from voice_out.engine.api import (
     UnknownVoiceError,
 )
 from voice_out.engine.engine import Engine, EngineStats, EngineStream
-from voice_out.engine.request import SAMPLES_PER_TOKEN, LlmInputKind, LlmStep, VoicePrompt
+from voice_out.engine.request import SAMPLES_PER_TOKEN, LlmStep, VoicePrompt
 from voice_out.engine.runner import Runner, noise_voice
 from voice_out.engine.scheduler import (
     Admit,
@@ -49,6 +49,7 @@ from voice_out.engine.scheduler import (
 from voice_out.fast.plan import PINNABLE
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
 from voice_out.model.token2wav import Token2Wav, Token2WavStream
+from voice_out.text.rows import SOS, Row, RowKind
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*RANDOM WEIGHTS")
 
@@ -989,9 +990,9 @@ def test_a_voice_prefix_is_prefilled_once_and_equals_a_whole_prefill(
     whole.batched_input_rows = 0  # every multi-row input prefilled
     _, flow = noise_voice(0, seed=1)
     voice = VoicePrompt("v", flow=flow)
-    prefix = ((LlmInputKind.SOS, 0), *((LlmInputKind.TEXT, 100 + i) for i in range(10)))
-    prefix += tuple((LlmInputKind.SPEECH, 7 * i) for i in range(20))  # 31 rows
-    rest = tuple((LlmInputKind.TEXT, 300 + i) for i in range(5))
+    prefix = (SOS, *((RowKind.TEXT, 100 + i) for i in range(10)))
+    prefix += tuple((RowKind.SPEECH, 7 * i) for i in range(20))  # 31 rows
+    rest = tuple((RowKind.TEXT, 300 + i) for i in range(5))
     prefilled: list[int] = []
     real = runner._prefill_rows
     monkeypatch.setattr(
@@ -1000,7 +1001,7 @@ def test_a_voice_prefix_is_prefilled_once_and_equals_a_whole_prefill(
         lambda slot, rows, start: prefilled.append(len(rows)) or real(slot, rows, start),  # type: ignore[func-returns-value]
     )
 
-    def first(r: Runner, rid: str, slot: int, inputs: tuple[tuple[LlmInputKind, int], ...]) -> int:
+    def first(r: Runner, rid: str, slot: int, inputs: tuple[Row, ...]) -> int:
         step = LlmStep(inputs, allow_eos=False, voice_prefix=len(prefix))
         result = r.execute(StepPlan(admit=(Admit(rid, slot, 5, voice),), llm=(LlmWork(rid, slot, step, ()),)))
         assert not result.failed
@@ -1021,15 +1022,15 @@ def test_a_voice_prefix_is_prefilled_once_and_equals_a_whole_prefill(
     assert isinstance(alone, int) and len(runner._prefixes) == 1
 
 
-SPEECH = LlmInputKind.SPEECH
-TEXT = LlmInputKind.TEXT
+SPEECH = RowKind.SPEECH
+TEXT = RowKind.TEXT
 
 
-def group(base: int) -> tuple[tuple[LlmInputKind, int], ...]:
+def group(base: int) -> tuple[Row, ...]:
     return tuple((TEXT, base + i) for i in range(5))
 
 
-Inputs = tuple[tuple[LlmInputKind, int], ...]
+Inputs = tuple[Row, ...]
 #: One request's step in a hand-made script: (inputs, force, guess of its next step); None
 #: inputs = one speech row of the request's last token.
 ScriptStep = tuple[Inputs | None, int | None, NextGuess | None]
@@ -1040,14 +1041,14 @@ def guess_script() -> list[dict[str, ScriptStep]]:
     group after a forced FILL guessed right (step 5), an unexpected text group (8), a wrongly
     guessed one (12); "b": paused at step 6, a forced speech token at step 10."""
     speech_next = NextGuess(None, False)
-    first: ScriptStep = (((LlmInputKind.SOS, 0), *group(10)), None, speech_next)
+    first: ScriptStep = ((SOS, *group(10)), None, speech_next)
     a: list[ScriptStep] = [first] + [(None, None, speech_next)] * 14
     a[4] = (None, 6563, NextGuess(group(20), False))  # forced FILL: guesses the next group
     a[5] = (group(20), None, speech_next)
     a[8] = (group(30), None, speech_next)
     a[11] = (None, 6563, NextGuess(group(50), False))
     a[12] = (group(60), None, speech_next)
-    b: list[ScriptStep] = [(((LlmInputKind.SOS, 0), *group(70)), None, speech_next)] + [(None, None, speech_next)] * 14
+    b: list[ScriptStep] = [((SOS, *group(70)), None, speech_next)] + [(None, None, speech_next)] * 14
     b[10] = (None, 123, speech_next)
     return [{"a": a[i], "b": b[i]} if i != 6 else {"a": a[i]} for i in range(15)]
 
@@ -1314,7 +1315,7 @@ def test_cuda_steps_wait_only_for_the_launches_they_need(tmp_path: Path, monkeyp
                 return runner.execute(StepPlan(vocode=(VocodeWork(rid, plan, tokens),), wait_vocode=wait))
 
             def admit_and_step(rid: str, slot: int) -> StepResult:
-                step = LlmStep(((LlmInputKind.SOS, 0), *((TEXT, 100 + i) for i in range(6))), allow_eos=False)
+                step = LlmStep((SOS, *((TEXT, 100 + i) for i in range(6))), allow_eos=False)
                 work = LlmWork(rid, slot, step, ())
                 result = runner.execute(StepPlan(admit=(Admit(rid, slot, 7, reqs[slot][1]),), llm=(work,)))
                 assert not result.failed and rid in result.tokens  # the host has read this step's token

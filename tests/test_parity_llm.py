@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from tests.conftest import parity_dir_path
-from voice_out.model import llm_inputs
 from voice_out.model.checkpoint import load_llm
 from voice_out.model.qwen2 import KVCache, SpeechLM
 from voice_out.text import bistream as bs
+from voice_out.text import rows as llm_rows
 
 TOL = 1e-4
 TEACHER_FORCED = re.compile(r"^a\d*_llm_.*\.pt$")
@@ -62,13 +62,13 @@ def test_teacher_forced(lm: SpeechLM, cases_dir: Path, name: str) -> None:
     prompt_text, text = _ids(case["prompt_text"]), _ids(case["text"])
     prompt_speech = _ids(case["prompt_speech_token"])
 
-    rows = llm_inputs.zero_shot_rows(prompt_text, text, prompt_speech)
+    rows = llm_rows.zero_shot_rows(prompt_text, text, prompt_speech)
     assert len(rows) == case["lm_input_len"]
     assert rows == [tuple(r) for r in case["lm_input_ids"].tolist()]
     embeds = lm.embed_rows(rows)
     assert torch.equal(embeds, case["lm_input"][0]), "assembled lm_input differs"
 
-    min_len, max_len = llm_inputs.length_limits(len(text))
+    min_len, max_len = llm_rows.length_limits(len(text))
     assert (min_len, max_len) == (case["min_len"], case["max_len"])
     n_steps = case["hidden"].shape[0]
     assert case["eos_masked_at_step"].tolist() == [i < min_len for i in range(n_steps)]
@@ -95,7 +95,7 @@ def test_teacher_forced(lm: SpeechLM, cases_dir: Path, name: str) -> None:
             assert list(step.feed) == rows
             hidden = lm.prefill(cache, 1, embeds)
         else:
-            assert step.feed == ((llm_inputs.KIND_SPEECH, forced[i - 1]),)
+            assert step.feed == ((llm_rows.RowKind.SPEECH, forced[i - 1]),)
             hidden = lm.decode_step(cache, slot, lm.embed_rows(step.feed))[0]
         err_hidden = max(err_hidden, _maxdiff(hidden, case["hidden"][i]))
         err_logp = max(err_logp, _maxdiff(lm.logprobs(hidden), case["logp"][i]))
@@ -248,8 +248,13 @@ def test_cross_lingual_and_instruct_assembly(cases_dir: Path) -> None:
     # a2 is the cross-lingual layout: no prompt transcript, no prompt speech
     case = _load_case(cases_dir, "a2_llm_teacher_forced_no_prompt.pt")
     text = _ids(case["text"])
-    assert llm_inputs.cross_lingual_rows(text) == [tuple(r) for r in case["lm_input_ids"].tolist()]
+    assert llm_rows.cross_lingual_rows(text) == [tuple(r) for r in case["lm_input_ids"].tolist()]
     # instruct: the instruct text takes the transcript's place and no prompt speech follows
-    rows = llm_inputs.instruct_rows([7, 8, 9], text)
-    assert rows[:4] == [llm_inputs.SOS, (llm_inputs.KIND_TEXT, 7), (llm_inputs.KIND_TEXT, 8), (llm_inputs.KIND_TEXT, 9)]
-    assert rows[-1] == llm_inputs.TASK_ID and len(rows) == 1 + 3 + len(text) + 1
+    rows = llm_rows.instruct_rows([7, 8, 9], text)
+    assert rows[:4] == [
+        llm_rows.SOS,
+        (llm_rows.RowKind.TEXT, 7),
+        (llm_rows.RowKind.TEXT, 8),
+        (llm_rows.RowKind.TEXT, 9),
+    ]
+    assert rows[-1] == llm_rows.TASK_ID and len(rows) == 1 + 3 + len(text) + 1

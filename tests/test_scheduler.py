@@ -17,7 +17,6 @@ from voice_out.engine.request import (
     FILL_TOKEN,
     SAMPLES_PER_TOKEN,
     SPEECH_VOCAB,
-    LlmInputKind,
     LlmStep,
     RequestStatus,
     TextPiece,
@@ -36,6 +35,7 @@ from voice_out.engine.scheduler import (
 from voice_out.engine.textfeed import BistreamFeed, CharPipeline
 from voice_out.fast.plan import PINNABLE, cpu_plan
 from voice_out.model.chunk_schedule import ChunkPlan
+from voice_out.text.rows import TASK_ID, RowKind
 
 FORCED = ForcedTokens(3)
 
@@ -163,7 +163,7 @@ def test_bistream_interleave_feeds_text_in_groups_and_forces_fill() -> None:
     first = sched.plan()
     (work,) = first.llm
     kinds = [k for k, _ in work.step.inputs]
-    assert kinds == [LlmInputKind.SOS] + [LlmInputKind.TEXT] * 5
+    assert kinds == [RowKind.LLM] + [RowKind.TEXT] * 5
     sched.update(first, fake_result(first))
     forced_fill = []
     for _ in range(40):
@@ -587,9 +587,9 @@ def test_first_step_marks_the_voice_prefix(n_prompt_text: int, text: int, want: 
     feed.add_text(list(range(200, 200 + text)))
     first = feed.next_step()
     assert first is not None and first.voice_prefix == want
-    assert all(ident < 200 for kind, ident in first.inputs[:want] if kind is LlmInputKind.TEXT)
+    assert all(ident < 200 for kind, ident in first.inputs[:want] if kind is RowKind.TEXT)
     if want < len(first.inputs):
-        assert first.inputs[want] == (LlmInputKind.TEXT, 200)
+        assert first.inputs[want] == (RowKind.TEXT, 200)
     feed.on_token(3)
     later = feed.next_step()
     assert later is not None and later.voice_prefix == 0  # only a first step has one
@@ -616,12 +616,7 @@ def test_prompt_speech_is_interleaved_with_text_before_decoding() -> None:
     assert s is not None and not s.allow_eos
     kinds = [k for k, _ in s.inputs]
     assert (
-        kinds
-        == [LlmInputKind.SOS]
-        + [LlmInputKind.TEXT] * 5
-        + [LlmInputKind.SPEECH] * 15
-        + [LlmInputKind.TEXT] * 5
-        + [LlmInputKind.SPEECH] * 5
+        kinds == [RowKind.LLM] + [RowKind.TEXT] * 5 + [RowKind.SPEECH] * 15 + [RowKind.TEXT] * 5 + [RowKind.SPEECH] * 5
     )
     assert feed.text_fed == 5
     # next_fill = (20 // 15 + 1) * 15 - 20 = 10 picks until the forced FILL
@@ -977,7 +972,7 @@ def test_step_after_guesses_the_next_step_and_changes_nothing() -> None:
     first = feed.next_step()
     assert first is not None
     guess = feed.step_after(3)
-    assert guess is not None and guess.inputs == ((LlmInputKind.SPEECH, 3),) and guess.voice_prefix == 0
+    assert guess is not None and guess.inputs == ((RowKind.SPEECH, 3),) and guess.voice_prefix == 0
     fed, state = feed.text_fed, repr(feed.state)
     step: LlmStep | None
     step = first
@@ -985,7 +980,7 @@ def test_step_after_guesses_the_next_step_and_changes_nothing() -> None:
         guessed = feed.step_after(4)
         feed.on_token(4)
         step = feed.next_step()
-        assert step is not None and guessed == step and step.inputs == ((LlmInputKind.SPEECH, 4),)
+        assert step is not None and guessed == step and step.inputs == ((RowKind.SPEECH, 4),)
     # a forced FILL: the next step is the next text group, but only 2 ids are buffered
     assert feed.step_after(FILL_TOKEN) is None
     feed.add_text([17, 18, 19])
@@ -1015,7 +1010,7 @@ def test_the_plan_guesses_each_stream_s_next_step() -> None:
         if w.step.force == FILL_TOKEN:
             fills += 1
             assert w.guess is not None and w.guess.inputs is not None  # the rest of the text, TASK
-            assert {k for k, _ in w.guess.inputs} <= {LlmInputKind.TEXT, LlmInputKind.TASK}
+            assert {r for r in w.guess.inputs if r[0] != RowKind.TEXT} <= {TASK_ID}
             sched.update(plan, fake_result(plan))
             plan = sched.plan()
             assert plan.llm[0].step.inputs == w.guess.inputs  # the guess was right

@@ -28,14 +28,14 @@ from tests.test_parity_token2wav import ReplayFlow, assert_wave_close
 from voice_out.config import Config, EngineConfig, ServerConfig
 from voice_out.engine.api import BadOptionError, PcmChunk
 from voice_out.engine.engine import Engine
-from voice_out.engine.request import FILL_TOKEN, LlmInputKind, VoicePrompt
+from voice_out.engine.request import FILL_TOKEN, VoicePrompt
 from voice_out.engine.scheduler import ForcedTokens
 from voice_out.engine.textfeed import BistreamFeed
 from voice_out.engine.voicebook import END_OF_PROMPT, MAX_INSTRUCTION_CHARS, instruct_prompt
 from voice_out.model.checkpoint import load_hift
 from voice_out.model.hift import HiFT
-from voice_out.model.llm_inputs import SOS, TASK_ID, instruct_rows, zero_shot_rows
 from voice_out.model.token2wav import Token2Wav
+from voice_out.text.rows import SOS, TASK_ID, Row, RowKind, instruct_rows, zero_shot_rows
 from voice_out.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -216,13 +216,13 @@ def test_whole_text_rows_are_g4s_with_the_instruction_in_place_of_the_prompt(
     assert zero_shot_rows(prompt.prompt_text_ids, text, prompt.prompt_speech_ids) == rows
 
 
-def run_feed(prompt: VoicePrompt, text: list[int]) -> list[list[tuple[LlmInputKind, int]]]:
+def run_feed(prompt: VoicePrompt, text: list[int]) -> list[list[Row]]:
     """Every LLM step's input rows of a bistream feed given ``text`` at once (the engine's path),
     answering each step with speech token 7 (a forced FILL as forced), EOS after 40 tokens."""
     feed = BistreamFeed(prompt.prompt_text_ids, prompt.prompt_speech_ids)
     feed.add_text(text)
     feed.end_text()
-    steps: list[list[tuple[LlmInputKind, int]]] = []
+    steps: list[list[Row]] = []
     while (step := feed.next_step()) is not None:
         steps.append(list(step.inputs))
         token = step.force if step.force is not None else (6561 if step.allow_eos and len(steps) > 40 else 7)
@@ -240,20 +240,20 @@ def test_bistream_rows_of_an_instructed_stream(tokenizer: Any, g4: dict[str, Any
     instr = list(prompt.prompt_text_ids)
     # spec 2.7 with no prompt speech (P = 0): the first step is SOS and the first 5 text ids,
     # which are the instruction's; the model then speaks (15 speech tokens per 5 text)
-    assert steps[0] == [(LlmInputKind.SOS, 0)] + [(LlmInputKind.TEXT, i) for i in instr[:5]]
+    assert steps[0] == [SOS] + [(RowKind.TEXT, i) for i in instr[:5]]
     fed = [row for step in steps for row in step]
-    text_rows = [i for kind, i in fed if kind is LlmInputKind.TEXT]
+    text_rows = [i for kind, i in fed if kind is RowKind.TEXT]
     assert text_rows == instr + text  # the instruction, then the request's text, each once
-    tasks = [j for j, (kind, _) in enumerate(fed) if kind is LlmInputKind.TASK]
-    last_text = max(j for j, (kind, _) in enumerate(fed) if kind is LlmInputKind.TEXT)
+    tasks = [j for j, row in enumerate(fed) if row == TASK_ID]
+    last_text = max(j for j, (kind, _) in enumerate(fed) if kind is RowKind.TEXT)
     assert len(tasks) == 1 and tasks[0] == last_text + 1
     # every speech row fed is one the model made (token 7): none comes from the voice's prompt
-    assert {i for kind, i in fed if kind is LlmInputKind.SPEECH} == {7}
+    assert {i for kind, i in fed if kind is RowKind.SPEECH} == {7}
     assert FILL_TOKEN not in {i for _, i in fed}
     # the zero-shot stream of the same voice interleaves 15 prompt speech ids per 5 text ids
     zero_shot = run_feed(voice, text)
-    assert zero_shot[0][:6] == [(LlmInputKind.SOS, 0)] + [(LlmInputKind.TEXT, i) for i in voice.prompt_text_ids[:5]]
-    assert zero_shot[0][6:21] == [(LlmInputKind.SPEECH, i) for i in voice.prompt_speech_ids[:15]]
+    assert zero_shot[0][:6] == [SOS] + [(RowKind.TEXT, i) for i in voice.prompt_text_ids[:5]]
+    assert zero_shot[0][6:21] == [(RowKind.SPEECH, i) for i in voice.prompt_speech_ids[:15]]
 
 
 def test_the_engine_feeds_the_instruction_to_the_llm(tmp_path: Path) -> None:

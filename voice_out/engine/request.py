@@ -25,6 +25,7 @@ from typing import Protocol
 from voice_out.engine.alignment import AlignmentTracker
 from voice_out.engine.api import SAMPLE_RATE, StreamState
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
+from voice_out.text.rows import Row
 
 #: Speech-token vocabulary (spec 2.1): ids below it are FSQ speech tokens.
 SPEECH_VOCAB = 6561
@@ -109,13 +110,6 @@ class TextPipeline(Protocol):
     def finish(self) -> list[TextPiece]: ...
 
 
-class LlmInputKind(enum.Enum):
-    SOS = "sos"  # llm_embedding row 0
-    TASK = "task"  # llm_embedding row 1 (speech starts here)
-    TEXT = "text"  # text embedding table
-    SPEECH = "speech"  # speech embedding table
-
-
 @dataclass(frozen=True)
 class LlmStep:
     """One LLM forward of one request: feed ``inputs`` (appended to its KV slot), then pick a
@@ -129,7 +123,7 @@ class LlmStep:
     them at the same positions, so the runner may reuse their K/V instead of computing them.
     """
 
-    inputs: tuple[tuple[LlmInputKind, int], ...]
+    inputs: tuple[Row, ...]
     allow_eos: bool
     force: int | None = None
     voice_prefix: int = 0

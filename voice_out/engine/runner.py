@@ -30,22 +30,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from voice_out.engine.request import LlmInputKind
 from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
 from voice_out.fast.graphs import family_stream
 from voice_out.fast.llm_step import GraphedLLM, PendingIds, pack_decode_rows
 from voice_out.model.chunk_schedule import HopPolicy
-from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT, KVCache, SpeechLM
+from voice_out.model.qwen2 import KVCache, SpeechLM
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, ras_sample_batch
 from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2Wav, Token2WavStream
 from voice_out.model.transfer import to_device
+from voice_out.text.rows import SOS, Row, RowKind, text_rows
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_KIND = {LlmInputKind.SOS: KIND_LLM, LlmInputKind.TASK: KIND_LLM, LlmInputKind.TEXT: KIND_TEXT}
-_KIND[LlmInputKind.SPEECH] = KIND_SPEECH
 #: Voices whose device tensors the runner keeps (a re-registered voice is a new entry).
 VOICE_CACHE_SIZE = 32
 #: ``family_stream`` names of the side stream token2wav runs on, of the first-chunk lane's
@@ -263,7 +261,7 @@ class Runner:
         #: most ``prefix_voices`` of them; the entry keeps the voice alive, as above.
         self._first_prefixes: dict[int, tuple[FlowVoice, Any]] = {}
         #: voice prefix rows -> (K, V ``[n_layers, n_kv_heads, P, head_dim]``, last hidden ``[H]``)
-        self._prefixes: OrderedDict[tuple[tuple[LlmInputKind, int], ...], tuple[Tensor, Tensor, Tensor]] = OrderedDict()
+        self._prefixes: OrderedDict[tuple[Row, ...], tuple[Tensor, Tensor, Tensor]] = OrderedDict()
 
     # ---- accounting --------------------------------------------------------------------------
 
@@ -539,7 +537,7 @@ class Runner:
             torch.cuda.synchronize(self.device)  # the weights, loaded on the default stream
         with torch.inference_mode():
             dims = self.llm.dims
-            rows = [(KIND_LLM, 0)] + [(KIND_TEXT, i % dims.text_vocab_size) for i in range(7)]
+            rows: list[tuple[int, int]] = [SOS, *text_rows([i % dims.text_vocab_size for i in range(7)])]
             h = self.llm.prefill(self.cache, 0, self.llm.embed_rows(rows), start_pos=0)
             speech = torch.zeros(1, dtype=torch.long, device=self.device)
             window = min(KV_WINDOW_STEP, self.cache.max_len)
@@ -728,11 +726,12 @@ class Runner:
             guess, known = w.guess, w.step.force
             if guess is None:
                 continue
+            rows: list[tuple[int, int]]
             if guess.inputs is None:  # one speech row: this step's token
                 fed = known is None
-                rows = [(KIND_SPEECH, 0 if known is None else known)]
+                rows = [(RowKind.SPEECH, 0 if known is None else known)]
             elif known is not None:  # the rows after a forced token (a text group after FILL)
-                fed, rows = False, [(_KIND[kind], ident) for kind, ident in guess.inputs]
+                fed, rows = False, [*guess.inputs]
             else:
                 continue
             start = self.slot_len[w.slot]
@@ -767,7 +766,7 @@ class Runner:
             )
 
     def _rows(self, w: LlmWork) -> list[tuple[int, int]]:
-        return [(_KIND[kind], ident) for kind, ident in w.step.inputs]
+        return [*w.step.inputs]
 
     def _place_prefix(self, w: LlmWork) -> tuple[list[tuple[int, int]], Tensor | None]:
         """Put a first step's voice prefix into its slot (if it has one worth reusing); returns

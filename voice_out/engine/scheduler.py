@@ -53,7 +53,6 @@ from voice_out.engine.request import (
     FILL_TOKEN,
     SAMPLES_PER_TOKEN,
     SPEECH_VOCAB,
-    LlmInputKind,
     LlmStep,
     Request,
     RequestStatus,
@@ -67,6 +66,7 @@ from voice_out.engine.textfeed import BistreamFeed
 from voice_out.fast.plan import Plan, cpu_plan
 from voice_out.model.chunk_schedule import ChunkPlan, HopPolicy
 from voice_out.text.bistream import BistreamConfig
+from voice_out.text.rows import Row
 
 Clock = Callable[[], float]
 #: First-audio traces the scheduler keeps (``Scheduler.first_audio``).
@@ -107,7 +107,7 @@ class NextGuess:
     this step picks; else these rows (a text group after a forced FILL). A guess the next
     plan does not confirm is dropped."""
 
-    inputs: tuple[tuple[LlmInputKind, int], ...] | None
+    inputs: tuple[Row, ...] | None
     allow_eos: bool
 
 

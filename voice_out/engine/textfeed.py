@@ -11,20 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from voice_out.engine.request import FILL_TOKEN, LlmInputKind, LlmStep, TextPiece, TokenOutcome
-from voice_out.model.llm_inputs import KIND_LLM, KIND_SPEECH, KIND_TEXT
+from voice_out.engine.request import FILL_TOKEN, LlmStep, TextPiece, TokenOutcome
 from voice_out.text import bistream as bs
-
-
-def _row(kind: int, ident: int) -> tuple[LlmInputKind, int]:
-    """A bistream feed row ``(kind, id)`` as the scheduler's typed input."""
-    if kind == KIND_LLM:
-        return (LlmInputKind.SOS if ident == 0 else LlmInputKind.TASK, ident)
-    if kind == KIND_TEXT:
-        return (LlmInputKind.TEXT, ident)
-    if kind == KIND_SPEECH:
-        return (LlmInputKind.SPEECH, ident)
-    raise ValueError(f"unknown feed row kind {kind}")
+from voice_out.text.rows import TASK_ID, Row, RowKind
 
 
 class BistreamFeed:
@@ -59,7 +48,7 @@ class BistreamFeed:
         s = self.state
         unfed = len(s.text_buf) + s.chunk_tokens
         if not s.pending_fed:
-            unfed += sum(1 for kind, _ in s.pending if kind == KIND_TEXT)
+            unfed += sum(1 for kind, _ in s.pending if kind == RowKind.TEXT)
         # the prompt transcript is fed first, so it is what the buffers lack first
         return max(0, s.text_tokens - unfed)
 
@@ -88,21 +77,21 @@ class BistreamFeed:
         return self._llm_step(state.step, False) if state.step is not None else None
 
     def _llm_step(self, step: bs.Step, first: bool) -> LlmStep:
-        inputs = tuple(_row(kind, ident) for kind, ident in step.feed)
+        inputs = tuple(step.feed)
         prefix = self._voice_prefix(inputs) if first else 0
         if step.mode is bs.StepMode.FORCE_FILL:
             return LlmStep(inputs, allow_eos=False, force=FILL_TOKEN, voice_prefix=prefix)
         return LlmStep(inputs, allow_eos=step.mode is bs.StepMode.SAMPLE_FINAL, voice_prefix=prefix)
 
-    def _voice_prefix(self, inputs: Sequence[tuple[LlmInputKind, int]]) -> int:
+    def _voice_prefix(self, inputs: Sequence[Row]) -> int:
         """Rows of the first step before the first one that is not the voice's: a text row past
         the prompt transcript (the transcript is fed first), or TASK (it follows the end of the
         request's text). Speech rows of a first step are prompt speech."""
         seen_text = 0
-        for i, (kind, _) in enumerate(inputs):
-            if kind is LlmInputKind.TASK:
+        for i, row in enumerate(inputs):
+            if row == TASK_ID:
                 return i
-            if kind is LlmInputKind.TEXT:
+            if row[0] == RowKind.TEXT:
                 if seen_text == self._n_prompt_text:
                     return i
                 seen_text += 1

@@ -98,7 +98,7 @@ def instruct_prompt(voice: VoicePrompt, instructions: str, encode: Callable[[str
     tokenized, takes the place of the prompt transcript, and the LLM gets no prompt speech;
     the flow keeps the voice's prompt tokens, mel and x-vector (the timbre). The bistream
     feed then starts ``[SOS, instruction + text interleaved 5 : 15 with speech, ...,
-    TASK_ID]``; the whole-text layout is ``llm_inputs.instruct_rows``. Raises
+    TASK_ID]``; the whole-text layout is ``voice_out.text.rows.instruct_rows``. Raises
     :class:`BadOptionError` for an empty or too long instruction. Any thread."""
     text = instructions.strip()
     if not text or text == END_OF_PROMPT:

@@ -38,9 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from voice_out.model.llm_inputs import KIND_LLM, KIND_SPEECH, KIND_TEXT
 from voice_out.model.transfer import to_device
 
+#: Input row kinds: which embedding table a ``(kind, id)`` row reads (``embed_rows``); the
+#: callers' ``voice_out.text.rows.RowKind`` has these values.
+KIND_LLM, KIND_TEXT, KIND_SPEECH = 0, 1, 2
 #: Fixed by the model family (spec 2.1): 6561 FSQ codes, then EOS, a reserved stop id and FILL.
 SPEECH_TOKEN_SIZE = 6561
 N_SPEECH_SPECIALS = 3

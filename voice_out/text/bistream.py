@@ -68,7 +68,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from enum import Enum, IntEnum
 
-from voice_out.model.llm_inputs import KIND_SPEECH, KIND_TEXT, SOS, TASK_ID, Row
+from voice_out.text.rows import SOS, TASK_ID, Row, RowKind
 
 
 class StepMode(IntEnum):
@@ -230,7 +230,7 @@ class WholeTextState:
     """A request whose whole text is known up front: upstream's non-streaming path (spec 2.4, 2.5).
 
     Same events and actions as bistream, so one scheduler drives both. The first step (all
-    ``rows``, e.g. from ``llm_inputs.zero_shot_rows``) is outstanding from the start. Step i
+    ``rows``, e.g. from ``rows.zero_shot_rows``) is outstanding from the start. Step i
     masks EOS while ``i < min_len``; any stop id ends the stream; ``max_len`` tokens at most.
     """
 
@@ -287,7 +287,7 @@ def _process_whole(state: WholeTextState, event: Event) -> list[Action]:
     if state.produced >= state.max_len:
         state.phase, state.finish_reason = Phase.FINISHED, FinishReason.MAX_LEN
         return [Emit(token), Finished(FinishReason.MAX_LEN)]
-    return [Emit(token), _issue_whole(state, ((KIND_SPEECH, token),))]
+    return [Emit(token), _issue_whole(state, ((RowKind.SPEECH, token),))]
 
 
 def process(state: BistreamState | WholeTextState, event: Event) -> list[Action]:
@@ -339,8 +339,8 @@ def _pull(state: BistreamState) -> list[Action]:
         state.text_buf.extend(chunk)
         state.chunks_pulled += 1
         while state.prompt_speech and len(state.text_buf) >= n_text:
-            state.pending += [(KIND_TEXT, t) for t in state.text_buf[:n_text]]
-            state.pending += [(KIND_SPEECH, s) for s in state.prompt_speech[:n_speech]]
+            state.pending += [(RowKind.TEXT, t) for t in state.text_buf[:n_text]]
+            state.pending += [(RowKind.SPEECH, s) for s in state.prompt_speech[:n_speech]]
             del state.text_buf[:n_text]
             del state.prompt_speech[:n_speech]
             state.pending_fed = False
@@ -351,7 +351,7 @@ def _pull(state: BistreamState) -> list[Action]:
         if after_fill or at_start:
             if len(state.text_buf) < n_text:
                 continue
-            group = [(KIND_TEXT, t) for t in state.text_buf[:n_text]]
+            group = [(RowKind.TEXT, t) for t in state.text_buf[:n_text]]
             state.pending = group if after_fill else state.pending + group
             state.pending_fed = False
             del state.text_buf[:n_text]
@@ -379,10 +379,10 @@ def _enter_final(state: BistreamState) -> Step:
     rows: list[Row] = []
     if not state.pending_fed or cfg.refeed_last_input:
         rows += state.pending
-    rows += [(KIND_TEXT, t) for t in state.text_buf]
+    rows += [(RowKind.TEXT, t) for t in state.text_buf]
     rows.append(TASK_ID)
     if not cfg.drop_unused_prompt_speech:
-        rows += [(KIND_SPEECH, s) for s in state.prompt_speech]
+        rows += [(RowKind.SPEECH, s) for s in state.prompt_speech]
     state.text_buf.clear()
     state.prompt_speech.clear()
     state.pending = rows
@@ -418,7 +418,7 @@ def _step_done(state: BistreamState, token: int) -> list[Action]:
     if token >= cfg.speech_token_size or token < 0:
         return [_finish(state, FinishReason.STOP_TOKEN)]
     state.emitted += 1
-    state.pending = [(KIND_SPEECH, token)]
+    state.pending = [(RowKind.SPEECH, token)]
     state.pending_fed = False
     actions: list[Action] = [Emit(token)]
     limit = cfg.max_tokens_per_text_token

@@ -1,9 +1,13 @@
-"""LLM input assembly for whole-text requests (cosyvoice2-spec section 2.4). No torch.
+"""The LLM's input rows, and their assembly for whole-text requests (cosyvoice2-spec section
+2.4). No torch.
 
 The LM never sees token ids directly: its input is a sequence of embedding rows, each named by
-a ``(kind, id)`` pair (kind 0 = ``llm_embedding`` row, 1 = text token, 2 = speech token; the
-same convention as the parity traces). ``SpeechLM.embed_rows`` turns such a list into
-embeddings. The layout is::
+a ``(kind, id)`` pair, :data:`Row`: :class:`RowKind` ``LLM`` (0, an ``llm_embedding`` row:
+SOS or TASK_ID), ``TEXT`` (1, a text token) or ``SPEECH`` (2, a speech token); the same
+numbering as the parity traces. This is the one representation of a row from the bistream
+feed through the scheduler and the runner to ``SpeechLM.embed_rows``, which turns a list of
+them into embeddings (``RowKind`` is an ``IntEnum``: the model reads the kinds as ints). The
+layout is::
 
     [SOS] + text(prompt_text ++ text) + [TASK_ID] + speech(prompt_speech)
 
@@ -22,17 +26,24 @@ Length limits count only the target text: ``min_len = 2 * N``, ``max_len = 20 * 
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 
-KIND_LLM = 0
-KIND_TEXT = 1
-KIND_SPEECH = 2
+
+class RowKind(enum.IntEnum):
+    """Which embedding table a row reads."""
+
+    LLM = 0  # llm_embedding: row 0 SOS, row 1 TASK_ID (speech starts after it)
+    TEXT = 1  # the text token embedding table
+    SPEECH = 2  # the speech token embedding table
+
+
 SOS_ROW = 0
 TASK_ID_ROW = 1
 
-Row = tuple[int, int]
-SOS: Row = (KIND_LLM, SOS_ROW)
-TASK_ID: Row = (KIND_LLM, TASK_ID_ROW)
+Row = tuple[RowKind, int]
+SOS: Row = (RowKind.LLM, SOS_ROW)
+TASK_ID: Row = (RowKind.LLM, TASK_ID_ROW)
 
 #: Upstream ratios of speech tokens to target text tokens (spec 2.4).
 MIN_TOKENS_PER_TEXT_TOKEN = 2
@@ -40,11 +51,11 @@ MAX_TOKENS_PER_TEXT_TOKEN = 20
 
 
 def text_rows(ids: Sequence[int]) -> list[Row]:
-    return [(KIND_TEXT, int(i)) for i in ids]
+    return [(RowKind.TEXT, int(i)) for i in ids]
 
 
 def speech_rows(ids: Sequence[int]) -> list[Row]:
-    return [(KIND_SPEECH, int(i)) for i in ids]
+    return [(RowKind.SPEECH, int(i)) for i in ids]
 
 
 def zero_shot_rows(prompt_text: Sequence[int], text: Sequence[int], prompt_speech: Sequence[int]) -> list[Row]:
