@@ -17,7 +17,7 @@ import torch
 from voice_out.voices import features
 from voice_out.voices.audio import decode_audio
 from voice_out.voices.onnx import SpeakerEmbedder, SpeechTokenizer
-from voice_out.voices.prompt import PromptExtractor, PromptFeatures, VoicePrompt, compute_features
+from voice_out.voices.prompt import ExtractedPrompt, PromptExtractor, PromptFeatures, compute_features
 
 TOL = 1e-4
 
@@ -51,7 +51,7 @@ def feats(decoded: Any, parity_dir: Path) -> PromptFeatures:
 
 
 @pytest.fixture(scope="module")
-def prompt(decoded: Any, parity_dir: Path) -> VoicePrompt:
+def prompt(decoded: Any, parity_dir: Path) -> ExtractedPrompt:
     return PromptExtractor(parity_dir).extract(decoded.samples, decoded.sample_rate)
 
 
@@ -142,7 +142,7 @@ def test_speech_feat(feats: PromptFeatures, g1: dict[str, Any], record_property:
     _check(record_property, "speech_feat", feats.prompt_mel[None], g1["speech_feat"])
 
 
-def test_alignment(prompt: VoicePrompt, g1: dict[str, Any], record_property: Any) -> None:
+def test_alignment(prompt: ExtractedPrompt, g1: dict[str, Any], record_property: Any) -> None:
     k = int(g1["aligned_token_len"])
     assert features.aligned_token_count(int(g1["speech_feat_len"]), int(g1["speech_token_raw"].shape[-1])) == k
     assert prompt.n_tokens == k
@@ -153,7 +153,7 @@ def test_alignment(prompt: VoicePrompt, g1: dict[str, Any], record_property: Any
     _check(record_property, "prompt_speech_feat", prompt.prompt_mel[None], g1["prompt_speech_feat"])
 
 
-def test_g4_prompt_inputs(prompt: VoicePrompt, g4: dict[str, Any], record_property: Any) -> None:
+def test_g4_prompt_inputs(prompt: ExtractedPrompt, g4: dict[str, Any], record_property: Any) -> None:
     for key in ("llm_prompt_speech_token", "flow_prompt_speech_token"):
         assert torch.equal(prompt.speech_tokens, g4[key].reshape(-1)), key
         assert int(g4[f"{key}_len"].reshape(-1)[0]) == prompt.n_tokens

@@ -28,7 +28,7 @@ from tests.test_parity_token2wav import ReplayFlow, assert_wave_close
 from voice_out.config import Config, EngineConfig, ServerConfig
 from voice_out.engine.api import BadOptionError, PcmChunk
 from voice_out.engine.engine import Engine
-from voice_out.engine.request import FILL_TOKEN, VoicePrompt
+from voice_out.engine.request import FILL_TOKEN, FlowVoice, VoicePrompt
 from voice_out.engine.scheduler import ForcedTokens
 from voice_out.engine.textfeed import BistreamFeed
 from voice_out.engine.voicebook import END_OF_PROMPT, MAX_INSTRUCTION_CHARS, instruct_prompt
@@ -172,7 +172,7 @@ def g4_voice(g4: dict[str, Any]) -> VoicePrompt:
         prompt_text_ids=tuple(int(i) for i in g4["prompt_text"][0]),
         prompt_speech_ids=tuple(int(i) for i in g4["llm_prompt_speech_token"][0]),
         flow_prompt_tokens=int(g4["flow_prompt_speech_token"].shape[1]),
-        flow="the flow conditioning (untouched)",
+        flow=FlowVoice(torch.zeros(0, dtype=torch.int32), torch.zeros(0, 80), torch.zeros(192)),  # untouched
     )
 
 

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from voice_out.config import Config, ConfigError, device_list, parse_gpu_memory
-from voice_out.engine.request import TextPiece, TextPipeline, VoicePrompt
-from voice_out.engine.runner import FlowVoice, Runner, noise_voice
+from voice_out.engine.request import FlowVoice, TextPiece, TextPipeline, VoicePrompt
+from voice_out.engine.runner import Runner, noise_voice
 from voice_out.engine.scheduler import AUTO_FORCED, AutoForced, ForcedTokens, hop_policy
 from voice_out.engine.textfeed import TokenizerPipeline
 from voice_out.engine.voicebook import VoiceBook
@@ -517,7 +517,7 @@ def _default_voice(book: VoiceBook) -> tuple[str, FlowVoice] | None:
         voice = book.resolve(None)
     except Exception:  # noqa: BLE001 - the request that names it fails instead
         return None
-    return (voice.name, voice.flow) if isinstance(voice.flow, FlowVoice) else None
+    return (voice.name, voice.flow) if voice.flow is not None else None
 
 
 def _prepare_prefixes(runner: Runner, book: VoiceBook, limit: int) -> None:
@@ -536,7 +536,7 @@ def _prepare_prefixes(runner: Runner, book: VoiceBook, limit: int) -> None:
             voice = book.resolve(name)
         except Exception:  # noqa: BLE001 - an unusable voice fails the request that names it
             continue
-        if isinstance(voice.flow, FlowVoice) and voice.name not in prepared and runner.prepare_first_prefix(voice.flow):
+        if voice.flow is not None and voice.name not in prepared and runner.prepare_first_prefix(voice.flow):
             prepared.append(voice.name)
     if prepared:
         log.info(
@@ -564,7 +564,7 @@ def _capture_other_voices(
         except Exception:  # noqa: BLE001 - an unusable voice fails the request that names it
             continue
         flow = voice.flow
-        if not isinstance(flow, FlowVoice) or int(flow.prompt_token.numel()) in lengths:
+        if flow is None or int(flow.prompt_token.numel()) in lengths:
             continue
         lengths.add(int(flow.prompt_token.numel()))
         runner.precapture(flow, n_tokens, max_batch=max_batch, batch_tokens=batch_tokens)
@@ -587,7 +587,7 @@ def _prompt_tokens(book: VoiceBook) -> int:
     except Exception:  # noqa: BLE001 - the request that names it fails instead
         return 150
     flow = voice.flow
-    return int(flow.prompt_token.numel()) if isinstance(flow, FlowVoice) and flow.prompt_token.numel() else 150
+    return int(flow.prompt_token.numel()) if flow is not None and flow.prompt_token.numel() else 150
 
 
 def onnx_on_device() -> bool:

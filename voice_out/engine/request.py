@@ -20,12 +20,15 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from voice_out.engine.alignment import AlignmentTracker
 from voice_out.engine.api import SAMPLE_RATE, StreamState
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
 from voice_out.text.rows import Row
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 #: Speech-token vocabulary (spec 2.1): ids below it are FSQ speech tokens.
 SPEECH_VOCAB = 6561
@@ -73,6 +76,17 @@ _STREAM_STATE = {
 
 
 @dataclass(frozen=True)
+class FlowVoice:
+    """A voice's token2wav conditioning on the CPU: ``prompt_token`` int32 [P], ``prompt_feat``
+    float32 [2P, 80], ``embedding`` float32 [D]. Made by the voice book (from a stored voice)
+    or the engine's build (a random model's ``noise``); read by the runner alone."""
+
+    prompt_token: Tensor
+    prompt_feat: Tensor
+    embedding: Tensor
+
+
+@dataclass(frozen=True)
 class VoicePrompt:
     """What the scheduler needs of a voice: token ids only (the tensors stay in the runner).
 
@@ -86,8 +100,9 @@ class VoicePrompt:
     prompt_speech_ids: tuple[int, ...] = ()
     #: Flow prompt tokens P (may be fewer than the LLM's: the store cuts it to whole chunks).
     flow_prompt_tokens: int = 0
-    #: The runner's conditioning for token2wav (tensors); opaque here, never touched.
-    flow: object = field(default=None, compare=False, repr=False)
+    #: The runner's conditioning for token2wav (None: a voice of token ids alone, which the
+    #: runner refuses to admit). The scheduler never touches its tensors.
+    flow: FlowVoice | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

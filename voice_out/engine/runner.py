@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from voice_out.engine.request import FlowVoice
 from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
 from voice_out.fast.graphs import family_stream
 from voice_out.fast.llm_step import GraphedLLM, PendingIds, pack_decode_rows
@@ -55,16 +56,6 @@ MAIN_STREAM_FAMILY = "steps"
 KV_WINDOW_STEP = 256
 #: The uniforms of a row whose draw is not used (a run's inner rows).
 _IDLE_UNIFORMS = np.full(2, 0.5)
-
-
-@dataclass(frozen=True)
-class FlowVoice:
-    """A voice's token2wav conditioning on the CPU: ``prompt_token`` int32 [P], ``prompt_feat``
-    float32 [2P, 80], ``embedding`` float32 [D]."""
-
-    prompt_token: Tensor
-    prompt_feat: Tensor
-    embedding: Tensor
 
 
 class FaultHook(Protocol):
@@ -500,7 +491,7 @@ class Runner:
 
     def _admit(self, adm: Admit) -> None:
         flow_voice = adm.voice.flow
-        if not isinstance(flow_voice, FlowVoice):
+        if flow_voice is None:
             raise TypeError(f"voice {adm.voice.name!r} has no token2wav conditioning")
         token, feat, emb, prepared = self._voice(flow_voice)
         # the same first/max hop as the scheduler's copy of the schedule: it hands us its plans

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from voice_out.engine.api import BadOptionError, NoVoiceError, UnknownVoiceError
-from voice_out.engine.request import VoicePrompt
+from voice_out.engine.request import FlowVoice, VoicePrompt
 
 #: Ends CosyVoice2's instruction (spec 2.4, 6.8); one special token of the tokenizer.
 END_OF_PROMPT = "<|endofprompt|>"
@@ -80,8 +80,6 @@ class VoiceBook:
         return prompt
 
     def _from_store_voice(self, voice: Any) -> VoicePrompt:
-        from voice_out.engine.runner import FlowVoice
-
         flow_tokens = voice.flow_prompt_tokens
         return VoicePrompt(
             name=voice.name,

@@ -57,7 +57,7 @@ class PromptFeatures:
 
 
 @dataclass(frozen=True)
-class VoicePrompt:
+class ExtractedPrompt:
     """What the model needs from a prompt: the aligned tokens, the x-vector and the mel.
 
     ``speech_tokens`` int32 [K]; ``embedding`` float32 [D] (192 for CAM++, not normalised);
@@ -166,7 +166,7 @@ def model_fingerprint(model_dir: str | Path) -> str:
 
 
 class PromptExtractor:
-    """Turns prompt audio into a :class:`VoicePrompt` with a model directory's ONNX networks.
+    """Turns prompt audio into a :class:`ExtractedPrompt` with a model directory's ONNX networks.
 
     The sessions are opened lazily on the first :meth:`extract`. Calls are serialised by an
     internal lock, so any thread may call; the voice store calls from its executor thread.
@@ -196,7 +196,7 @@ class PromptExtractor:
             self._embedder = SpeakerEmbedder(self.model_dir / SPEAKER_EMBEDDER_FILE)
         return self._tokenizer, self._embedder
 
-    def extract(self, samples: np.ndarray | torch.Tensor, sample_rate: int) -> VoicePrompt:
+    def extract(self, samples: np.ndarray | torch.Tensor, sample_rate: int) -> ExtractedPrompt:
         """Tokens, x-vector and aligned mel of mono float32 audio (sr >= 16 kHz, at most 30 s)."""
         wave = torch.as_tensor(samples, dtype=torch.float32).reshape(-1)
         duration = wave.shape[0] / sample_rate if sample_rate > 0 else 0.0
@@ -210,7 +210,7 @@ class PromptExtractor:
             embedding = embedder(feats.fbank_cmn)
         n_mel = int(feats.prompt_mel.shape[0])
         k = features.aligned_token_count(n_mel, int(tokens.shape[0]))
-        return VoicePrompt(
+        return ExtractedPrompt(
             speech_tokens=tokens[:k].clone(),
             embedding=embedding,
             prompt_mel=feats.prompt_mel[: features.MEL_FRAMES_PER_TOKEN * k].clone(),
@@ -221,6 +221,6 @@ class PromptExtractor:
         )
 
 
-def extract_prompt(samples: np.ndarray | torch.Tensor, sample_rate: int, model_dir: str | Path) -> VoicePrompt:
+def extract_prompt(samples: np.ndarray | torch.Tensor, sample_rate: int, model_dir: str | Path) -> ExtractedPrompt:
     """One-shot :meth:`PromptExtractor.extract` (opens the ONNX sessions each call)."""
     return PromptExtractor(model_dir).extract(samples, sample_rate)

@@ -64,7 +64,7 @@ from voice_out.voices.errors import (
     VoiceStoreWriteError,
 )
 from voice_out.voices.onnx import MAX_PROMPT_S
-from voice_out.voices.prompt import MIN_PROMPT_S, PromptExtractor, VoicePrompt, check_prompt_audio
+from voice_out.voices.prompt import MIN_PROMPT_S, ExtractedPrompt, PromptExtractor, check_prompt_audio
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class Voice:
         }
 
 
-def cut_prompt(prompt: VoicePrompt, cut_to_token_block: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def cut_prompt(prompt: ExtractedPrompt, cut_to_token_block: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(llm tokens [K], flow tokens [P], prompt mel [2P, 80]) from an aligned prompt.
 
     With the cut, P = K - K % 25 and the first K - P tokens (2 mel frames each) are dropped.

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from voice_out.engine.runner import FlowVoice, Runner
+from voice_out.engine.request import FlowVoice
+from voice_out.engine.runner import Runner
 from voice_out.fast.kernels import decode as decode_kernels
 from voice_out.fast.kernels import flow as flow_kernels
 from voice_out.fast.kernels import vocoder as hift_kernels
