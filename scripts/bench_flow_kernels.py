@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench.timing import graph_us, save_out  # noqa: E402
+from voice_out.fast import fused_flow  # noqa: E402
 from voice_out.fast.kernels import flow as flow_kernels  # noqa: E402
 from voice_out.model.checkpoint import random_flow  # noqa: E402
 from voice_out.model.flow_estimator import ResBlock  # noqa: E402
@@ -115,19 +116,19 @@ def main() -> None:
         ),
         "linear_out": lambda: flow_kernels.linear(o, tb.to_out.weight, tb.to_out.bias, residual=xf),
         "linear_ff": lambda: flow_kernels.linear(g, tb.ff_out.weight, tb.ff_out.bias, residual=xf),
-        "conv_norm_add": lambda: res.block1.forward_kernels(x, add=tproj, ctx=ctx, ws=conv_ws),
-        "conv_res": lambda: res.block2.forward_kernels(x, res=res_in, ctx=ctx, ws=conv_ws),
-        "conv_plain": lambda: est.down_conv.forward_kernels(x, ctx, conv_ws),
+        "conv_norm_add": lambda: fused_flow.conv_block(res.block1, x, add=tproj, ctx=ctx, ws=conv_ws),
+        "conv_res": lambda: fused_flow.conv_block(res.block2, x, res=res_in, ctx=ctx, ws=conv_ws),
+        "conv_plain": lambda: fused_flow.conv(est.down_conv, x, ctx, conv_ws),
     }
     blocks: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
-        "TransformerBlock": (lambda: tb(x, mask, None, 0), lambda: tb.forward_kernels(x, chunk, None)),
+        "TransformerBlock": (lambda: tb(x, mask, None, 0), lambda: fused_flow.transformer_block(tb, x, chunk, None)),
         "ResBlock (C -> C)": (
             lambda: res(pad_c, tproj, None, scratch),
-            lambda: res.forward_kernels(x, tproj),
+            lambda: fused_flow.res_block(res, x, tproj),
         ),
         "ResBlock (in -> C)": (
             lambda: down(padded, tproj, None, scratch),
-            lambda: down.forward_kernels(x_in, tproj),
+            lambda: fused_flow.res_block(down, x_in, tproj),
         ),
     }
     gpu = torch.cuda.get_device_name(dev)

@@ -49,6 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench.timing import save_out, time_ms  # noqa: E402
+from voice_out.fast import fused_flow  # noqa: E402
 from voice_out.fast.graphs import GraphedFn  # noqa: E402
 from voice_out.model.checkpoint import random_flow  # noqa: E402
 from voice_out.model.flow import Flow  # noqa: E402
@@ -277,7 +278,7 @@ def main() -> None:
     config = args.config or REPO / "configs" / "models" / ("cosyvoice2-0.5b" if args.full else "tiny")
     torch.set_num_threads(1)
     flow = random_flow(config, device=device, dtype=dtype, seed=0)
-    if args.fused and not flow.use_kernels(True):
+    if args.fused and not fused_flow.use_kernels(flow, True):
         raise SystemExit("--fused: the fused flow kernels cannot run here (need Triton, CUDA, bf16/fp16)")
     d = flow.dims
     gen = torch.Generator().manual_seed(1)

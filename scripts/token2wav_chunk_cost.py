@@ -38,6 +38,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from voice_out.bench.timing import save_out  # noqa: E402
+from voice_out.fast import fused_flow  # noqa: E402
 from voice_out.model.checkpoint import random_flow, random_hift  # noqa: E402
 from voice_out.model.chunk_schedule import MAX_HOP_TOKENS, HopPolicy  # noqa: E402
 from voice_out.model.hift import HiFT  # noqa: E402
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     config_file = config / "cosyvoice2.yaml" if config.is_dir() else config
     torch.manual_seed(args.seed)
     flow = random_flow(config_file, device=device, dtype=DTYPES[args.flow_dtype], seed=args.seed)
-    if args.kernels and not flow.fuse_().use_kernels(True):
+    if args.kernels and not fused_flow.use_kernels(flow.fuse_(), True):
         raise SystemExit("--kernels: the fused flow kernels do not run here (CUDA and bf16/fp16 needed)")
     hift: HiFT = random_hift(config_file, device=device, seed=args.seed)
     timed = TimedFlow(flow, device)

@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import REPO_ROOT
+from voice_out.fast import fused_flow
 from voice_out.fast.graphs import GraphedFn
 from voice_out.fast.kernels import flow as flow_kernels
 from voice_out.model.checkpoint import random_flow
 from voice_out.model.flow import Flow
-from voice_out.model.flow_estimator import ResBlock, attention_bias, chunk_mask, pad_left, valid_keys
+from voice_out.model.flow_estimator import Estimator, ResBlock, attention_bias, chunk_mask, pad_left, valid_keys
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
 FULL = REPO_ROOT / "configs" / "models" / "cosyvoice2-0.5b"
@@ -31,8 +32,8 @@ def test_available_only_for_cuda_half_precision_and_supported_widths() -> None:
 
 def test_flow_does_not_use_the_kernels_on_the_cpu() -> None:
     flow = random_flow(TINY, "cpu", torch.float32, seed=0)
-    assert not flow.use_kernels(True)
-    assert not flow.estimator.kernels
+    assert not fused_flow.use_kernels(flow, True)
+    assert not fused_flow.enabled(flow) and type(flow.estimator) is Estimator
 
 
 def test_tile_tiers_pick_by_rows() -> None:
@@ -164,23 +165,23 @@ def test_resblock_kernels_after_a_context_equal_the_plain_block(b: int) -> None:
         zeros = torch.zeros(b, 2, c_in, device=dev, dtype=dt)
         scratch = torch.zeros(b, 2 + t, c, device=dev, dtype=dt)
         want = block(pad_left(x, ctx1.clone(), zeros), tproj, ctx2.clone(), scratch)
-        got = block.forward_kernels(x, tproj, ctx1, ctx2)
+        got = fused_flow.res_block(block, x, tproj, ctx1, ctx2)
         assert _rel(got, want) < 1e-2
         # the split reduction: the same within rounding, and the same bits launch after launch
-        split = block.forward_kernels(x, tproj, ctx1, ctx2, ws)
+        split = fused_flow.res_block(block, x, tproj, ctx1, ctx2, ws)
         assert _rel(split, want) < 1e-2
         for _ in range(3):
-            assert torch.equal(block.forward_kernels(x, tproj, ctx1, ctx2, ws), split)
+            assert torch.equal(fused_flow.res_block(block, x, tproj, ctx1, ctx2, ws), split)
         assert not ws[1].any()  # every launch leaves its counters at zero
         conv = block.block2.conv
         want = conv(pad_left(got, ctx2.clone(), zeros)).view(b, t, c)
-        assert _rel(conv.forward_kernels(got, ctx2), want) < 1e-2
-        assert _rel(conv.forward_kernels(got, ctx2, ws), want) < 1e-2
+        assert _rel(fused_flow.conv(conv, got, ctx2), want) < 1e-2
+        assert _rel(fused_flow.conv(conv, got, ctx2, ws), want) < 1e-2
         with pytest.raises(ValueError, match="workspace"):
-            conv.forward_kernels(got, ctx2, (ws[0][:10], ws[1]))
+            fused_flow.conv(conv, got, ctx2, (ws[0][:10], ws[1]))
     assert torch.equal(ctx1, kept[0]) and torch.equal(ctx2, kept[1])
     with pytest.raises(ValueError, match="ctx"):
-        conv.forward_kernels(got, ctx1)
+        fused_flow.conv(conv, got, ctx1)
 
 
 @pytest.mark.requires_cuda
@@ -197,12 +198,12 @@ def test_resblock_kernels_equal_the_plain_block(b: int) -> None:
     tproj = torch.randn(b, c, device=dev).to(dt)
     with torch.inference_mode():
         want = block(padded, tproj, None, torch.zeros(b, 2 + t, c, device=dev, dtype=dt))
-        got = block.forward_kernels(padded[:, 2:], tproj)
+        got = fused_flow.res_block(block, padded[:, 2:], tproj)
         assert _rel(got, want) < 1e-2
         # a plain causal conv (no norm): the up/down convs
         conv = block.block2.conv
         want = conv(pad_left(got, None, torch.zeros(b, 2, c, device=dev, dtype=dt))).view(b, t, c)
-        assert _rel(conv.forward_kernels(got), want) < 1e-2
+        assert _rel(fused_flow.conv(conv, got), want) < 1e-2
 
 
 def _flow_pair(dims: Path) -> tuple[Flow, Flow, Flow]:
@@ -210,7 +211,7 @@ def _flow_pair(dims: Path) -> tuple[Flow, Flow, Flow]:
     ref = random_flow(dims, "cuda", torch.float32, seed=0)
     plain = copy.deepcopy(ref).to(torch.bfloat16).fuse_()
     fused = copy.deepcopy(plain)
-    assert fused.use_kernels(True)
+    assert fused_flow.use_kernels(fused, True)
     return ref, plain, fused
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import REPO_ROOT, random_voice
+from voice_out.fast import fused_flow
 from voice_out.fast.kernels import flow as flow_kernels
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkPlan, HopPolicy, plan_all
@@ -253,7 +254,7 @@ def test_attention_storing_its_keys_at_a_device_start_equals_sdpa(split: bool) -
 def _pair(dims: object) -> tuple[Flow, Flow]:
     plain = random_flow(dims, "cuda", torch.bfloat16, seed=0).fuse_()  # type: ignore[arg-type]
     fused = copy.deepcopy(plain)
-    assert fused.use_kernels(True)
+    assert fused_flow.use_kernels(fused, True)
     return plain, fused
 
 
@@ -303,7 +304,7 @@ def test_graphed_state_slots_equal_eager_across_voices() -> None:
     give the audio of the same streams without slots, run eagerly with the same fused
     kernels; a longer stream's later positions run their encoder eagerly, capturing nothing."""
     flow = random_flow(TINY, "cuda", torch.bfloat16)
-    assert flow.use_kernels(True)
+    assert fused_flow.use_kernels(flow, True)
     t2w = Token2Wav(flow, random_hift(TINY, "cuda"))
     voices = [(60, 11), (60, 12), (60, 11)]
     want = [_run(t2w, n, 300, seed=seed, device="cuda", prefix=False)[0] for n, seed in voices]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT, random_speech, random_voice
+from voice_out.fast import fused_flow
 from voice_out.fast.graphs import GraphedFn, graphs_disabled
 from voice_out.model import token2wav
 from voice_out.model.checkpoint import random_flow, random_hift
@@ -99,7 +100,7 @@ def test_graphed_first_chunks_from_prefixes_equal_eager_across_voices() -> None:
     buffers take each voice's prefix in turn: voices A, B (same prompt length) and A again each
     give their own eager audio; a voice of another length has a slot of its own."""
     flow = random_flow(TINY, "cuda", torch.bfloat16)
-    assert flow.use_kernels(True)
+    assert fused_flow.use_kernels(flow, True)
     t2w = Token2Wav(flow, random_hift(TINY, "cuda"))
     voices = [(60, 11), (60, 12), (60, 11), (80, 13)]
     want = [_prefix_stream_all(t2w, n, seed, "cuda", prefix=True)[0] for n, seed in voices]

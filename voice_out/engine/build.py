@@ -29,7 +29,7 @@ from voice_out.engine.scheduler import AUTO_FORCED, AutoForced, ForcedTokens, ho
 from voice_out.engine.textfeed import TokenizerPipeline
 from voice_out.engine.voicebook import VoiceBook
 from voice_out.engine.worker import StepRunner
-from voice_out.fast import fused_vocoder
+from voice_out.fast import fused_flow, fused_vocoder
 from voice_out.fast.kernels.precompile import precompile
 from voice_out.fast.plan import (
     CONTEXT_BYTES,
@@ -397,7 +397,7 @@ class RunnerRecipe:
             plan.max_streams,
             self.kv_len,
         )
-        if flow.use_kernels(plan.fused_flow):
+        if fused_flow.use_kernels(flow, plan.fused_flow):
             log.info("engine: flow estimator with fused kernels")
         elif plan.fused_flow and device.type == "cuda":
             log.info("engine: fused flow kernels unavailable here (need Triton and bf16/fp16): plain-torch flow")
@@ -407,7 +407,7 @@ class RunnerRecipe:
         # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere); the first-chunk
         # lane's graphs apart when first chunks run beside the others (the plan's first_chunk_lane)
         t2w.use_cuda_graphs(plan.cuda_graphs and plan.token2wav_graphs, first_lane=plan.first_chunk_lane)
-        return llm, t2w, bool(flow.estimator.kernels)
+        return llm, t2w, fused_flow.enabled(flow)
 
     def _runner(self, llm: SpeechLM, t2w: Token2Wav, flow_kernels: bool) -> Runner:
         from voice_out.model.sampling import SamplingParams

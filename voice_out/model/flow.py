@@ -63,7 +63,7 @@ from torch import Tensor, nn
 
 from voice_out.model.flow_dims import UPSTREAM_ENCODER_CHANNELS, FlowDims, FlowPrompt, FlowStreamCache
 from voice_out.model.flow_encoder import LOOKAHEAD_CONV2_KERNEL, Encoder
-from voice_out.model.flow_estimator import Estimator
+from voice_out.model.flow_estimator import Estimator, EstimatorPrep
 from voice_out.model.transfer import to_device
 
 #: Fixed by upstream code, in no config file (with the encoder's, see flow_encoder).
@@ -149,11 +149,6 @@ class Flow(nn.Module):
         self.estimator.fuse_()
         return self
 
-    def use_kernels(self, on: bool = True) -> bool:
-        """Stateless estimator calls (the re-run and final-chunk paths) through the fused Triton
-        kernels where they can run (:meth:`Estimator.use_kernels`); returns whether they do."""
-        return self.estimator.use_kernels(on)
-
     def speaker(self, embedding: Tensor) -> Tensor:
         """x-vector ``[1, spk_dim]`` -> ``[1, n_mels]``: affine of the L2-normalised vector."""
         return self.spk_affine(F.normalize(embedding.to(self.device, self.dtype), dim=1))
@@ -175,9 +170,8 @@ class Flow(nn.Module):
         start: int = 0,
         cache: FlowStreamCache | None = None,
         key_frames: Tensor | None = None,
-        prefix: FlowStreamCache | None = None,
-        at: Tensor | None = None,
         x0: Tensor | None = None,
+        velocity: Callable[[Tensor, EstimatorPrep, int], Tensor] | None = None,
     ) -> Tensor:
         """CFM Euler solve for frames ``start .. start + L`` -> float32 ``[B, n_mels, L]``.
 
@@ -186,11 +180,11 @@ class Flow(nn.Module):
         step extends its own estimator state. The estimator sees the CFG batch as
         ``[cond rows (B), uncond rows (B)]``. ``key_frames`` ``[B]`` int64 (start = 0, no
         cache): row b's real frames are its first ``key_frames[b]``; attention reads no key
-        past them (right padding, see :meth:`final_core`). ``prefix`` (B = 1, the fused
-        estimator kernels; instead of ``cache``): a voice's prompt prefix of exactly ``start``
-        frames (``FlowPrompt.prefix``), only read (:meth:`prefix_core`). ``at`` (with ``cache``,
-        the fused estimator kernels; start 0): the first frame as a device int ``[1]``, with
-        ``x0`` ``[1, n_mels, L]`` the noise of those frames (:meth:`state_core`).
+        past them (right padding, see :meth:`final_core`). ``x0`` ``[B, n_mels, L]``: the noise
+        of those frames (default: the fixed noise from ``start``). ``velocity(x, prep, step)``
+        (instead of ``cache``): each step's estimator call on the CFG batch's x ``[2B, n_mels,
+        L]`` with this solve's ``prep`` (the fast path's fused calls over a read-only prefix
+        or at a device start, ``voice_out.fast.fused_flow``); None: ``self.estimator``.
 
         Upstream's loop (spec 3.3) with its per-step constants made once: the time values and
         their embeddings (:meth:`Estimator.prepare`: one batched time MLP for all steps, the
@@ -202,7 +196,7 @@ class Flow(nn.Module):
         d = self.dims
         if start + n > d.noise_frames:
             raise ValueError(f"{start + n} mel frames exceed the flow's {d.noise_frames}-frame noise buffer")
-        if (cache is not None or prefix is not None) and b != 1:
+        if cache is not None and b != 1:
             raise ValueError("a cached solve runs one stream (batch 1)")
         # Upstream's time values: the accumulated t (t_k = t_{k-1} + dt_{k-1}, dt_k = tau_{k+1} - t_k),
         # made up front so every step's time embedding comes from ONE batched call.
@@ -230,22 +224,22 @@ class Flow(nn.Module):
         x = noise.to(self.device, torch.float32).expand(2, b, -1, -1).clone()
         x_in = x.view(2 * b, -1, n)
         for step in range(d.n_timesteps):
-            state = cache.estimator_state(step) if cache is not None else None
-            read = prefix.estimator_state(step) if prefix is not None else None
-            v = self.estimator(
-                x_in,
-                mu_in,
-                spk_in,
-                cond_in,
-                t_steps[step].expand(2 * b),
-                streaming,
-                state,
-                start,
-                prep=prep,
-                step=step,
-                prefix=read,
-                at=at,
-            ).view(2, b, -1, n)
+            if velocity is not None:
+                v = velocity(x_in, prep, step).view(2, b, -1, n)
+            else:
+                state = cache.estimator_state(step) if cache is not None else None
+                v = self.estimator(
+                    x_in,
+                    mu_in,
+                    spk_in,
+                    cond_in,
+                    t_steps[step].expand(2 * b),
+                    streaming,
+                    state,
+                    start,
+                    prep=prep,
+                    step=step,
+                ).view(2, b, -1, n)
             x.addcmul_(v[:1], coef_cond[step])
             x.addcmul_(v[1:], coef_uncond[step])
         return x[0]
@@ -520,11 +514,21 @@ class Flow(nn.Module):
         whole prompt + tokens (a few hundred kernels whatever their number) and its frames
         from the prefix's end on are the ones this call needs.
 
-        With the fused estimator kernels the prefix is only read: fixed shapes, no host sync,
-        capturable as one CUDA graph per (prefix, T) whose prefix buffers stay where they were
-        captured. Without them (the plain estimator extends a state as it reads it) the
-        prefix is first copied into a state of this call's size.
+        The plain estimator extends a state as it reads it, so the prefix is first copied into
+        a state of this call's size (the fast path's fused calls only read it:
+        ``voice_out.fast.fused_flow.FusedFlow.prefix_core``).
         """
+        mu, spk, cond, f0 = self.prefix_conditions(ids, embedding, cond, prefix)
+        state = self.allocate_stream_cache(ids.shape[1] - self.dims.pre_lookahead)
+        state.copy_prefix_(prefix, prefix.n_done, self.dims.token_mel_ratio)
+        return self.solve(mu, spk, cond, True, f0, state)
+
+    def prefix_conditions(
+        self, ids: Tensor, embedding: Tensor, cond: Tensor, prefix: FlowStreamCache
+    ) -> tuple[Tensor, Tensor, Tensor, int]:
+        """The checked conditions of :meth:`prefix_core`'s solve: mu ``[1, n_mels, L]``, spk
+        ``[1, n_mels]``, cond ``[1, n_mels, L]`` (flow dtype) and the first frame after the
+        prefix, L = ratio (T - n_prefix); ValueError on shapes that do not fit."""
         d = self.dims
         ratio = d.token_mel_ratio
         b, t = ids.shape[0], ids.shape[1] - d.pre_lookahead
@@ -539,12 +543,7 @@ class Flow(nn.Module):
         spk = self.speaker(embedding)
         f0 = ratio * n_pre
         mu = self._streaming_mu(ids)[:, :, f0:]
-        cond = cond.to(self.device, self.dtype)
-        if self.estimator.kernels:
-            return self.solve(mu, spk, cond, True, f0, prefix=prefix)
-        state = self.allocate_stream_cache(t)
-        state.copy_prefix_(prefix, n_pre, ratio)
-        return self.solve(mu, spk, cond, True, f0, state)
+        return mu, spk, cond.to(self.device, self.dtype), f0
 
     # -- cached streaming path ---------------------------------------------------------------
 
@@ -791,12 +790,8 @@ class Flow(nn.Module):
         its arguments), extending the estimator state of ``cache`` at frame ``at``: float32
         ``[1, n_mels, L]``, the chunk's mel (as :meth:`stream_chunk` makes it).
 
-        With the fused estimator kernels the start is read on the device (the attention kernel
-        stores each call's keys and values, a copy after each conv its left context): fixed
-        shapes for a given L, no host sync, so one CUDA graph per (cache, L) serves every
-        chunk of that length, wherever it falls. Without them (the plain estimator, e.g. on
-        the CPU) the start is read on the host: the same result, not capturable.
+        The plain estimator reads the start on the host (a sync): the same result as the fast
+        path's fused calls, which read it on the device and so are capturable
+        (``voice_out.fast.fused_flow.FusedFlow.state_core``).
         """
-        if self.estimator.kernels:
-            return self.solve(mu, spk, cond, True, 0, cache, at=at, x0=x0)
         return self.solve(mu, spk, cond, True, int(at.item()), cache, x0=x0)

@@ -46,13 +46,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from voice_out.fast.kernels import flow as flow_kernels
 
 #: Upstream fixed constants of the estimator (not in any config file).
 TIME_EMBED_SCALE = 1000.0  # sinusoidal time embedding argument = 1000 * t * f_k
@@ -159,14 +156,6 @@ def load_context(xp: Tensor, ctx: Tensor | None) -> None:
         left.copy_(xp[:, xp.shape[1] - left.shape[1] :])
 
 
-def keep_context(ctx: Tensor | None, x: Tensor) -> None:
-    """A stream's conv context after a call that read it: ``ctx`` ``[B, C, k-1]`` = the last
-    k-1 frames of the call's input x ``[B, T >= k-1, C]`` (in place; a no-op without ``ctx``).
-    A separate copy, launched after the conv: every program of the conv reads the old one."""
-    if ctx is not None:
-        ctx.copy_(x[:, x.shape[1] - ctx.shape[2] :].transpose(1, 2))
-
-
 def windows(xp: Tensor, k: int) -> Tensor:
     """Tap-major k-frame windows ``[B * T, k * C]`` of ``xp`` ``[B, k-1 + T, C]`` (one copy):
     row (b, t) = ``[xp[b, t], xp[b, t + 1], .., xp[b, t + k - 1]]``."""
@@ -206,17 +195,6 @@ class CausalConv(nn.Conv1d):
         """The tap-major ``[Cout, k * Cin]`` weight (made by ``fuse_``, or now)."""
         return self.weight2d if self.weight2d.numel() else self._weight2d().contiguous()
 
-    def forward_kernels(self, x: Tensor, ctx: Tensor | None = None, ws: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """One fused kernel: x ``[B, T, Cin]`` -> ``[B, T, Cout]``; left context zeros or
-        ``ctx`` ``[B, Cin, k-1]`` (only read); ``ws``: a split reduction's workspace
-        (:func:`voice_out.fast.kernels.flow.conv_workspace`) or None."""
-        return flow_kernels.conv(x, self.weight_taps(), _bias(self), self.kernel_size[0], ctx=ctx, ws=ws)
-
-
-def _bias(conv: nn.Conv1d) -> Tensor:
-    assert conv.bias is not None  # every conv of the estimator has one
-    return conv.bias
-
 
 def pointwise(conv: nn.Conv1d, x: Tensor) -> Tensor:
     """A 1x1 ``conv`` on time-major rows ``[N, Cin]`` (any row stride) -> ``[N, Cout]``."""
@@ -239,22 +217,6 @@ class CausalBlock(nn.Module):
 
     def forward(self, xp: Tensor) -> Tensor:
         return F.mish(self.norm(self.conv(xp)))
-
-    def forward_kernels(
-        self,
-        x: Tensor,
-        add: Tensor | None = None,
-        res: tuple[Tensor, Tensor, Tensor] | None = None,
-        ctx: Tensor | None = None,
-        ws: tuple[Tensor, Tensor] | None = None,
-    ) -> Tensor:
-        """One fused kernel: x ``[B, T, Cin]`` -> ``[B, T, Cout]``, plus ``add`` ``[1 or B,
-        Cout]`` on every frame, plus a 1x1 conv ``res`` = (input, weight, bias) of the same
-        frame (:func:`voice_out.fast.kernels.flow.conv`); left context zeros or ``ctx`` ``[B,
-        Cin, k-1]`` (only read); ``ws``: a split reduction's workspace or None."""
-        norm = (self.norm.weight, self.norm.bias, self.norm.eps)
-        w, b = self.conv.weight_taps(), _bias(self.conv)
-        return flow_kernels.conv(x, w, b, CONV_KERNEL, norm=norm, add=add, res=res, ctx=ctx, ws=ws)
 
 
 class ResBlock(nn.Module):
@@ -285,27 +247,6 @@ class ResBlock(nn.Module):
         # the 1x1 conv's input is the windows' last tap (the current frame): no copy
         a = a + pointwise(self.res_conv, win[:, (k - 1) * c_in :])
         return a.view(b, t, -1)
-
-    def forward_kernels(
-        self,
-        x: Tensor,
-        tproj: Tensor,
-        ctx1: Tensor | None = None,
-        ctx2: Tensor | None = None,
-        ws: tuple[Tensor, Tensor] | None = None,
-        keep: bool = False,
-    ) -> Tensor:
-        """Two fused kernels: x ``[B, T, Cin]`` (channels contiguous), ``tproj`` ``[1 or B,
-        Cout]`` -> ``[B, T, Cout]``; the two convs' left contexts zeros, or ``ctx1`` ``[B, Cin,
-        k-1]`` and ``ctx2`` ``[B, Cout, k-1]`` (read; with ``keep`` then set to this call's
-        last frames, :func:`keep_context`); ``ws``: their split reduction's workspace or None."""
-        a = self.block1.forward_kernels(x, add=tproj, ctx=ctx1, ws=ws)
-        res = (x, self.res_conv.weight.view(self.res_conv.out_channels, -1), _bias(self.res_conv))
-        out = self.block2.forward_kernels(a, res=res, ctx=ctx2, ws=ws)
-        if keep:
-            keep_context(ctx1, x)
-            keep_context(ctx2, a)
-        return out
 
 
 class TransformerBlock(nn.Module):
@@ -391,46 +332,6 @@ class TransformerBlock(nn.Module):
             x = x + self.ff_out(F.gelu(self.ff_in(h)))
         return x.view(b, t, c)
 
-    def forward_kernels(
-        self,
-        x: Tensor,
-        chunk: int,
-        key_frames: Tensor | None,
-        prefix: tuple[Tensor, Tensor] | None = None,
-        start: int = 0,
-        at: Tensor | None = None,
-        write: bool = False,
-        ws: tuple[Tensor, Tensor] | None = None,
-    ) -> Tensor:
-        """The call in 5 fused kernels (norm + q/k/v, attention, out + residual, norm + FF in +
-        GELU, FF out + residual): x ``[B, T, C]`` with contiguous rows, frames ``start ..``
-        (or from ``at``, on the device); the mask as :func:`voice_out.fast.kernels.flow.attention`
-        takes it (``chunk`` frames, 0 = none; ``key_frames`` ``[B]`` or None); the keys and
-        values of frames ``0 .. start`` from ``prefix`` (a state's ``[B, H, capacity, D]``
-        buffers; with ``write`` this call's are stored there too, at ``start ..``); ``ws``: the
-        attention's split workspace or None."""
-        b, t, c = x.shape
-        xf = x.reshape(b * t, c)
-        qkv = flow_kernels.ln_linear(xf, self.norm1.weight, self.norm1.bias, self.norm1.eps, self.stacked_qkv())
-        o = flow_kernels.attention(
-            qkv,
-            b,
-            self.heads,
-            self.head_dim,
-            chunk,
-            key_frames,
-            prefix=prefix,
-            start=start,
-            at=at,
-            write=write,
-            ws=ws,
-        )
-        x2 = flow_kernels.linear(o, self.to_out.weight, self.to_out.bias, residual=xf)
-        n3 = self.norm3
-        g = flow_kernels.ln_linear(x2, n3.weight, n3.bias, n3.eps, self.ff_in.weight, self.ff_in.bias, gelu=True)
-        flow_kernels.linear(g, self.ff_out.weight, self.ff_out.bias, residual=x2, out=x2)
-        return x2.view(b, t, c)
-
 
 @dataclass
 class EstimatorState:
@@ -463,11 +364,6 @@ class EstimatorPrep:
     * ``start``: absolute frame of ``x[..., 0]``.
     * ``chunk``, ``key_frames``: the same mask as the fused kernels take it (chunk frames, 0
       when not streaming; the key-padding lengths ``[B]`` or None).
-    * ``conv_ws``: the fused convs' split-reduction workspace for ``B L`` rows
-      (:func:`voice_out.fast.kernels.flow.conv_workspace`), or None (no fused kernels, or a
-      tier that does not split). Scratch shared by the solve's calls, one at a time.
-    * ``attn_ws``: likewise the fused attention's, for calls after a prefix
-      (:func:`voice_out.fast.kernels.flow.attention_workspace`), or None.
     """
 
     inputs: Tensor
@@ -478,8 +374,6 @@ class EstimatorPrep:
     start: int
     chunk: int = 0
     key_frames: Tensor | None = None
-    conv_ws: tuple[Tensor, Tensor] | None = None
-    attn_ws: tuple[Tensor, Tensor] | None = None
 
 
 class Estimator(nn.Module):
@@ -506,8 +400,6 @@ class Estimator(nn.Module):
         self.channels = channels
         self.head_dim = head_dim
         self.chunk_frames = chunk_frames
-        #: run stateless calls through the fused kernels (:meth:`use_kernels`)
-        self.kernels = False
         self.time_linear1 = nn.Linear(in_channels, time_dim)
         self.time_linear2 = nn.Linear(time_dim, time_dim)
 
@@ -568,15 +460,6 @@ class Estimator(nn.Module):
         weight, bias = self._time_proj_stacked()
         self.time_proj_weight = weight.detach().clone()
         self.time_proj_bias = bias.detach().clone()
-
-    def use_kernels(self, on: bool = True) -> bool:
-        """Run the stateless calls (no :class:`EstimatorState`, start 0: the re-run and final
-        paths) through :mod:`voice_out.fast.kernels.flow` where they can run (Triton, CUDA,
-        bf16/fp16, the estimator's widths: :func:`voice_out.fast.kernels.flow.available`).
-        Returns whether they now do. Call after moving the module to its device and dtype."""
-        w = self.time_linear1.weight
-        self.kernels = on and flow_kernels.available(w.device, w.dtype, self.channels, self.in_channels, self.head_dim)
-        return self.kernels
 
     def _time_proj_stacked(self) -> tuple[Tensor, Tensor]:
         if self.time_proj_weight.numel():
@@ -641,13 +524,7 @@ class Estimator(nn.Module):
             start=start,
             chunk=self.chunk_frames if streaming else 0,
             key_frames=key_frames,
-            conv_ws=flow_kernels.conv_workspace(b * n, self.channels, mu.device) if self.kernels else None,
-            attn_ws=self._attention_workspace(b * n, mu.device) if self.kernels else None,
         )
-
-    def _attention_workspace(self, rows: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
-        block = self.transformer_blocks()[0]
-        return flow_kernels.attention_workspace(rows, block.heads, block.head_dim, device)
 
     def forward(
         self,
@@ -662,20 +539,13 @@ class Estimator(nn.Module):
         *,
         prep: EstimatorPrep | None = None,
         step: int = 0,
-        prefix: EstimatorState | None = None,
-        at: Tensor | None = None,
     ) -> Tensor:
         """One velocity evaluation. ``start``: absolute frame index of ``x[..., 0]`` (cached calls).
 
         Without ``state`` the call covers frames 0..L-1 from zero left context. With it, the
         call continues a stream: it reads/extends the state's keys, values and conv contexts.
-        ``prefix`` (instead of ``state``; the fused kernels only): a state that holds frames
-        ``0 .. start`` (a voice's prompt prefix) and is only READ: the call continues it
-        without extending it, so one prefix serves any number of calls (and CUDA graphs).
-        ``at`` (with ``state``; the fused kernels only): the call's first frame as a device
-        int ``[1]`` instead of ``start`` (``prep`` then made with start 0): the call extends
-        the state at that frame, so one CUDA graph serves every chunk of a stream of this
-        length. The state's buffers must hold frames ``0 .. at + L`` (the caller checks).
+        (The fast path's fused calls, ``voice_out.fast.fused_flow``, can also read a state
+        without extending it, or extend it at a frame read on the device.)
 
         ``prep``: :meth:`prepare` of this call's mu, spks, cond, streaming and start, with the
         time grid of a whole solve (``t`` is then ``prep``'s time value ``step``; the arguments
@@ -685,16 +555,6 @@ class Estimator(nn.Module):
         if prep is None:
             prep = self.prepare(mu, spks, cond, t.reshape(1, -1), streaming, start)
             step = 0
-        if prefix is not None:
-            if not self.kernels or state is not None or at is not None:
-                raise ValueError("a read-only prefix state needs the fused kernels and no stream state")
-            return self._forward_kernels(x, prep, step, prefix)
-        if at is not None:
-            if not self.kernels or state is None or prep.start != 0:
-                raise ValueError("a device start needs the fused kernels, a stream state and prep made at start 0")
-            return self._forward_kernels(x, prep, step, state, at=at)
-        if self.kernels and state is None and prep.start == 0:
-            return self._forward_kernels(x, prep, step)
         k = CONV_KERNEL
         n = x.shape[2]
         ctxs: Iterator[Tensor] | None = iter(state.conv_ctx) if state is not None else None
@@ -729,61 +589,4 @@ class Estimator(nn.Module):
         h = self.up_conv(pad_left(h, c(), zeros)).view(b, n, -1)
         h = self.final_block(pad_left(h, c(), zeros))  # [B L, C]
         out = pointwise(self.final_proj, h).view(b, n, -1)
-        return out.transpose(1, 2)
-
-    def _forward_kernels(
-        self,
-        x: Tensor,
-        prep: EstimatorPrep,
-        step: int,
-        prefix: EstimatorState | None = None,
-        at: Tensor | None = None,
-    ) -> Tensor:
-        """The call with the fused kernels: ~5 kernels per transformer block, 2 per ResBlock, 1
-        per causal conv (see :mod:`voice_out.fast.kernels.flow`). Same contract as
-        :meth:`forward` without state, or with a read-only ``prefix`` of frames ``0 ..
-        prep.start`` (its keys, values and conv contexts are read, never written), or with
-        ``at``: ``prefix`` is a stream's state of frames ``0 .. at``, which the call extends
-        (the attention kernels store the keys and values, a copy after each conv its context)."""
-        k = CONV_KERNEL
-        b, n_x, n = x.shape
-        xp = prep.inputs
-        xp[:, k - 1 :, :n_x].copy_(x.transpose(1, 2))
-        tproj = prep.tproj[step]  # [R, n_res, C]
-        start = prep.start if prefix is not None else 0
-        write = at is not None
-        ctxs: Iterator[Tensor | None] = iter(prefix.conv_ctx) if prefix is not None else repeat(None)
-        kvs: Iterator[tuple[Tensor, Tensor] | None] = iter(prefix.kv) if prefix is not None else repeat(None)
-
-        def attn(stage: nn.ModuleList, h: Tensor) -> Tensor:
-            for blk in stage:
-                assert isinstance(blk, TransformerBlock)
-                h = blk.forward_kernels(h, prep.chunk, prep.key_frames, next(kvs), start, at, write, prep.attn_ws)
-            return h
-
-        ws = prep.conv_ws
-
-        def res_block(res: ResBlock, h: Tensor, tp: Tensor) -> Tensor:
-            ctx1 = next(ctxs)
-            return res.forward_kernels(h, tp, ctx1, next(ctxs), ws, keep=write)
-
-        def conv(c: CausalConv | CausalBlock, h: Tensor) -> Tensor:
-            ctx = next(ctxs)
-            out = c.forward_kernels(h, ctx=ctx, ws=ws)
-            if write:
-                keep_context(ctx, h)
-            return out
-
-        h = res_block(self.down_res, xp[:, k - 1 :], tproj[:, 0])
-        h = attn(self.down_tbs, h)
-        skip = h
-        h = conv(self.down_conv, h)
-        for i, (res, stage) in enumerate(zip(self.mid_res, self.mid_tbs, strict=True)):
-            assert isinstance(stage, nn.ModuleList) and isinstance(res, ResBlock)
-            h = attn(stage, res_block(res, h, tproj[:, 1 + i]))
-        h = res_block(self.up_res, torch.cat([h, skip], dim=2), tproj[:, -1])
-        h = attn(self.up_tbs, h)
-        h = conv(self.up_conv, h)
-        h = conv(self.final_block, h)
-        out = pointwise(self.final_proj, h.view(b * n, -1)).view(b, n, -1)
         return out.transpose(1, 2)

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from voice_out.engine.request import FlowVoice
 from voice_out.engine.runner import Runner
+from voice_out.fast import fused_flow
 from voice_out.fast.kernels import decode as decode_kernels
 from voice_out.fast.kernels import flow as flow_kernels
 from voice_out.fast.kernels import vocoder as hift_kernels
@@ -188,7 +189,7 @@ def dry_run_launches(runner: Runner, voice: FlowVoice, *, state_chunks: bool = T
             # a final chunk of a length start-up did not capture runs eagerly: full attention,
             # no key padding (another specialisation of the attention kernel)
             flow.inference(final, prompt, feat, emb, streaming=False, finalize=True)
-        if runner.prefix_voices and flow.estimator.kernels:
+        if runner.prefix_voices and fused_flow.enabled(flow):
             # a first chunk from a prompt prefix (its attention and convs read the prefix's
             # keys and conv contexts: other specialisations); a stand-in prefix of one chunk
             prefix = flow.allocate_stream_cache(d.enc_chunk)
@@ -197,7 +198,7 @@ def dry_run_launches(runner: Runner, voice: FlowVoice, *, state_chunks: bool = T
             cond = torch.zeros(1, d.n_mels, d.token_mel_ratio * d.enc_chunk, device=dev, dtype=flow.dtype)
             flow.prefix_core(ids, emb, cond, prefix)
             del prefix
-        if runner.prefix_voices and flow.estimator.kernels and state_chunks:
+        if runner.prefix_voices and fused_flow.enabled(flow) and state_chunks:
             spk = flow.speaker(emb)
             # later chunks extending a stream's state (Token2Wav.use_state_slots): the attention
             # stores keys at a start on the device, one more specialisation; a short chunk, the
