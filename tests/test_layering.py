@@ -239,3 +239,8 @@ def test_voice_out_is_read_whole() -> None:
     assert "voice_out.model.qwen2" in imports.internal
     assert "torch" in imports.external["voice_out.model.qwen2"]
     assert imports.internal["voice_out.model.flow"] >= {"voice_out.model.flow_estimator"}
+
+
+def test_voice_out_has_no_import_cycle() -> None:
+    """No circle among voice_out's modules, function-level and TYPE_CHECKING imports counted."""
+    assert cycles(scan(REPO_ROOT, PACKAGE).internal) == []
