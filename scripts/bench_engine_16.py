@@ -33,6 +33,7 @@ import torch
 from voice_out.bench.engine_bench import TEXT, text_of
 from voice_out.bench.listener import Listener, percentile, run_stream
 from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig
+from voice_out.engine.build import BuildOptions
 from voice_out.engine.engine import Engine
 from voice_out.engine.scheduler import ForcedTokens
 
@@ -104,12 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     engine = Engine.load(
         cfg,
-        forced=ForcedTokens(args.tokens_per_text_token),
-        kv_len=args.kv_len,
-        flow_path=args.flow_path,
-        noise_prompt_tokens=args.prompt_tokens,
-        text_normalizer="none",
-        pins={} if args.max_chunks_per_step is None else {"max_chunks_per_step": args.max_chunks_per_step},
+        options=BuildOptions(
+            forced=ForcedTokens(args.tokens_per_text_token),
+            kv_len=args.kv_len,
+            flow_path=args.flow_path,
+            noise_prompt_tokens=args.prompt_tokens,
+            text_normalizer="none",
+            pins={} if args.max_chunks_per_step is None else {"max_chunks_per_step": args.max_chunks_per_step},
+        ),
     )
     engine_stats: dict[str, float] = {}
     listeners = asyncio.run(bench(engine, args, engine_stats))

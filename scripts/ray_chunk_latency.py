@@ -35,6 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig  # noqa: E402
+from voice_out.engine.build import BuildOptions  # noqa: E402
 from voice_out.engine.scheduler import ForcedTokens  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs away."
@@ -87,9 +88,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         engine=EngineConfig(max_streams=8, seed=1),
         server=ServerConfig(voices_dir=voices, engine="ray"),
     )
-    load: dict[str, Any] = {"forced": ForcedTokens(3), "text_normalizer": "none"}
+    load = BuildOptions(forced=ForcedTokens(3), text_normalizer="none")
 
-    local = Engine.load(cfg, **load)
+    local = Engine.load(cfg, options=load)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         serve.start(proxy_location="Disabled")

@@ -33,6 +33,7 @@ from voice_out.engine.api import (
     TextTooLongError,
     UnknownVoiceError,
 )
+from voice_out.engine.build import BuildOptions
 from voice_out.engine.engine import Engine, EngineStats, EngineStream
 from voice_out.engine.request import SAMPLES_PER_TOKEN, LlmStep, VoicePrompt
 from voice_out.engine.runner import Runner, noise_voice
@@ -102,15 +103,17 @@ def make_engine(
     cfg = Config(server=ServerConfig(voices_dir=str(tmp / "no-voices")), engine=EngineConfig(**kw))  # type: ignore[arg-type]
     return Engine.load(
         cfg,
-        pins=pins,
         model="random:tiny",
         device="cpu",
-        forced=forced,
-        warmup=False,
-        text_normalizer="none",
-        noise_prompt_tokens=0,
-        kv_len=512,
-        fault_hook=hook,
+        options=BuildOptions(
+            pins=pins,
+            forced=forced,
+            warmup=False,
+            text_normalizer="none",
+            noise_prompt_tokens=0,
+            kv_len=512,
+            fault_hook=hook,
+        ),
     )
 
 
@@ -177,7 +180,7 @@ def test_chunks_per_step_default_follows_token2wav_graphs(tmp_path: Path) -> Non
     eng = make_engine(tmp_path, max_chunks_per_step=6)
     assert eng.plan.max_chunks_per_step == 6 and eng._new_worker().scheduler.launch.max_chunks_per_step == 6
     plain = Config(server=eng.config.server)
-    graphed = Engine.load(plain, model="random:tiny", device="cpu", pins={"cuda_graphs": True})
+    graphed = Engine.load(plain, model="random:tiny", device="cpu", options=BuildOptions(pins={"cuda_graphs": True}))
     assert graphed.plan.max_chunks_per_step == 4 and graphed.plan.cuda_graphs
 
 
@@ -569,12 +572,14 @@ def test_cached_flow_path_speaks_like_the_rerun_path(engine: Engine, tmp_path: P
     rerun = solo(engine, 77, text)  # the default: upstream's re-run of the prefix per chunk
     eng = Engine.load(
         engine.config,
-        forced=ForcedTokens(3),
-        warmup=False,
-        text_normalizer="none",
-        noise_prompt_tokens=0,
-        kv_len=512,
-        flow_path="cached",  # the flow's incremental path
+        options=BuildOptions(
+            forced=ForcedTokens(3),
+            warmup=False,
+            text_normalizer="none",
+            noise_prompt_tokens=0,
+            kv_len=512,
+            flow_path="cached",
+        ),
     )
     eng.start(timeout=120)
     try:
@@ -594,7 +599,9 @@ def test_a_real_model_directory_speaks_in_a_registered_voice(parity_dir: Path, t
     store = VoiceStore(tmp_path / "voices", parity_dir)
     voice = store.add("ann", parity_dir / "cases" / "zero_shot_prompt.wav", "Hope you can do better than me.")
     cfg = Config(server=ServerConfig(voices_dir=str(tmp_path / "voices")), engine=EngineConfig(max_streams=2))
-    eng = Engine.load(cfg, model=str(parity_dir), device="cpu", voices=store, forced=ForcedTokens(3), kv_len=512)
+    eng = Engine.load(
+        cfg, model=str(parity_dir), device="cpu", voices=store, options=BuildOptions(forced=ForcedTokens(3), kv_len=512)
+    )
     assert eng.voice_names() == ["ann"]
     eng.start(timeout=120)
     try:
@@ -620,9 +627,9 @@ def test_the_graphed_llm_path_speaks_like_the_eager_one(engine: Engine) -> None:
     and real sampling (no forced tokens) runs through its decode+sample step."""
     texts = [["graphs ", "or not"], ["x"]]
     eager = [solo(engine, 60 + i, t) for i, t in enumerate(texts)]
-    kw: dict[str, object] = {"warmup": True, "text_normalizer": "none", "noise_prompt_tokens": 0, "kv_len": 512}
+    kw = BuildOptions(warmup=True, text_normalizer="none", noise_prompt_tokens=0, kv_len=512)
     graphs = {"cuda_graphs": True}
-    eng = Engine.load(engine.config, forced=ForcedTokens(3), pins=graphs, **kw)  # type: ignore[arg-type]
+    eng = Engine.load(engine.config, options=dataclasses.replace(kw, forced=ForcedTokens(3), pins=graphs))
     eng.start(timeout=120)
     try:
         graphed = [solo(eng, 60 + i, t) for i, t in enumerate(texts)]
@@ -631,7 +638,7 @@ def test_the_graphed_llm_path_speaks_like_the_eager_one(engine: Engine) -> None:
     for a, b in zip(graphed, eager, strict=True):
         assert signature(a) == signature(b)
         np.testing.assert_array_equal(np.concatenate([c.pcm for c in a]), np.concatenate([c.pcm for c in b]))
-    sampled = Engine.load(engine.config, forced=None, pins=graphs, **kw)  # type: ignore[arg-type]
+    sampled = Engine.load(engine.config, options=dataclasses.replace(kw, forced=None, pins=graphs))
     sampled.start(timeout=120)
     try:
         chunks = solo(sampled, 1, ["ab"])
@@ -644,8 +651,8 @@ def test_the_graphed_llm_path_speaks_like_the_eager_one(engine: Engine) -> None:
 def test_sampled_streams_are_isolated_in_the_batched_llm(engine: Engine) -> None:
     """Without forced tokens every token comes from the LLM's own logits and the stream's own
     generator, so cross-talk between KV slots or generators would change the audio."""
-    kw: dict[str, object] = {"warmup": False, "text_normalizer": "none", "noise_prompt_tokens": 0, "kv_len": 512}
-    eng = Engine.load(engine.config, forced=None, **kw)  # type: ignore[arg-type]
+    kw = BuildOptions(forced=None, warmup=False, text_normalizer="none", noise_prompt_tokens=0, kv_len=512)
+    eng = Engine.load(engine.config, options=kw)
     eng.start(timeout=120)
     texts = ["ab", "c d", "ef", "g", "hij", "kl"]
     try:
@@ -746,8 +753,8 @@ def test_hops_that_are_not_whole_flow_chunks_fail_at_load(tmp_path: Path) -> Non
 
 def test_fast_first_chunk_end_to_end(engine: Engine) -> None:
     cfg = dataclasses.replace(engine.config, engine=dataclasses.replace(engine.config.engine, fast_first_tokens=8))
-    kw: dict[str, object] = {"warmup": False, "text_normalizer": "none", "noise_prompt_tokens": 0, "kv_len": 512}
-    eng = Engine.load(cfg, forced=ForcedTokens(3), **kw)  # type: ignore[arg-type]
+    kw = BuildOptions(forced=ForcedTokens(3), warmup=False, text_normalizer="none", noise_prompt_tokens=0, kv_len=512)
+    eng = Engine.load(cfg, options=kw)
     eng.start(timeout=120)
     try:
         chunks = solo(eng, 5, ["hi there, bob"])  # 39 tokens
@@ -763,8 +770,10 @@ import json, sys
 from voice_out.config import Config, ServerConfig
 from voice_out.engine.engine import Engine
 from voice_out.engine.scheduler import ForcedTokens
+from voice_out.engine.build import BuildOptions
 cfg = Config(server=ServerConfig(voices_dir=sys.argv[1]))
-eng = Engine.load(cfg, model="random:tiny", device="cpu", forced=ForcedTokens(3), noise_prompt_tokens=60)
+opts = BuildOptions(forced=ForcedTokens(3), noise_prompt_tokens=60)
+eng = Engine.load(cfg, model="random:tiny", device="cpu", options=opts)
 eng.start(timeout=120)
 before = set(sys.modules)
 for text, cancel in (("Hello there, a first request.", False), ("And 2 more at 3:45 pm.", False), ("Stop me.", True)):
@@ -811,12 +820,9 @@ def engine_with_voices(
     cfg = Config(server=ServerConfig(voices_dir=str(tmp / "no-voices")), engine=ec)
     eng = Engine.load(
         cfg,
-        pins=pins,
         model="random:tiny",
         device=device,
-        forced=FORCED_3,
-        text_normalizer="none",
-        noise_prompt_tokens=default_tokens,
+        options=BuildOptions(pins=pins, forced=FORCED_3, text_normalizer="none", noise_prompt_tokens=default_tokens),
     )
     for p in others:
         ids, fv = noise_voice(p, seed=p)
@@ -1232,7 +1238,10 @@ def test_cuda_engine_overlapping_token2wav_with_the_llm_changes_nothing(tmp_path
         engine=EngineConfig(max_streams=8, max_ahead_s=30.0, max_text_chars=200),
     )
     eng = Engine.load(
-        cfg, model="random:tiny", device="cuda", forced=ForcedTokens(3), text_normalizer="none", kv_len=512
+        cfg,
+        model="random:tiny",
+        device="cuda",
+        options=BuildOptions(forced=ForcedTokens(3), text_normalizer="none", kv_len=512),
     )
     eng.start(timeout=300)
     try:
@@ -1286,7 +1295,10 @@ def test_cuda_steps_wait_only_for_the_launches_they_need(tmp_path: Path, monkeyp
     first pass makes every first use (kernels, graphs) that could outlast a sleep."""
     cfg = Config(server=ServerConfig(voices_dir=str(tmp_path / "no-voices")), engine=EngineConfig(max_streams=4))
     eng = Engine.load(
-        cfg, model="random:tiny", device="cuda", forced=ForcedTokens(3), text_normalizer="none", kv_len=512
+        cfg,
+        model="random:tiny",
+        device="cuda",
+        options=BuildOptions(forced=ForcedTokens(3), text_normalizer="none", kv_len=512),
     )
     eng.start(timeout=300)
     try:

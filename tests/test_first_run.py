@@ -21,7 +21,7 @@ import torch
 from tests.conftest import REPO_ROOT
 from voice_out.cli import main
 from voice_out.config import Config, ModelConfig, ServerConfig
-from voice_out.engine.build import RANDOM_TOKENS_PER_TEXT_TOKEN
+from voice_out.engine.build import RANDOM_TOKENS_PER_TEXT_TOKEN, BuildOptions
 from voice_out.engine.engine import Engine, EngineStartError
 from voice_out.engine.placement import Placement
 from voice_out.engine.scheduler import ForcedTokens
@@ -57,14 +57,16 @@ def test_random_weights_speak_a_capped_length_whoever_loads_them(tmp_path: Path)
     assert isinstance(served, Placement)
     (engine,) = served.engines
     assert isinstance(engine, Engine) and engine.forced == cap
-    assert Engine.load(tiny(tmp_path), warmup=False).forced == cap  # what say.py calls
-    assert Engine.load(tiny(tmp_path), warmup=False, forced=None).forced is None
-    assert Engine.load(tiny(tmp_path), warmup=False, forced=ForcedTokens(5)).forced == ForcedTokens(5)
+    assert Engine.load(tiny(tmp_path), options=BuildOptions(warmup=False)).forced == cap  # what say.py calls
+    assert Engine.load(tiny(tmp_path), options=BuildOptions(warmup=False, forced=None)).forced is None
+    assert Engine.load(
+        tiny(tmp_path), options=BuildOptions(warmup=False, forced=ForcedTokens(5))
+    ).forced == ForcedTokens(5)
 
 
 def test_real_weights_are_not_capped(tmp_path: Path, parity_dir: Path) -> None:
     cfg = Config(model=ModelConfig(model=str(parity_dir), device="cpu", offline=True))
-    assert Engine.load(cfg, warmup=False).forced is None
+    assert Engine.load(cfg, options=BuildOptions(warmup=False)).forced is None
 
 
 def test_say_loads_its_engine_like_serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,7 +92,10 @@ def test_say_loads_its_engine_like_serve(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_the_random_weights_warning_prints_once() -> None:
-    code = "from voice_out.engine.engine import Engine; Engine.load(model='random:tiny', device='cpu', warmup=False)"
+    code = (
+        "from voice_out.engine.build import BuildOptions; from voice_out.engine.engine import Engine; "
+        "Engine.load(model='random:tiny', device='cpu', options=BuildOptions(warmup=False))"
+    )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=True
     )
@@ -107,14 +112,14 @@ def test_engine_load_reads_the_config_file_and_environment(tmp_path: Path, monke
     config.write_text(f'[server]\nvoices_dir = "{voices}"\ndefault_voice = "noise"\n[engine]\nmax_streams = 3\n')
     monkeypatch.setenv("VOICE_OUT_CONFIG", str(config))
     monkeypatch.setenv("VOICE_OUT_ENGINE_MAX_TEXT_CHARS", "1234")
-    eng = Engine.load(model="random:tiny", device="cpu", warmup=False)
+    eng = Engine.load(model="random:tiny", device="cpu", options=BuildOptions(warmup=False))
     assert eng.config.engine.max_streams == 3
     assert eng.config.engine.max_text_chars == 1234
     assert eng.config.server.voices_dir == str(voices)
     assert eng.config.model.model == "random:tiny"  # the arguments override the file
     monkeypatch.setenv("VOICE_OUT_ENGINE_MAX_STREAMS", "many")
     with pytest.raises(ValueError, match="engine.max_streams = 'many'"):
-        Engine.load(model="random:tiny", device="cpu", warmup=False)
+        Engine.load(model="random:tiny", device="cpu", options=BuildOptions(warmup=False))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,7 +148,7 @@ async def test_a_start_up_failure_is_said_once(tmp_path: Path) -> None:
     """The server reports the worker's start-up failure with one prefix (it had two)."""
     from aiohttp.test_utils import TestServer
 
-    eng = Engine.load(tiny(tmp_path), warmup=False)
+    eng = Engine.load(tiny(tmp_path), options=BuildOptions(warmup=False))
 
     def broken() -> object:
         raise RuntimeError("out of memory on purpose")

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from voice_out.engine.build import BuildOptions
 from voice_out.fast.kernels.launch import Launch, launch, recording, recording_active
 from voice_out.fast.kernels.precompile import (
     compile_ahead,
@@ -157,7 +158,9 @@ def test_the_engine_dry_runs_record_every_fused_kernel_and_compile_them() -> Non
     from voice_out.engine.engine import Engine
     from voice_out.engine.runner import Runner, noise_voice
 
-    eng = Engine.load(model="random:tiny", device="cuda", text_normalizer="none", kv_len=256, warmup=False)
+    eng = Engine.load(
+        model="random:tiny", device="cuda", options=BuildOptions(text_normalizer="none", kv_len=256, warmup=False)
+    )
     eng.start(timeout=300)
     try:
         worker = eng._worker
@@ -224,10 +227,12 @@ def test_a_start_and_its_first_utterances_launch_no_kernel_its_dry_runs_missed(m
     eng = Engine.load(
         model="random:tiny",
         device="cuda",
-        text_normalizer="none",
-        noise_prompt_tokens=150,
-        pins={"capture_tokens": 400, "capture_batch_tokens": 300},
-        forced=ForcedTokens(3),
+        options=BuildOptions(
+            text_normalizer="none",
+            noise_prompt_tokens=150,
+            pins={"capture_tokens": 400, "capture_batch_tokens": 300},
+            forced=ForcedTokens(3),
+        ),
     )
     eng.start(timeout=600)
     at_start = set(launched)

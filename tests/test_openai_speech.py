@@ -29,6 +29,7 @@ from aiohttp import web
 from tests.fakes import FakeEngine, FakeScript
 from voice_out.config import Config, EngineConfig, ServerConfig
 from voice_out.engine.api import EngineLike, PcmChunk, Stream, StreamState
+from voice_out.engine.build import BuildOptions
 from voice_out.engine.engine import Engine
 from voice_out.engine.scheduler import ForcedTokens
 from voice_out.server.app import METRICS_KEY, create_app
@@ -102,11 +103,9 @@ def tiny_engine(tmp: Path) -> Engine:
         cfg,
         model="random:tiny",
         device="cpu",
-        forced=ForcedTokens(3),
-        warmup=False,
-        text_normalizer="none",
-        noise_prompt_tokens=0,
-        kv_len=512,
+        options=BuildOptions(
+            forced=ForcedTokens(3), warmup=False, text_normalizer="none", noise_prompt_tokens=0, kv_len=512
+        ),
     )
 
 

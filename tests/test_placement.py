@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import numpy as np
@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestServer
 from voice_out.client import connect
 from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig
 from voice_out.engine.api import EngineFailedError, OverloadedError, PcmChunk, Stream, StreamState
+from voice_out.engine.build import BuildOptions
 from voice_out.engine.engine import Engine
 from voice_out.engine.placement import EngineState, PlacedStream, Placement, load_placement
 from voice_out.engine.process import ProcessEngine
@@ -35,13 +36,7 @@ pytestmark = [
 
 TEXT = "Hello there, how are you?"
 #: Engine.load options of every engine here: tiny, deterministic, quick to start.
-OPTIONS: dict[str, Any] = {
-    "forced": ForcedTokens(3),
-    "warmup": False,
-    "text_normalizer": "none",
-    "noise_prompt_tokens": 0,
-    "kv_len": 512,
-}
+OPTIONS = BuildOptions(forced=ForcedTokens(3), warmup=False, text_normalizer="none", noise_prompt_tokens=0, kv_len=512)
 
 
 class WorkerDeath(BaseException):
@@ -69,7 +64,7 @@ def config(tmp: Path, device: str = "cpu", processes: str = "shared", max_stream
 
 
 def tiny_engine(tmp: Path, max_streams: int = 4) -> Engine:
-    return Engine.load(config(tmp, max_streams=max_streams), **OPTIONS)
+    return Engine.load(config(tmp, max_streams=max_streams), options=OPTIONS)
 
 
 async def speak(stream: Stream, text: str = TEXT) -> list[PcmChunk]:
@@ -116,7 +111,7 @@ async def test_each_utterance_goes_to_the_engine_with_the_most_headroom(tmp_path
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 async def test_a_failed_engine_fails_only_its_utterances_and_new_ones_avoid_it(tmp_path: Path) -> None:
     killer = Killer()
-    placement = load_placement(config(tmp_path, "cpu,cpu"), **OPTIONS, fault_hook=killer)
+    placement = load_placement(config(tmp_path, "cpu,cpu"), options=dataclasses.replace(OPTIONS, fault_hook=killer))
     assert all(isinstance(e, Engine) for e in placement.engines)  # shared: in this process
     async with placement:
         streams = [placement.open_stream(seed=i) for i in range(4)]
@@ -143,7 +138,7 @@ async def test_a_failed_engine_fails_only_its_utterances_and_new_ones_avoid_it(t
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 async def test_one_session_over_two_engines_plays_on_its_one_track(tmp_path: Path) -> None:
     killer = Killer()
-    placement = load_placement(config(tmp_path, "cpu,cpu"), **OPTIONS, fault_hook=killer)
+    placement = load_placement(config(tmp_path, "cpu,cpu"), options=dataclasses.replace(OPTIONS, fault_hook=killer))
     app = create_app(config(tmp_path, "cpu,cpu"), placement, None, web_dir=None)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from voice_out.config import Config, EngineConfig, ModelConfig, ServerConfig
+from voice_out.engine.build import BuildOptions
 from voice_out.engine.engine import Engine
 from voice_out.engine.scheduler import ForcedTokens
 from voice_out.fast.kernels import decode as decode_kernels
@@ -36,11 +37,9 @@ def _engine(tmp: Path, dtype: str, *, eager: bool = False, pins: dict[str, objec
         cfg,
         model="random:tiny",
         device="cuda",
-        forced=ForcedTokens(3),
-        text_normalizer="none",
-        kv_len=512,
-        noise_prompt_tokens=50,
-        pins=pins,
+        options=BuildOptions(
+            forced=ForcedTokens(3), text_normalizer="none", kv_len=512, noise_prompt_tokens=50, pins=pins
+        ),
     )
 
 
@@ -111,7 +110,9 @@ def test_a_budget_is_planned_for_and_enforced(tmp_path: Path) -> None:
     """A 4 GiB budget: the plan fits it, torch's allocator is capped below it, and a budget
     below the model and one stream fails at load in one line."""
     cfg = Config(engine=EngineConfig(gpu_memory=4.0), server=ServerConfig(voices_dir=str(tmp_path / "none")))
-    eng = Engine.load(cfg, model="random:tiny", device="cuda", forced=ForcedTokens(3), text_normalizer="none")
+    eng = Engine.load(
+        cfg, model="random:tiny", device="cuda", options=BuildOptions(forced=ForcedTokens(3), text_normalizer="none")
+    )
     assert eng.plan.budget_bytes == 4 * GIB and eng.plan.estimated_bytes <= 4 * GIB
     try:
         eng.start(timeout=600)

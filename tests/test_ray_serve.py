@@ -47,6 +47,7 @@ else:
     ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'voice_out[ray]')")
     serve = pytest.importorskip("ray.serve")
 
+from voice_out.engine.build import BuildOptions  # noqa: E402
 from voice_out.engine.engine import Engine  # noqa: E402
 from voice_out.engine.ray_serve.client import RayEngine, RayStream  # noqa: E402
 from voice_out.engine.ray_serve.replica import ReplicaStats, speech_app  # noqa: E402
@@ -176,13 +177,7 @@ def test_serve_run_builder_takes_typed_arguments(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 # A local Ray instance with two tiny replicas
 
-LOAD: dict[str, Any] = {
-    "forced": ForcedTokens(3),
-    "warmup": False,
-    "text_normalizer": "none",
-    "noise_prompt_tokens": 0,
-    "kv_len": 1024,
-}
+LOAD = BuildOptions(forced=ForcedTokens(3), warmup=False, text_normalizer="none", noise_prompt_tokens=0, kv_len=1024)
 
 
 def tiny_config(voices_dir: Path) -> Config:
@@ -287,7 +282,7 @@ async def test_two_replicas_serve_streamed_text(cfg: Config, handle: Any) -> Non
     # the same text and seed in process: the same audio (forced tokens: content is seed-driven)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        local = Engine.load(cfg, **LOAD)
+        local = Engine.load(cfg, options=LOAD)
     async with local:
         s = local.open_stream(None, seed=11)
         for p in parts:

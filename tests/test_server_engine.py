@@ -20,6 +20,7 @@ from aiohttp.test_utils import TestServer
 
 from voice_out.client import VoiceOutClient, connect
 from voice_out.config import Config, EngineConfig
+from voice_out.engine.build import BuildOptions
 from voice_out.server import protocol as p
 from voice_out.server.app import METRICS_KEY, SESSIONS_KEY, create_app
 
@@ -53,7 +54,7 @@ async def test_real_engine_session() -> None:
             Config(engine=EngineConfig(seed=1234)),
             model="random:tiny",
             device="cpu",
-            forced=scheduler_module.ForcedTokens(tokens_per_text_token=2),
+            options=BuildOptions(forced=scheduler_module.ForcedTokens(tokens_per_text_token=2)),
         )
     app = create_app(Config(), engine, None)
     server = TestServer(app, host="127.0.0.1")

@@ -32,6 +32,7 @@ from aiohttp.test_utils import TestServer
 
 from voice_out.client import VoiceOutClient, connect
 from voice_out.config import Config, EngineConfig
+from voice_out.engine.build import BuildOptions
 from voice_out.server import protocol as p
 from voice_out.server.app import METRICS_KEY, SESSIONS_KEY, create_app
 
@@ -92,7 +93,7 @@ def soak_engine() -> Iterator[Any]:
             Config(engine=EngineConfig(seed=4321)),
             model="random:tiny",
             device="cpu",
-            forced=scheduler_module.ForcedTokens(tokens_per_text_token=2),
+            options=BuildOptions(forced=scheduler_module.ForcedTokens(tokens_per_text_token=2)),
         )
     yield engine
 

@@ -27,6 +27,7 @@ from tests.conftest import load_case
 from tests.test_parity_token2wav import ReplayFlow, assert_wave_close
 from voice_out.config import Config, EngineConfig, ServerConfig
 from voice_out.engine.api import BadOptionError, PcmChunk
+from voice_out.engine.build import BuildOptions
 from voice_out.engine.engine import Engine
 from voice_out.engine.request import FILL_TOKEN, FlowVoice, VoicePrompt
 from voice_out.engine.scheduler import ForcedTokens
@@ -115,11 +116,7 @@ def tiny_engine(tmp: Path, forced: ForcedTokens | None = FORCED_3) -> Engine:
         cfg,
         model="random:tiny",
         device="cpu",
-        forced=forced,
-        warmup=False,
-        text_normalizer="none",
-        noise_prompt_tokens=0,
-        kv_len=512,
+        options=BuildOptions(forced=forced, warmup=False, text_normalizer="none", noise_prompt_tokens=0, kv_len=512),
     )
 
 

@@ -49,7 +49,7 @@ from voice_out.bench.listener import Listener, percentile, run_stream
 from voice_out.bench.report import Report
 from voice_out.config import Config, load_config, parse_overrides
 from voice_out.engine.api import SAMPLE_RATE, EngineLike, StreamClosedError
-from voice_out.engine.build import resolve_device
+from voice_out.engine.build import BuildOptions, resolve_device
 from voice_out.engine.engine import Engine, EngineStats
 from voice_out.engine.scheduler import FirstAudioTrace, ForcedTokens
 
@@ -156,12 +156,14 @@ def load_engine(cfg: Config, opts: EngineBenchOptions) -> Engine:
         warnings.simplefilter("ignore")  # the loud random-weights warning (logged as well)
         return Engine.load(
             cfg,
-            forced=forced,
-            kv_len=opts.kv_len(),
-            flow_path=opts.flow_path,
-            noise_prompt_tokens=opts.prompt_tokens,
-            text_normalizer="none",
-            pins=dict(opts.pins),
+            options=BuildOptions(
+                forced=forced,
+                kv_len=opts.kv_len(),
+                flow_path=opts.flow_path,
+                noise_prompt_tokens=opts.prompt_tokens,
+                text_normalizer="none",
+                pins=dict(opts.pins),
+            ),
         )
 
 

@@ -209,41 +209,55 @@ class ModelFiles:
         return self.source.path
 
 
-def build_engine(
-    cfg: Config,
-    *,
-    voices: Any | None,
-    forced: ForcedTokens | None | AutoForced,
-    kv_len: int,
-    warmup: bool,
-    flow_path: str,
-    fault_hook: Any | None,
-    noise_prompt_tokens: int,
-    text_normalizer: str = "auto",
-    pins: Mapping[str, object] | None = None,
-) -> EngineParts:
-    """The parts of an engine for ``cfg`` (calling thread; loads no weights). The keyword
-    arguments are :meth:`Engine.load`'s (see there)."""
+@dataclass(frozen=True)
+class BuildOptions:
+    """How :meth:`Engine.load` builds an engine, besides its config (tests, benchmarks and the
+    engines of a placement set these; a deployer sets the config).
+
+    ``forced``: forced-tokens mode; by default (:data:`AUTO_FORCED`) random weights speak a
+    realistic ``RANDOM_TOKENS_PER_TEXT_TOKEN`` tokens per text token and real ones stop on
+    EOS, None forces nothing. ``kv_len``: KV-cache positions per stream. ``warmup``: compile,
+    warm up and capture at start (False: on first use). ``flow_path``: token2wav's ``rerun``
+    (upstream) or ``cached`` flow. ``fault_hook``: a test hook (see ``Runner``).
+    ``noise_prompt_tokens``: prompt length of random weights' ``noise`` voice.
+    ``text_normalizer``: ``auto``, ``wetext``, ``rules`` or ``none``. ``pins``: fast-path
+    choices set by hand (``voice_out.fast.plan.Plan`` field -> value, plus ``capability``:
+    "8.9" plans as for that GPU); e.g. ``{"cuda_graphs": True}`` runs the LLM through
+    ``voice_out.fast.llm_step`` (its eager code off the GPU)."""
+
+    forced: ForcedTokens | None | AutoForced = AUTO_FORCED
+    kv_len: int = 4096
+    warmup: bool = True
+    flow_path: str = "rerun"
+    fault_hook: Any | None = None
+    noise_prompt_tokens: int = 25
+    text_normalizer: str = "auto"
+    pins: Mapping[str, object] | None = None
+
+
+def build_engine(cfg: Config, voices: Any | None = None, options: BuildOptions | None = None) -> EngineParts:
+    """The parts of an engine for ``cfg`` (calling thread; loads no weights): ``voices`` and
+    ``options`` as :meth:`Engine.load` takes them."""
     from voice_out.text.tokenizer import load_tokenizer
 
+    opts = options if options is not None else BuildOptions()
     files = resolve_model_files(cfg)
+    forced = opts.forced
     if forced is AUTO_FORCED:
         forced = ForcedTokens(RANDOM_TOKENS_PER_TEXT_TOKEN) if files.source.is_random else None
     assert forced is None or isinstance(forced, ForcedTokens)
     device = resolve_device(cfg.model.device)
     dtype = _DTYPES[cfg.model.dtype] if device.type == "cuda" else torch.float32
     tokenizer = load_tokenizer(files.weights_dir, files.dims.text_vocab_size)
-    book = voice_book(cfg, files, tokenizer.encode, voices, noise_prompt_tokens)
-    plan = plan_engine(cfg, files, device, dtype, kv_len, book, pins or {})
-    recipe = RunnerRecipe(
-        cfg, files, device, dtype, plan, book, kv_len=kv_len, flow_path=flow_path, fault_hook=fault_hook
-    )
+    book = voice_book(cfg, files, tokenizer.encode, voices, opts.noise_prompt_tokens)
+    plan = plan_engine(cfg, files, device, dtype, opts.kv_len, book, opts.pins or {})
+    recipe = RunnerRecipe(cfg, files, device, dtype, plan, book, opts.kv_len, opts.flow_path, opts.fault_hook)
     return EngineParts(
         runner_factory=recipe.build,
-        pipeline_factory=text_pipeline_factory(tokenizer, text_normalizer),
+        pipeline_factory=text_pipeline_factory(tokenizer, opts.text_normalizer),
         voices=book,
         forced=forced,
-        warmup=recipe.warm if warmup else None,
+        warmup=recipe.warm if opts.warmup else None,
         plan=plan,
     )
 

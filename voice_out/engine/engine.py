@@ -34,10 +34,10 @@ import secrets
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from voice_out.config import Config, EngineConfig, load_config
 from voice_out.config import replace as replace_config
@@ -49,7 +49,7 @@ from voice_out.engine.api import (
     check_speed,
 )
 from voice_out.engine.request import TextPipeline
-from voice_out.engine.scheduler import AUTO_FORCED, AutoForced, FirstAudioTrace, ForcedTokens, Scheduler
+from voice_out.engine.scheduler import FirstAudioTrace, ForcedTokens, Scheduler
 from voice_out.engine.stream import EngineStream
 from voice_out.engine.voicebook import ADD_VOICE_HINT, VoiceBook, instruct_prompt
 from voice_out.engine.worker import (
@@ -64,6 +64,9 @@ from voice_out.engine.worker import (
 )
 from voice_out.errors import VoiceOutError
 from voice_out.fast.plan import Plan, cpu_plan
+
+if TYPE_CHECKING:
+    from voice_out.engine.build import BuildOptions
 
 log = logging.getLogger(__name__)
 
@@ -147,15 +150,8 @@ class Engine:
         model: str | None = None,
         device: str | None = None,
         voices: Any | None = None,
-        forced: ForcedTokens | None | AutoForced = AUTO_FORCED,
-        kv_len: int = 4096,
-        warmup: bool = True,
-        flow_path: str = "rerun",
-        fault_hook: Any | None = None,
-        noise_prompt_tokens: int = 25,
-        text_normalizer: str = "auto",
         engine: EngineConfig | None = None,
-        pins: Mapping[str, object] | None = None,
+        options: BuildOptions | None = None,
     ) -> Engine:
         """Resolve the model and build an engine (the weights load on the worker at start).
 
@@ -165,15 +161,9 @@ class Engine:
         ``model``: a CosyVoice2 directory, a hub id, or ``random:tiny`` / ``random:0.5b``
         (random weights: NOISE, with a loud warning; they come with a built-in voice
         ``noise``). ``voices``: a :class:`~voice_out.voices.store.VoiceStore` (default: a
-        read-only store at ``server.voices_dir``). ``forced``: forced-tokens mode for tests and
-        benchmarks; by default (:data:`AUTO_FORCED`) random weights speak a realistic
-        ``RANDOM_TOKENS_PER_TEXT_TOKEN`` tokens per text token and real ones stop on EOS, None
-        forces nothing. ``kv_len``: KV-cache positions per stream. ``text_normalizer``: ``auto``,
-        ``wetext``, ``rules`` or ``none``. ``flow_path``: token2wav's ``rerun`` (upstream) or
-        ``cached`` flow. ``fault_hook``: a test hook (see ``Runner``). ``pins``: fast-path
-        choices set by hand (tests, the bench; ``voice_out.fast.plan.Plan`` field -> value,
-        plus ``capability``: "8.9" plans as for that GPU); e.g. ``{"cuda_graphs": True}`` runs
-        the LLM through ``voice_out.fast.llm_step`` (its eager code off the GPU).
+        read-only store at ``server.voices_dir``). ``options``: how it is built besides the
+        config (:class:`~voice_out.engine.build.BuildOptions`: forced tokens, KV length,
+        warm-up, flow path, text normalizer, fast-path pins; tests and benchmarks).
         Raises ConfigError when ``engine.gpu_memory`` cannot hold the model and one stream.
         """
         # the assembly lives in build.py, which never imports this module (no circle)
@@ -187,18 +177,7 @@ class Engine:
             cfg = replace_config(cfg, "model", device=device)
         if engine is not None:
             cfg = dataclasses.replace(cfg, engine=engine)
-        parts = build_engine(
-            cfg,
-            voices=voices,
-            forced=forced,
-            kv_len=kv_len,
-            warmup=warmup,
-            flow_path=flow_path,
-            fault_hook=fault_hook,
-            noise_prompt_tokens=noise_prompt_tokens,
-            text_normalizer=text_normalizer,
-            pins=pins,
-        )
+        parts = build_engine(cfg, voices, options)
         return cls(
             cfg,
             runner_factory=parts.runner_factory,
@@ -446,7 +425,6 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 __all__ = [
     "ADD_VOICE_HINT",
-    "AUTO_FORCED",
     "Engine",
     "EngineStartError",
     "EngineStats",

@@ -50,6 +50,7 @@ from voice_out.engine.api import (
 
 if TYPE_CHECKING:
     from voice_out.config import Config
+    from voice_out.engine.build import BuildOptions
 
 log = logging.getLogger(__name__)
 
@@ -419,9 +420,9 @@ class PlacedStream:
         return f"PlacedStream({self._inner!r} on {self._slot.label})"
 
 
-def load_placement(cfg: Config, *, voices: Any | None = None, **options: Any) -> Placement:
+def load_placement(cfg: Config, *, voices: Any | None = None, options: BuildOptions | None = None) -> Placement:
     """A :class:`Placement` of one engine per device of
-    ``model.device`` (not started). ``options``: keyword arguments of :meth:`Engine.load`.
+    ``model.device`` (not started). ``options``: :meth:`Engine.load`'s ``options``.
 
     In-process engines share ``voices`` (the server's store); engines in processes of their
     own (:func:`~voice_out.engine.build.uses_processes`) open the store at ``server.voices_dir`` themselves when
@@ -444,7 +445,7 @@ def load_placement(cfg: Config, *, voices: Any | None = None, **options: Any) ->
                 one, label=label, load_options=options, voice_store=voices is not None, voices=voices
             )
         else:
-            engine = Engine.load(one, voices=voices, **options)
+            engine = Engine.load(one, voices=voices, options=options)
         engines.append((label, engine, planned_capacity(one)))
     # in-process engines start one after the other: a start-up captures CUDA graphs, and no
     # other thread of the process may allocate on a GPU meanwhile

@@ -39,7 +39,7 @@ import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from voice_out.config import Config
 from voice_out.engine.api import (
@@ -56,6 +56,9 @@ from voice_out.engine.api import (
 from voice_out.engine.request import RequestStatus
 from voice_out.engine.stream import EngineStream, _Outbox
 from voice_out.engine.worker import Ack, Cancel, EndOfStream, EndText, Message, Text
+
+if TYPE_CHECKING:
+    from voice_out.engine.build import BuildOptions
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +77,7 @@ _END_STATUS = {
 class ProcessEngine:
     """The engine of ``config`` (one device) in a child process; see the module docstring.
 
-    ``load_options``: keyword arguments of :meth:`Engine.load` (picklable: ``forced``,
-    ``kv_len``, ``warmup``, ``flow_path``, ``noise_prompt_tokens``, ``text_normalizer``, ...).
+    ``load_options``: :meth:`Engine.load`'s ``options`` (picklable: no ``fault_hook``).
     ``voice_store``: the child opens the voice store at ``server.voices_dir`` writable for
     the model (as the server does), else the engine's default read-only one.
     ``torch_threads``: the child's torch CPU threads (0: torch's default). ``voices``: this
@@ -87,14 +89,14 @@ class ProcessEngine:
         config: Config,
         *,
         label: str | None = None,
-        load_options: dict[str, Any] | None = None,
+        load_options: BuildOptions | None = None,
         voice_store: bool = False,
         torch_threads: int = 0,
         voices: Any | None = None,
     ) -> None:
         self.config = config
         self.label = label or config.model.device
-        self._options = dict(load_options or {})
+        self._options = load_options
         self._voice_store = voice_store
         self._torch_threads = torch_threads
         self._store = voices
@@ -429,7 +431,7 @@ class ProcessEngine:
 # The child
 
 
-def child_main(conn: Connection, spec: tuple[Config, dict[str, Any], bool, int, str]) -> None:
+def child_main(conn: Connection, spec: tuple[Config, BuildOptions | None, bool, int, str]) -> None:
     """The child process: load the engine of ``spec`` and serve it on ``conn`` until told to
     stop or until the parent is gone."""
     config, options, voice_store, torch_threads, label = spec
@@ -443,14 +445,15 @@ def child_main(conn: Connection, spec: tuple[Config, dict[str, Any], bool, int, 
 
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
+        voices = None
         if voice_store:
             from voice_out.hub import resolve_model
             from voice_out.voices.store import VoiceStore
 
             mc = config.model
             source = resolve_model(mc.model, mc.cache_dir, revision=mc.revision, offline=mc.offline)
-            options = {**options, "voices": VoiceStore(config.server.voices_dir, source.path)}
-        engine = Engine.load(config, **options)
+            voices = VoiceStore(config.server.voices_dir, source.path)
+        engine = Engine.load(config, voices=voices, options=options)
     except Exception as e:  # noqa: BLE001 - reported to the parent
         conn.send(("start_failed", f"{type(e).__name__}: {e}"))
         conn.close()

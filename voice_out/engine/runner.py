@@ -753,7 +753,7 @@ class Runner:
         if self.slot_len[slot] + n > self.cache.max_len:
             raise RuntimeError(
                 f"utterance too long: the KV cache holds {self.cache.max_len} positions per stream "
-                "(raise it with Engine.load(kv_len=...))"
+                "(raise it with Engine.load(options=BuildOptions(kv_len=...)))"
             )
 
     def _rows(self, w: LlmWork) -> list[tuple[int, int]]:

@@ -23,11 +23,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from voice_out.config import Config, ConfigError, load_config
 from voice_out.engine.api import EngineError, PcmChunk
 from voice_out.engine.ray_serve.messages import Failed, Placed, ReplicaInfo, TextEvent, UtteranceRequest
+
+if TYPE_CHECKING:
+    from voice_out.engine.build import BuildOptions
 
 #: Outcomes of this many recent utterances are kept for :meth:`SpeechReplica.stats`.
 OUTCOMES_KEPT = 256
@@ -113,9 +116,9 @@ class ReplicaStats:
     outcomes: Mapping[str, str]
 
 
-def build_engine(cfg: Config, load: Mapping[str, Any]) -> Any:
+def build_engine(cfg: Config, load: BuildOptions | None) -> Any:
     """The engine of one replica, its voices read from ``server.voices_dir`` (the store every
-    replica shares). ``load``: extra :meth:`Engine.load` arguments (tests and benchmarks:
+    replica shares). ``load``: :meth:`Engine.load`'s ``options`` (tests and benchmarks:
     ``forced``, ``warmup``, ``kv_len`` ...)."""
     from voice_out.engine.engine import Engine
     from voice_out.hub import resolve_model
@@ -124,21 +127,21 @@ def build_engine(cfg: Config, load: Mapping[str, Any]) -> Any:
     mc = cfg.model
     source = resolve_model(mc.model, mc.cache_dir, revision=mc.revision, offline=mc.offline)
     store = VoiceStore(cfg.server.voices_dir, source.path)
-    return Engine.load(cfg, voices=store, **dict(load))
+    return Engine.load(cfg, voices=store, options=load)
 
 
 class SpeechReplica:
     """One engine behind Ray Serve (see the module docstring). Built by Serve with the
     deployment's ``config``, ``load`` and ``start_timeout_s``; blocks until the engine is warm."""
 
-    def __init__(self, config: Config, load: Mapping[str, Any] | None = None, start_timeout_s: float = 900.0) -> None:
+    def __init__(self, config: Config, load: BuildOptions | None = None, start_timeout_s: float = 900.0) -> None:
         from ray import serve
 
         rid = serve.get_replica_context().replica_id
         self.replica_id: str = rid.unique_id
         self.actor_name: str = rid.to_full_id_str()
         self.config = config
-        self.engine = build_engine(config, load or {})
+        self.engine = build_engine(config, load)
         self.engine.start(timeout=start_timeout_s)
         self._outcomes: collections.OrderedDict[str, str] = collections.OrderedDict()
 
@@ -261,7 +264,7 @@ class SpeechReplica:
 # Building and deploying the application
 
 
-def speech_app(cfg: Config, options: DeploymentOptions, load: Mapping[str, Any] | None = None) -> Any:
+def speech_app(cfg: Config, options: DeploymentOptions, load: BuildOptions | None = None) -> Any:
     """The Serve application (bound deployment) of ``cfg`` laid out as ``options``."""
     from ray import serve
 
@@ -296,11 +299,11 @@ def speech_app(cfg: Config, options: DeploymentOptions, load: Mapping[str, Any] 
         graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
         **layout,
     )
-    return deployment.bind(cfg, dict(load or {}), options.start_timeout_s)
+    return deployment.bind(cfg, load, options.start_timeout_s)
 
 
 def deploy(
-    cfg: Config, options: DeploymentOptions, load: Mapping[str, Any] | None = None, *, address: str | None = None
+    cfg: Config, options: DeploymentOptions, load: BuildOptions | None = None, *, address: str | None = None
 ) -> Any:
     """Deploy (or update) the application on the Ray cluster at ``address`` (None: the one
     this process is connected to, else ``auto``) and wait until its replicas are up; returns
