@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tests.test_flow_streaming import make_flow, tiny_dims
+from voice_out.fast import fused_flow
+from voice_out.fast.fused_flow import FF_BIAS_CARRIER
 from voice_out.model.flow import Flow
 from voice_out.model.flow_estimator import (
-    FF_BIAS_CARRIER,
     LN_EPS,
     MASK_ALIGN,
     CausalBlock,
@@ -60,9 +61,11 @@ def make_estimator(seed: int = 0, dtype: torch.dtype = torch.float64) -> Estimat
 
 
 def fused(est: Estimator) -> Estimator:
+    """``est`` with its weights arranged as the engine runs them eagerly: ``fuse_`` and the
+    fast path's feed-forward bias carrier (``fused_flow.fuse_ff_``)."""
     out = copy.deepcopy(est)
     out.fuse_()
-    return out
+    return fused_flow.fuse_ff_(out)
 
 
 # -- the reference: upstream's estimator written plainly -------------------------------------
@@ -239,7 +242,9 @@ def test_solve_equals_upstreams_euler_loop(streaming: bool) -> None:
     cond = torch.randn(b, flow.dims.n_mels, n, generator=gen)
     with torch.no_grad():
         ref = ref_solve(flow, mu, spk, cond, streaming)
-        for model in (flow, copy.deepcopy(flow).fuse_()):
+        arranged = copy.deepcopy(flow).fuse_()
+        fused_flow.fuse_ff_(arranged.estimator)
+        for model in (flow, arranged):
             out = model.solve(mu, spk, cond, streaming)
             assert out.dtype == torch.float32 and out.shape == ref.shape
             err = float((out - ref).abs().max())

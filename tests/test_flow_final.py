@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from tests.test_flow_streaming import inputs, make_flow, tiny_dims
+from voice_out.fast import fused_flow
 from voice_out.model.flow import Flow
 
 TOL = 1e-5  # fp32: the padded pass differs from the single one only by matmul blocking
@@ -32,9 +33,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module", params=["fused", "unfused"])
 def flow(request: pytest.FixtureRequest) -> Flow:
-    """Both estimator layouts: fused weights (what the loaders run) and plain modules."""
+    """Both estimator layouts: fused weights (what the engine runs eagerly: the loaders'
+    ``fuse_`` and the fast path's feed-forward carrier) and plain modules."""
     flow = make_flow(tiny_dims())
-    return flow.fuse_() if request.param == "fused" else flow
+    if request.param == "fused":
+        fused_flow.fuse_ff_(flow.fuse_().estimator)
+    return flow
 
 
 def single(flow: Flow, it: Item) -> Tensor:

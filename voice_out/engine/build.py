@@ -411,6 +411,8 @@ class RunnerRecipe:
             plan.max_streams,
             self.kv_len,
         )
+        # the eager calls' feed-forward as one GEMM (the kernels read the plain weights)
+        fused_flow.fuse_ff_(flow.estimator)
         if fused_flow.use_kernels(flow, plan.fused_flow):
             log.info("engine: flow estimator with fused kernels")
         elif plan.fused_flow and device.type == "cuda":

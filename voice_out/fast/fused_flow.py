@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 from itertools import repeat
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from voice_out.fast.kernels import flow as flow_kernels
@@ -147,6 +148,51 @@ def transformer_block(
     g = flow_kernels.ln_linear(x2, n3.weight, n3.bias, n3.eps, block.ff_in.weight, block.ff_in.bias, gelu=True)
     flow_kernels.linear(g, block.ff_out.weight, block.ff_out.bias, residual=x2, out=x2)
     return x2.view(b, t, c)
+
+
+# -- the feed-forward's bias carrier (plain torch) --------------------------------------------
+
+#: :func:`fuse_ff_` carries ff_out's bias through one extra hidden unit of this constant value:
+#: gelu(8) == 8 exactly in every float dtype (erf(8 / sqrt 2) rounds to 1), and b / 8 is exact,
+#: so ff_out adds 8 * (b / 8) = b inside its GEMM.
+FF_BIAS_CARRIER = 8.0
+FF_PAD = 8  # columns added to the FF width for the carrier (keeps rows 16-byte aligned)
+
+
+class CarrierBlock(TransformerBlock):
+    """A :class:`TransformerBlock` whose feed-forward is ONE in-place GEMM with its bias and the
+    residual add (``x.addmm_``), from the weights :func:`fuse_ff_` arranged: ``ff_in_weight``
+    ``[F + FF_PAD, dim]``, ``ff_in_bias`` ``[F + FF_PAD]``, ``ff_out_weight`` ``[dim, F +
+    FF_PAD]`` (non-persistent buffers)."""
+
+    ff_in_weight: Tensor
+    ff_in_bias: Tensor
+    ff_out_weight: Tensor
+
+    def feed_forward(self, x: Tensor, h: Tensor) -> Tensor:
+        return x.addmm_(F.gelu(F.linear(h, self.ff_in_weight, self.ff_in_bias)), self.ff_out_weight.t())
+
+
+@torch.no_grad()
+def fuse_ff_(est: Estimator) -> Estimator:
+    """Arrange every transformer block's feed-forward of ``est`` (a flow's estimator) so ``x +
+    ff_out(g)`` is ONE in-place GEMM, bias included: ``ff_in`` gets ``FF_PAD`` extra outputs of
+    weight 0, the first with bias ``FF_BIAS_CARRIER`` (gelu keeps it exactly), and ``ff_out``
+    reads it with weight ``bias / FF_BIAS_CARRIER`` (exact: a power of two), the other extra
+    columns with 0. The blocks become :class:`CarrierBlock` in place (weights and their names
+    unchanged); run it again if the weights change. The fused kernels read the plain weights
+    (their GEMM epilogue adds the bias). Returns ``est``."""
+    for block in est.transformer_blocks():
+        w1, b1, w2, b2 = block.ff_in.weight, block.ff_in.bias, block.ff_out.weight, block.ff_out.bias
+        carrier = torch.zeros(FF_PAD, dtype=b1.dtype, device=b1.device)
+        carrier[0] = FF_BIAS_CARRIER
+        extra = w2.new_zeros(w2.shape[0], FF_PAD)
+        extra[:, 0] = b2 / FF_BIAS_CARRIER
+        block.register_buffer("ff_in_weight", torch.cat([w1, w1.new_zeros(FF_PAD, w1.shape[1])]), persistent=False)
+        block.register_buffer("ff_in_bias", torch.cat([b1, carrier]), persistent=False)
+        block.register_buffer("ff_out_weight", torch.cat([w2, extra], dim=1), persistent=False)
+        block.__class__ = CarrierBlock
+    return est
 
 
 # -- the estimator ----------------------------------------------------------------------------

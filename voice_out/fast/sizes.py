@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from voice_out.fast import fused_flow
 from voice_out.fast.plan import ModelSizes
 from voice_out.model.flow import Flow
 from voice_out.model.flow_dims import FlowDims
@@ -23,11 +24,12 @@ def _bytes(module: torch.nn.Module, dtype_bytes: int) -> int:
 
 def weight_bytes(llm: LLMDims, flow: FlowDims, hift: HiFTDims, dtype_bytes: int) -> int:
     """Parameters and buffers of the three modules as the engine holds them: LLM and flow in
-    the model dtype (the flow with its fused copies, ``Flow.fuse_``), the vocoder in float32."""
+    the model dtype (the flow with its fused copies, ``Flow.fuse_`` and
+    ``fused_flow.fuse_ff_``), the vocoder in float32."""
     with torch.device("meta"):
         lm = SpeechLM(llm)
         fl = Flow(flow)
-        fl.fuse_()
+        fused_flow.fuse_ff_(fl.fuse_().estimator)
         voc = HiFT(hift)
     return _bytes(lm, dtype_bytes) + _bytes(fl, dtype_bytes) + _bytes(voc, 4)
 

@@ -29,10 +29,10 @@ counts them per block). Hence:
   buffer (each call only writes x), every ResBlock's time projection for every Euler step (one
   batched time MLP and one GEMM), and the chunk mask as an additive bias in the compute dtype
   (:func:`attention_bias`), so attention converts nothing per block;
-* :meth:`Estimator.fuse_` pre-arranges the weights: stacked q/k/v, the feed-forward's output
-  bias carried through its GEMM so ``x + ff_out(g)`` is one in-place ``addmm_``
-  (``FF_BIAS_CARRIER``), tap-major conv weights, stacked time projections. Unfused modules
-  (before ``fuse_``) compute the same thing with plain layers and reshapes on the fly.
+* :meth:`Estimator.fuse_` pre-arranges the weights: stacked q/k/v, tap-major conv weights,
+  stacked time projections. Unfused modules (before ``fuse_``) compute the same thing with
+  plain layers and reshapes on the fly. (The fast path also folds the feed-forward's output
+  bias into its GEMM: ``voice_out.fast.fused_flow.fuse_ff_``.)
 
 Not used: ``torch._addmm_activation(..., use_gelu=True)`` (bias + GELU in the GEMM epilogue) is
 the tanh approximation on CUDA, not upstream's exact erf GELU; calling the memory-efficient
@@ -60,11 +60,6 @@ LN_EPS = 1e-5
 #: Row stride (elements) of the attention bias: SDPA's memory-efficient kernel (fp32 on CUDA)
 #: pads a bias whose rows are not 16-aligned, per call; cuDNN's (bf16/fp16) takes it as is.
 MASK_ALIGN = 16
-#: The fused feed-forward (TransformerBlock.fuse_ff_) carries ff_out's bias through one extra
-#: hidden unit of this constant value: gelu(8) == 8 exactly in every float dtype (erf(8 / sqrt 2)
-#: rounds to 1), and b / 8 is exact, so ff_out adds 8 * (b / 8) = b inside its GEMM.
-FF_BIAS_CARRIER = 8.0
-FF_PAD = 8  # columns added to the FF width for the carrier (keeps rows 16-byte aligned)
 
 
 def append_kv(kv: tuple[Tensor, Tensor], k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
@@ -276,11 +271,6 @@ class TransformerBlock(nn.Module):
         # [3 * inner, dim]: q, k and v in one matmul (one kernel instead of three); filled by
         # fuse_qkv_() once the weights are loaded, empty (separate projections) until then
         self.register_buffer("qkv_weight", torch.empty(0), persistent=False)
-        # The feed-forward with its output bias and the residual add in the second GEMM (see
-        # fuse_ff_()): [F + FF_PAD, dim], [F + FF_PAD], [dim, F + FF_PAD]; empty until then
-        self.register_buffer("ff_in_weight", torch.empty(0), persistent=False)
-        self.register_buffer("ff_in_bias", torch.empty(0), persistent=False)
-        self.register_buffer("ff_out_weight", torch.empty(0), persistent=False)
 
     @torch.no_grad()
     def fuse_qkv_(self) -> None:
@@ -292,21 +282,6 @@ class TransformerBlock(nn.Module):
         if self.qkv_weight.numel():
             return self.qkv_weight
         return torch.cat([self.to_q.weight, self.to_k.weight, self.to_v.weight])
-
-    @torch.no_grad()
-    def fuse_ff_(self) -> None:
-        """Arrange the feed-forward so ``x + ff_out(g)`` is ONE in-place GEMM (``x.addmm_``),
-        bias included: ``ff_in`` gets ``FF_PAD`` extra outputs of weight 0, the first with bias
-        ``FF_BIAS_CARRIER`` (gelu keeps it exactly), and ``ff_out`` reads it with weight
-        ``bias / FF_BIAS_CARRIER`` (exact: a power of two), the other extra columns with 0."""
-        w1, b1, w2, b2 = self.ff_in.weight, self.ff_in.bias, self.ff_out.weight, self.ff_out.bias
-        carrier = torch.zeros(FF_PAD, dtype=b1.dtype, device=b1.device)
-        carrier[0] = FF_BIAS_CARRIER
-        self.ff_in_weight = torch.cat([w1, w1.new_zeros(FF_PAD, w1.shape[1])]).detach().clone()
-        self.ff_in_bias = torch.cat([b1, carrier]).detach().clone()
-        extra = w2.new_zeros(w2.shape[0], FF_PAD)
-        extra[:, 0] = b2 / FF_BIAS_CARRIER
-        self.ff_out_weight = torch.cat([w2, extra], dim=1).detach().clone()
 
     def forward(self, x: Tensor, mask: Tensor | None, kv: tuple[Tensor, Tensor] | None, start: int) -> Tensor:
         b, t, c = x.shape
@@ -325,12 +300,13 @@ class TransformerBlock(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         # a view where attention returns [B, T, H, D] memory (the CUDA kernels do)
         x = x + self.to_out(o.transpose(1, 2).reshape(b * t, inner))
-        h = self.norm3(x)
-        if self.ff_out_weight.numel():
-            x.addmm_(F.gelu(F.linear(h, self.ff_in_weight, self.ff_in_bias)), self.ff_out_weight.t())
-        else:
-            x = x + self.ff_out(F.gelu(self.ff_in(h)))
+        x = self.feed_forward(x, self.norm3(x))
         return x.view(b, t, c)
+
+    def feed_forward(self, x: Tensor, h: Tensor) -> Tensor:
+        """The residual stream ``x`` ``[N, C]`` plus the feed-forward of its normed rows ``h``
+        (the fast path folds the bias and the add into one GEMM: ``voice_out.fast.fused_flow``)."""
+        return x + self.ff_out(F.gelu(self.ff_in(h)))
 
 
 @dataclass
@@ -449,11 +425,10 @@ class Estimator(nn.Module):
     @torch.no_grad()
     def fuse_(self) -> None:
         """Pre-arrange the loaded weights for the fewest kernels per call (call after loading,
-        again if the weights change): stacked q/k/v, the feed-forward's bias carrier, tap-major
+        again if the weights change): stacked q/k/v, tap-major
         conv weights, stacked time projections."""
         for block in self.transformer_blocks():
             block.fuse_qkv_()
-            block.fuse_ff_()
         for module in self.modules():
             if isinstance(module, CausalConv):
                 module.fuse_()
