@@ -47,9 +47,9 @@ from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
+from voice_out.fast.flow_step import FastToken2Wav  # noqa: E402
 from voice_out.fast.graphs import GraphedFn  # noqa: E402
 from voice_out.model.flow import Flow  # noqa: E402
-from voice_out.model.token2wav import Token2Wav  # noqa: E402
 
 TIMES: dict[str, list[float]] = {}
 RUNNER: dict[str, Any] = {}
@@ -109,12 +109,12 @@ def main() -> None:
     timer = functools.partial(time_method, times=TIMES, sync=args.sync)
     timer(GraphedFn, "__call__", lambda self, key, *a: f"graph call {self.name}")
     timer(Flow, "batch_inputs", lambda self, items: f"flow batch_inputs, {len(items)} rows")
-    timer(Token2Wav, "_finish_chunk", lambda self, stream, plan, mel: "finish chunk (vocoder, cross-fade)")
+    timer(FastToken2Wav, "_finish_chunk", lambda self, stream, plan, mel: "finish chunk (vocoder, cross-fade)")
     timer(GraphedFn, "_capture", lambda self, key, a: f"graph capture {self.name}")
     timer(Flow, "inference", lambda self, *a, **k: f"eager flow (finalize={k.get('finalize')})")
     timer(Flow, "inference_batch", lambda self, items: f"eager flow batch of {len(items)}")
-    timer(Token2Wav, "_batched_mels", lambda self, chunks, rows: f"batched chunk groups, {len(rows)} rows")
-    timer(Token2Wav, "_vocoder", lambda self, mel, src, noise, final: f"vocoder (final={final})")
+    timer(FastToken2Wav, "_batched_mels", lambda self, chunks, rows: f"batched chunk groups, {len(rows)} rows")
+    timer(FastToken2Wav, "_vocoder", lambda self, mel, src, noise, final: f"vocoder (final={final})")
     timer(Runner, "_llm_step", lambda self, work, res: f"LLM step, {len(work) // 8 * 8}-{len(work) // 8 * 8 + 7} rows")
     timer(Runner, "_launch_vocode", lambda self, vocode, res: f"pipelined launch, {len(vocode)} chunks")
     timer(Runner, "_collect_vocode", lambda self, res, block: f"pipelined collect (block={block})")

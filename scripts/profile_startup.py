@@ -29,11 +29,11 @@ from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
+from voice_out.fast.flow_step import FastToken2Wav  # noqa: E402
 from voice_out.fast.graphs import GraphedFn  # noqa: E402
 from voice_out.fast.kernels import precompile as kernels  # noqa: E402
 from voice_out.fast.llm_step import GraphedLLM  # noqa: E402
 from voice_out.model import checkpoint  # noqa: E402
-from voice_out.model.token2wav import Token2Wav  # noqa: E402
 
 TIMES: dict[str, list[float]] = {}
 
@@ -99,7 +99,7 @@ def main() -> None:
     timer(Runner, "precapture_vocoder", "  meanwhile: the final chunks' vocoder graphs")
     timer(Runner, "warmup_token2wav", "warm-up: a token2wav stream")
     timer(Runner, "precapture", "token2wav graph capture (default voice)")
-    timer(Token2Wav, "capture_stream_shapes", "  of which: capture_stream_shapes")
+    timer(FastToken2Wav, "capture_stream_shapes", "  of which: capture_stream_shapes")
     timer(GraphedFn, "_capture", lambda self, *_: f"    graph captures: {self.name}")
     # inside each capture: cudaGraphInstantiate (the rest is running the function on the host)
     timer(torch.cuda.CUDAGraph, "capture_end", "      of which, all captures: capture_end (instantiate)", sync=False)

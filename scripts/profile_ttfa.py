@@ -25,8 +25,8 @@ from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.engine.engine import Engine  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
+from voice_out.fast.flow_step import FastToken2Wav  # noqa: E402
 from voice_out.fast.llm_step import PendingIds  # noqa: E402
-from voice_out.model.token2wav import Token2Wav  # noqa: E402
 
 TIMES: dict[str, list[float]] = {}
 
@@ -56,8 +56,8 @@ def main() -> None:
         (Runner, "_launch", "LLM decode+sample launch (all rows batched; no wait)"),
         (PendingIds, "ids", "LLM: wait for a step's ids"),
         (Runner, "_sample", "sampling of prefilled rows"),
-        (Token2Wav, "_flow_mel", "token2wav: flow"),
-        (Token2Wav, "_vocoder", "token2wav: vocoder"),
+        (FastToken2Wav, "_flow_mel", "token2wav: flow"),
+        (FastToken2Wav, "_vocoder", "token2wav: vocoder"),
     ]
     engine.start()
     try:

@@ -8,7 +8,7 @@ ms, the host's part (until the call returns, before the GPU is waited for) and t
 real-time factor (time / audio duration). ``--flow-path both`` runs the
 re-run path (upstream: cost grows with the utterance) and the cached path (cost per new token)
 one after the other. ``state`` is the engine's fast path: the first chunk from the voice's
-prompt prefix, the later ones on a state slot (``Token2Wav.use_state_slots``; with
+prompt prefix, the later ones on a state slot (``FastToken2Wav.use_state_slots``; with
 ``--graphs``, replayed from the graphs start-up would capture); ``--kernels`` runs the flow's
 fused kernels, as the engine does on a GPU. A warm-up stream runs first (``--warmup-tokens``),
 so kernels are built.
@@ -39,10 +39,11 @@ if str(REPO_ROOT) not in sys.path:
 
 from voice_out.bench.timing import save_out  # noqa: E402
 from voice_out.fast import fused_flow  # noqa: E402
+from voice_out.fast.flow_step import FastToken2Wav  # noqa: E402
 from voice_out.model.checkpoint import random_flow, random_hift  # noqa: E402
 from voice_out.model.chunk_schedule import MAX_HOP_TOKENS, HopPolicy  # noqa: E402
 from voice_out.model.hift import HiFT  # noqa: E402
-from voice_out.model.token2wav import FlowPath, Token2Wav  # noqa: E402
+from voice_out.model.token2wav import FlowPath  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SAMPLE_RATE = 24000
@@ -103,7 +104,7 @@ def sync(device: torch.device) -> None:
 
 
 def run_utterance(
-    t2w: Token2Wav,
+    t2w: FastToken2Wav,
     timed: TimedFlow,
     voice: tuple[Tensor, Tensor, Tensor],
     tokens: Tensor,
@@ -159,10 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     hift: HiFT = random_hift(config_file, device=device, seed=args.seed)
     timed = TimedFlow(flow, device)
     if args.graphs:  # the timing wrapper syncs, which a graph capture cannot contain
-        t2w = Token2Wav(flow, hift, device=device)
+        t2w = FastToken2Wav(flow, hift, device=device)
         t2w.use_cuda_graphs(True)
     else:
-        t2w = Token2Wav(timed, hift, device=device)
+        t2w = FastToken2Wav(timed, hift, device=device)
 
     gen = torch.Generator().manual_seed(args.seed)
     n_mels = hift.dims.in_channels

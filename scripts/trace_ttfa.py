@@ -39,9 +39,9 @@ from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.bench.trace import chrome_trace, merged  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
+from voice_out.fast.flow_step import FastToken2Wav  # noqa: E402
 from voice_out.fast.graphs import GraphedFn  # noqa: E402
 from voice_out.fast.llm_step import PendingIds  # noqa: E402
-from voice_out.model.token2wav import Token2Wav  # noqa: E402
 
 MARK = "ttfa_request"
 #: Host calls the untraced timeline records (``time_method``, no synchronisation: the GPU
@@ -54,8 +54,8 @@ HOST_CALLS: list[tuple[type, str, str]] = [
     (Runner, "_launch_vocode", "launch_vocode"),
     (Runner, "_collect_vocode", "collect_vocode"),
     (PendingIds, "ids", "wait_ids"),
-    (Token2Wav, "_flow_mel", "flow_mel"),
-    (Token2Wav, "_vocoder", "vocoder"),
+    (FastToken2Wav, "_flow_mel", "flow_mel"),
+    (FastToken2Wav, "_vocoder", "vocoder"),
     (GraphedFn, "__call__", "graph"),
 ]
 TIMELINE: list[tuple[float, float, str]] = []

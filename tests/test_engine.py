@@ -47,9 +47,10 @@ from voice_out.engine.scheduler import (
     StepResult,
     VocodeWork,
 )
+from voice_out.fast.flow_step import FastToken2Wav
 from voice_out.fast.plan import PINNABLE
 from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
-from voice_out.model.token2wav import Token2Wav, Token2WavStream
+from voice_out.model.token2wav import Token2WavStream
 from voice_out.text.rows import SOS, Row, RowKind
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*RANDOM WEIGHTS")
@@ -836,13 +837,13 @@ def test_first_chunks_come_from_the_voices_prompt_prefixes(tmp_path: Path, monke
     and a first chunk of a voice with one is computed from it: the same audio as an engine
     that keeps none (0), within float rounding."""
     calls: list[int] = []
-    real = Token2Wav._prefix_chunk
+    real = FastToken2Wav._prefix_chunk
 
-    def spy(self: Token2Wav, stream: Token2WavStream, plan: ChunkPlan, token: torch.Tensor) -> torch.Tensor:
+    def spy(self: FastToken2Wav, stream: Token2WavStream, plan: ChunkPlan, token: torch.Tensor) -> torch.Tensor:
         calls.append(int(stream.prompt_token.shape[1]))
         return real(self, stream, plan, token)
 
-    monkeypatch.setattr(Token2Wav, "_prefix_chunk", spy)
+    monkeypatch.setattr(FastToken2Wav, "_prefix_chunk", spy)
 
     def run(n_voices: int) -> tuple[int, list[np.ndarray]]:
         ec = EngineConfig(max_streams=2)
@@ -878,15 +879,15 @@ def test_later_chunks_extend_a_flow_state_of_the_stream_s_own(tmp_path: Path, mo
     With its default (200) the stream on the state grows its hop to 200 tokens."""
     used: list[tuple[int, int]] = []  # (round, hop) of each chunk made on the flow state
     current = [0]
-    real = Token2Wav._state_chunk
+    real = FastToken2Wav._state_chunk
 
-    def spy(self: Token2Wav, stream: Token2WavStream, plan: ChunkPlan, token: torch.Tensor) -> torch.Tensor | None:
+    def spy(self: FastToken2Wav, stream: Token2WavStream, plan: ChunkPlan, token: torch.Tensor) -> torch.Tensor | None:
         mel = real(self, stream, plan, token)
         if mel is not None:
             used.append((current[0], plan.hop_tokens))
         return mel
 
-    monkeypatch.setattr(Token2Wav, "_state_chunk", spy)
+    monkeypatch.setattr(FastToken2Wav, "_state_chunk", spy)
     text = "Hello there, and a bit more. " * 3
 
     def run(n_states: int, state_hop: int = 0, rounds: int = 2, text: str = text) -> tuple[int, list[np.ndarray]]:
@@ -949,15 +950,15 @@ def test_a_start_captures_every_voice_s_prompt_length(
             lambda self, key, *a, **kw: captured.append(key) or real(self, key, *a, **kw),  # type: ignore[func-returns-value]
         )
         eager: list[int] = []  # non-final chunks with no graph (token2wav runs them eagerly)
-        real_single = Token2Wav._single_graph
+        real_single = FastToken2Wav._single_graph
 
-        def single(self: Token2Wav, stream: Token2WavStream, plan: ChunkPlan, token: torch.Tensor) -> object:
+        def single(self: FastToken2Wav, stream: Token2WavStream, plan: ChunkPlan, token: torch.Tensor) -> object:
             graph = real_single(self, stream, plan, token)
             if graph is None:
                 eager.append(plan.token_len)
             return graph
 
-        monkeypatch.setattr(Token2Wav, "_single_graph", single)
+        monkeypatch.setattr(FastToken2Wav, "_single_graph", single)
         for voice in ("n25", "n75", "n25"):
             stream = eng.open_stream(voice)
             stream.push_text(text)

@@ -1,4 +1,4 @@
-"""Later chunks on a stream's own flow state (``Token2Wav.use_state_slots``, ``Flow.state_core``).
+"""Later chunks on a stream's own flow state (``FastToken2Wav.use_state_slots``, ``Flow.state_core``).
 
 On the CPU the plain estimator extends the state (the start read on the host) and the slot's
 GraphedFn runs eagerly, so the slot logic (who holds which state, the catch-up chunk from the
@@ -18,13 +18,14 @@ import torch.nn.functional as F
 
 from tests.conftest import REPO_ROOT, random_voice
 from voice_out.fast import fused_flow
+from voice_out.fast.flow_step import FastToken2Wav
 from voice_out.fast.kernels import flow as flow_kernels
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkPlan, HopPolicy, plan_all
 from voice_out.model.flow import Flow
 from voice_out.model.flow_dims import FlowPrompt
 from voice_out.model.flow_estimator import attention_bias, chunk_mask
-from voice_out.model.token2wav import Token2Wav, Token2WavStream
+from voice_out.model.token2wav import Token2WavStream
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
 FULL = REPO_ROOT / "configs" / "models" / "cosyvoice2-0.5b"
@@ -35,7 +36,7 @@ def _speech(n: int, seed: int = 9) -> list[int]:
 
 
 def _run(
-    t2w: Token2Wav,
+    t2w: FastToken2Wav,
     n_prompt: int,
     n_tokens: int,
     *,
@@ -64,7 +65,7 @@ def _state_keys(prompt: FlowPrompt, n_tokens: int, hops: HopPolicy | None = None
     return keys
 
 
-def _count_state_calls(t2w: Token2Wav) -> list[int]:
+def _count_state_calls(t2w: FastToken2Wav) -> list[int]:
     """Record the frames of every ``state_core`` call (the slot's GraphedFn looks it up per call)."""
     frames: list[int] = []
     flow = t2w.flow
@@ -80,12 +81,12 @@ def _count_state_calls(t2w: Token2Wav) -> list[int]:
 
 
 @pytest.fixture
-def cpu_t2w() -> Token2Wav:
-    return Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
+def cpu_t2w() -> FastToken2Wav:
+    return FastToken2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
 
 
 @pytest.mark.parametrize("growth", ["double", "buffered"])
-def test_later_chunks_on_a_state_slot_equal_the_rerun(cpu_t2w: Token2Wav, growth: str) -> None:
+def test_later_chunks_on_a_state_slot_equal_the_rerun(cpu_t2w: FastToken2Wav, growth: str) -> None:
     """A stream holding a state slot: its second chunk covers the prompt's tail and the first
     chunk too (the state starts as the voice's prefix), each later one its own hop; every
     chunk equals the re-run path's; the final chunk gives the slot back."""
@@ -106,7 +107,7 @@ def test_later_chunks_on_a_state_slot_equal_the_rerun(cpu_t2w: Token2Wav, growth
     assert stream.state_slot is None and cpu_t2w._state_slots[0].owner is None
 
 
-def test_a_stream_on_a_slot_takes_longer_hops_and_ends_within_the_usual_final_chunk(cpu_t2w: Token2Wav) -> None:
+def test_a_stream_on_a_slot_takes_longer_hops_and_ends_within_the_usual_final_chunk(cpu_t2w: FastToken2Wav) -> None:
     """With ``HopPolicy.state_max_hop`` (the engine's ``flow_state_max_hop_tokens``) a stream on
     a slot grows its hop to 200 tokens (25, 25, 50, 100, 200, 200 ...); once its tokens are
     all made, a rest longer than a usual final chunk first gets a non-final chunk of the usual
@@ -137,7 +138,7 @@ def test_a_stream_on_a_slot_takes_longer_hops_and_ends_within_the_usual_final_ch
         cpu_t2w.use_state_slots(0, 1)
 
 
-def test_a_stream_leaves_a_slot_too_small_and_goes_on_by_rerun(cpu_t2w: Token2Wav) -> None:
+def test_a_stream_leaves_a_slot_too_small_and_goes_on_by_rerun(cpu_t2w: FastToken2Wav) -> None:
     """Capacity 160 tokens: the chunks that fit run on the state, the first that does not
     leaves the slot (free again at once) and the rest re-run: the same audio throughout."""
     want, _ = _run(cpu_t2w, 60, 250, prefix=False)
@@ -156,7 +157,7 @@ def test_a_stream_leaves_a_slot_too_small_and_goes_on_by_rerun(cpu_t2w: Token2Wa
         torch.testing.assert_close(a, b, atol=5e-5, rtol=0)
 
 
-def test_slots_go_to_streams_with_a_prefix_and_come_back(cpu_t2w: Token2Wav) -> None:
+def test_slots_go_to_streams_with_a_prefix_and_come_back(cpu_t2w: FastToken2Wav) -> None:
     """One slot: the first stream with a prompt prefix takes it, a second waits without one
     (re-run), a stream without a prefix never takes one; a reset or release_state gives it
     back; use_state_slots(0) and use_cuda_graphs drop the slots and their holders' claims."""
@@ -187,7 +188,7 @@ def test_slots_go_to_streams_with_a_prefix_and_come_back(cpu_t2w: Token2Wav) -> 
         cpu_t2w.use_state_slots(-1, 10)
 
 
-def test_state_inputs_checks_its_chunk(cpu_t2w: Token2Wav) -> None:
+def test_state_inputs_checks_its_chunk(cpu_t2w: FastToken2Wav) -> None:
     """A chunk off a boundary, without its look-ahead, or past the capacity is refused before
     the state changes."""
     flow = cpu_t2w.flow
@@ -305,7 +306,7 @@ def test_graphed_state_slots_equal_eager_across_voices() -> None:
     kernels; a longer stream's later positions run their encoder eagerly, capturing nothing."""
     flow = random_flow(TINY, "cuda", torch.bfloat16)
     assert fused_flow.use_kernels(flow, True)
-    t2w = Token2Wav(flow, random_hift(TINY, "cuda"))
+    t2w = FastToken2Wav(flow, random_hift(TINY, "cuda"))
     voices = [(60, 11), (60, 12), (60, 11)]
     want = [_run(t2w, n, 300, seed=seed, device="cuda", prefix=False)[0] for n, seed in voices]
     longer, _ = _run(t2w, 60, 400, seed=11, device="cuda", prefix=False)

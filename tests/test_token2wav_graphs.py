@@ -1,6 +1,6 @@
 """The token2wav fast path (graphed flow chunks, graphed vocoder) equals the eager path.
 
-Grouped batched chunks (``Token2Wav.use_batch_buckets``, on with CUDA graphs): on the CPU the
+Grouped batched chunks (``FastToken2Wav.use_batch_buckets``, on with CUDA graphs): on the CPU the
 batched GraphedFn runs eagerly, so the grouping by T, the bucket padding and the splitting are
 checked there against ``run_chunk`` per stream (within 1e-5, tiny random models); the
 ``requires_cuda`` test checks the replayed graphs against the same rounds run eagerly.
@@ -16,17 +16,17 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT, random_speech, random_voice
-from voice_out.fast import fused_flow
+from voice_out.fast import flow_step, fused_flow
+from voice_out.fast.flow_step import FINAL_COARSE_CHUNKS, FINAL_FINE_TOKENS, FastToken2Wav
 from voice_out.fast.graphs import GraphedFn, graphs_disabled
-from voice_out.model import token2wav
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.chunk_schedule import ChunkPlan
-from voice_out.model.token2wav import FINAL_COARSE_CHUNKS, FINAL_FINE_TOKENS, Token2Wav, Token2WavStream
+from voice_out.model.token2wav import Token2WavStream
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
 
 
-def _stream_all(t2w: Token2Wav, flow_path: str, n_prompt: int, n_tokens: int, device: str) -> list[torch.Tensor]:
+def _stream_all(t2w: FastToken2Wav, flow_path: str, n_prompt: int, n_tokens: int, device: str) -> list[torch.Tensor]:
     token, feat, emb = random_voice(n_prompt, device)
     prepared = t2w.prepare_voice(token, feat, emb) if flow_path == "cached" else None
     stream = t2w.open_stream(token, feat, emb, flow_path=flow_path, flow_prompt=prepared)  # type: ignore[arg-type]
@@ -35,7 +35,7 @@ def _stream_all(t2w: Token2Wav, flow_path: str, n_prompt: int, n_tokens: int, de
 
 
 def test_graphs_are_a_no_op_on_cpu() -> None:
-    t2w = Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
+    t2w = FastToken2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
     t2w.use_cuda_graphs(True)
     assert t2w._graph_flow is None and t2w._graph_hift is None
 
@@ -45,7 +45,7 @@ def test_graphs_are_a_no_op_on_cpu() -> None:
 def test_graphed_token2wav_equals_eager(flow_path: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    t2w = Token2Wav(random_flow(TINY, "cuda"), random_hift(TINY, "cuda"))
+    t2w = FastToken2Wav(random_flow(TINY, "cuda"), random_hift(TINY, "cuda"))
     want = _stream_all(t2w, flow_path, 50, 190, "cuda")
     t2w.use_cuda_graphs(True)
     for _ in range(2):  # the second run replays graphs captured by the first
@@ -58,11 +58,11 @@ def test_graphed_token2wav_equals_eager(flow_path: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# First chunks from the voice's prompt prefix (Token2Wav.prepare_prefix)
+# First chunks from the voice's prompt prefix (FastToken2Wav.prepare_prefix)
 
 
 def _prefix_stream_all(
-    t2w: Token2Wav, n_prompt: int, seed: int, device: str, *, prefix: bool, fast_first: int = 0
+    t2w: FastToken2Wav, n_prompt: int, seed: int, device: str, *, prefix: bool, fast_first: int = 0
 ) -> tuple[list[torch.Tensor], Any]:
     token, feat, emb = random_voice(n_prompt, device, seed)
     first_prefix = t2w.prepare_prefix(token, feat, emb) if prefix else None
@@ -72,7 +72,7 @@ def _prefix_stream_all(
 
 
 @pytest.mark.parametrize("n_prompt", [50, 60, 78])
-def test_first_chunk_from_the_prompt_prefix_equals_the_rerun(cpu_t2w: Token2Wav, n_prompt: int) -> None:
+def test_first_chunk_from_the_prompt_prefix_equals_the_rerun(cpu_t2w: FastToken2Wav, n_prompt: int) -> None:
     """A stream whose first chunk comes from its voice's prompt prefix (25, 50 and 75 tokens
     of these prompts) gives the audio of one that re-runs the prompt, chunk for chunk (the
     plain estimator on the CPU: the prefix copied into a state of the call's size)."""
@@ -84,7 +84,7 @@ def test_first_chunk_from_the_prompt_prefix_equals_the_rerun(cpu_t2w: Token2Wav,
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
-def test_no_prefix_for_a_short_prompt_and_none_for_a_fast_first_chunk(cpu_t2w: Token2Wav) -> None:
+def test_no_prefix_for_a_short_prompt_and_none_for_a_fast_first_chunk(cpu_t2w: FastToken2Wav) -> None:
     """A prompt with no whole chunk before its last 3 tokens has no prefix; a fast first chunk
     (ending off a chunk boundary) re-runs the prompt even when the stream has one."""
     assert cpu_t2w.prepare_prefix(*random_voice(27, "cpu", 4)) is None
@@ -101,7 +101,7 @@ def test_graphed_first_chunks_from_prefixes_equal_eager_across_voices() -> None:
     give their own eager audio; a voice of another length has a slot of its own."""
     flow = random_flow(TINY, "cuda", torch.bfloat16)
     assert fused_flow.use_kernels(flow, True)
-    t2w = Token2Wav(flow, random_hift(TINY, "cuda"))
+    t2w = FastToken2Wav(flow, random_hift(TINY, "cuda"))
     voices = [(60, 11), (60, 12), (60, 11), (80, 13)]
     want = [_prefix_stream_all(t2w, n, seed, "cuda", prefix=True)[0] for n, seed in voices]
     t2w.use_cuda_graphs(True, first_lane=True)
@@ -115,14 +115,14 @@ def test_graphed_first_chunks_from_prefixes_equal_eager_across_voices() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Grouped batched chunks (Token2Wav.use_batch_buckets): one pass per T, padded to a bucket
+# Grouped batched chunks (FastToken2Wav.use_batch_buckets): one pass per T, padded to a bucket
 
 
-def _open(t2w: Token2Wav, n_prompt: int, seed: int, device: str = "cpu") -> Token2WavStream:
+def _open(t2w: FastToken2Wav, n_prompt: int, seed: int, device: str = "cpu") -> Token2WavStream:
     return t2w.open_stream(*random_voice(n_prompt, device, seed))
 
 
-def _fork(t2w: Token2Wav, stream: Token2WavStream) -> Token2WavStream:
+def _fork(t2w: FastToken2Wav, stream: Token2WavStream) -> Token2WavStream:
     """A second stream in exactly ``stream``'s state (voice, schedule progress, vocoder cache)."""
     twin = t2w.open_stream(stream.prompt_token, stream.prompt_feat, stream.embedding)
     twin.schedule = copy.copy(stream.schedule)
@@ -149,12 +149,12 @@ GROUPS: dict[int, list[tuple[int, int]]] = {
 
 
 @pytest.fixture(scope="module")
-def cpu_t2w(one_torch_thread: None) -> Token2Wav:
-    return Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
+def cpu_t2w(one_torch_thread: None) -> FastToken2Wav:
+    return FastToken2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
 
 
 @pytest.fixture
-def grouped_t2w(cpu_t2w: Token2Wav) -> Iterator[Token2Wav]:
+def grouped_t2w(cpu_t2w: FastToken2Wav) -> Iterator[FastToken2Wav]:
     """``cpu_t2w`` with grouped batching on (buckets 2, 4, 8) for one test, off again after."""
     cpu_t2w.use_batch_buckets((2, 4, 8))
     try:
@@ -163,7 +163,7 @@ def grouped_t2w(cpu_t2w: Token2Wav) -> Iterator[Token2Wav]:
         cpu_t2w.use_batch_buckets(())
 
 
-def _mixed_chunks(t2w: Token2Wav) -> tuple[list[tuple[Token2WavStream, ChunkPlan, list[int]]], list[torch.Tensor]]:
+def _mixed_chunks(t2w: FastToken2Wav) -> tuple[list[tuple[Token2WavStream, ChunkPlan, list[int]]], list[torch.Tensor]]:
     """One ready chunk per stream of GROUPS (streams advanced alone to their chunk), and each
     chunk's audio made by ``run_chunk`` on a twin stream in the same state (the reference)."""
     pairs: list[tuple[Token2WavStream, ChunkPlan, list[int]]] = []
@@ -183,7 +183,9 @@ def _mixed_chunks(t2w: Token2Wav) -> tuple[list[tuple[Token2WavStream, ChunkPlan
     return pairs, want
 
 
-def test_grouped_batched_chunks_equal_run_chunk_on_cpu(grouped_t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grouped_batched_chunks_equal_run_chunk_on_cpu(
+    grouped_t2w: FastToken2Wav, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Mixed prompt lengths and chunk positions, group sizes 1, 2, 3, 5, 9: one padded pass per
     group (split at bucket 8), the rest alone; every chunk's audio equals ``run_chunk``'s."""
     t2w = grouped_t2w
@@ -207,7 +209,7 @@ def test_grouped_batched_chunks_equal_run_chunk_on_cpu(grouped_t2w: Token2Wav, m
     assert all(stream.schedule.n_chunks == plan.index + 1 for stream, plan, _ in pairs)
 
 
-def test_uncaptured_groups_run_eagerly(grouped_t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_uncaptured_groups_run_eagerly(grouped_t2w: FastToken2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
     """A (bucket, T) key not captured yet (as on CUDA mid-stream) is never captured by
     ``run_chunks``: chunks whose single-chunk graph replays (here: first chunks) leave the
     group, the rest run in one eager ``inference_batch`` per group; the audio is the same."""
@@ -233,7 +235,7 @@ def test_uncaptured_groups_run_eagerly(grouped_t2w: Token2Wav, monkeypatch: pyte
     assert max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True)) <= 1e-5
 
 
-def test_batch_keys_for_start_up_capture(grouped_t2w: Token2Wav) -> None:
+def test_batch_keys_for_start_up_capture(grouped_t2w: FastToken2Wav) -> None:
     """75-token prompt, 500 tokens: non-final chunks end at T = 100, 150, 250 ... 550 (six
     lengths), each captured for buckets 2, 4, 8; a max batch of 3 needs buckets 2 and 4."""
     t2w = grouped_t2w
@@ -262,7 +264,7 @@ def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, lane: bool, monk
     first-chunk lane, the first chunks' keys (T = 75) are that lane's graphs, the rest not."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    t2w = Token2Wav(random_flow(TINY, "cuda", dtype), random_hift(TINY, "cuda"))
+    t2w = FastToken2Wav(random_flow(TINY, "cuda", dtype), random_hift(TINY, "cuda"))
     t2w.use_cuda_graphs(True, first_lane=lane)
     assert t2w.batch_buckets == (2, 4, 8) and t2w.has_first_lane == lane
     voice = _open(t2w, 50, seed=1, device="cuda")
@@ -356,7 +358,7 @@ def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, lane: bool, monk
 def test_final_total_keys() -> None:
     """A final chunk's padded length: a whole flow chunk (25) up to FINAL_FINE_TOKENS, then a
     multiple of FINAL_COARSE_CHUNKS chunks (100)."""
-    t2w = Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
+    t2w = FastToken2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
     token, feat, emb = random_voice(50, "cpu")
     sched = t2w.open_stream(token, feat, emb).schedule
     assert sched.chunk_size == 25 and FINAL_FINE_TOKENS == 500 and FINAL_COARSE_CHUNKS == 4
@@ -383,13 +385,13 @@ def test_graphed_final_chunks_equal_eager(monkeypatch: pytest.MonkeyPatch) -> No
     the captured range. Batched-chunk graphs only within ``batch_tokens``."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    t2w = Token2Wav(random_flow(TINY, "cuda"), random_hift(TINY, "cuda"))
+    t2w = FastToken2Wav(random_flow(TINY, "cuda"), random_hift(TINY, "cuda"))
     wants = {n: _stream_all(t2w, "rerun", 50, n, "cuda") for n in (20, 31, 77, 140, 480)}
     t2w.use_cuda_graphs(True)
     token, feat, emb = random_voice(50, "cuda")
     # the dummy stream runs 250 tokens (upstream's hops: chunks at 28, 78, 178 tokens); the
     # single-chunk graphs past them (278 .. 578 tokens) are captured directly, without warm-up
-    monkeypatch.setattr(token2wav, "STREAM_CAPTURE_TOKENS", 250)
+    monkeypatch.setattr(flow_step, "STREAM_CAPTURE_TOKENS", 250)
     t2w.capture_stream_shapes(token, feat, emb, 600, max_batch=2, batch_tokens=100)
     single = t2w._graph_flow
     assert single is not None and {(50, 278), (50, 378), (50, 478), (50, 578)} <= set(single.captured_keys)

@@ -47,9 +47,9 @@ from voice_out.fast.sizes import model_sizes
 from voice_out.hub import ModelSource, resolve_model
 
 if TYPE_CHECKING:
+    from voice_out.fast.flow_step import FastToken2Wav
     from voice_out.model.flow import FlowDims
     from voice_out.model.qwen2 import LLMDims, SpeechLM
-    from voice_out.model.token2wav import Token2Wav
 
 log = logging.getLogger(__name__)
 
@@ -387,11 +387,11 @@ class RunnerRecipe:
             log.info("engine: fused decode kernels unavailable here (need Triton and bf16/fp16): plain-torch decode")
         return runner
 
-    def _models(self) -> tuple[SpeechLM, Token2Wav, bool]:
+    def _models(self) -> tuple[SpeechLM, FastToken2Wav, bool]:
         """The weights (or random ones) on the device: the LLM, token2wav, and whether its flow
         estimator runs the fused kernels."""
+        from voice_out.fast.flow_step import FastToken2Wav
         from voice_out.model.checkpoint import load_flow, load_hift, load_llm, random_flow, random_hift, random_llm
-        from voice_out.model.token2wav import Token2Wav
 
         device, dtype, plan, files = self.device, self.dtype, self.plan, self.files
         seed = self.cfg.model.random_seed
@@ -419,13 +419,13 @@ class RunnerRecipe:
             log.info("engine: fused flow kernels unavailable here (need Triton and bf16/fp16): plain-torch flow")
         if fused_vocoder.use_kernels(hift, plan.fused_vocoder):
             log.info("engine: vocoder with fused Snake kernels")
-        t2w = Token2Wav(flow, hift, device=device)
+        t2w = FastToken2Wav(flow, hift, device=device)
         # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere); the first-chunk
         # lane's graphs apart when first chunks run beside the others (the plan's first_chunk_lane)
         t2w.use_cuda_graphs(plan.cuda_graphs and plan.token2wav_graphs, first_lane=plan.first_chunk_lane)
         return llm, t2w, fused_flow.enabled(flow)
 
-    def _runner(self, llm: SpeechLM, t2w: Token2Wav, flow_kernels: bool) -> Runner:
+    def _runner(self, llm: SpeechLM, t2w: FastToken2Wav, flow_kernels: bool) -> Runner:
         from voice_out.model.sampling import SamplingParams
 
         ec, plan = self.cfg.engine, self.plan

@@ -32,12 +32,13 @@ from torch import Tensor
 
 from voice_out.engine.request import FlowVoice
 from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
+from voice_out.fast.flow_step import FastToken2Wav
 from voice_out.fast.graphs import family_stream
 from voice_out.fast.llm_step import GraphedLLM, PendingIds, pack_decode_rows
 from voice_out.model.chunk_schedule import HopPolicy
 from voice_out.model.qwen2 import KVCache, SpeechLM
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, ras_sample_batch
-from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2Wav, Token2WavStream
+from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2WavStream
 from voice_out.model.transfer import to_device
 from voice_out.text.rows import SOS, Row, RowKind, text_rows
 
@@ -48,7 +49,7 @@ R = TypeVar("R")
 #: Voices whose device tensors the runner keeps (a re-registered voice is a new entry).
 VOICE_CACHE_SIZE = 32
 #: ``family_stream`` names of the side stream token2wav runs on, of the first-chunk lane's
-#: stream (``Token2Wav.in_first_lane``) and of the runner's own stream.
+#: stream (``FastToken2Wav.in_first_lane``) and of the runner's own stream.
 SIDE_STREAM_FAMILY = "vocode"
 FIRST_STREAM_FAMILY = "vocode.first"
 MAIN_STREAM_FAMILY = "steps"
@@ -144,7 +145,7 @@ class Runner:
     #: the GPU starts the LLM step's small kernels first, so a step's latency does not grow
     #: with the flow batch running beside it. None: the calling thread's current stream.
     llm_stream_priority: int | None = -1
-    #: CUDA: the priority of the first-chunk lane's stream (``Token2Wav.in_first_lane``); the
+    #: CUDA: the priority of the first-chunk lane's stream (``FastToken2Wav.in_first_lane``); the
     #: other chunks' side stream has 0. At -1 one first chunk beside a batch of 8 later ones
     #: took 54 ms on an H100 (100 ms at 0, 26 ms alone), but in the engine the 16-stream first
     #: audio was as fast at 0, and at -1 the later chunks it held back made a few 48-stream
@@ -159,7 +160,7 @@ class Runner:
     def __init__(
         self,
         llm: SpeechLM,
-        t2w: Token2Wav,
+        t2w: FastToken2Wav,
         *,
         n_slots: int,
         max_len: int,
@@ -218,7 +219,7 @@ class Runner:
         self._side_stream = family_stream(SIDE_STREAM_FAMILY, self.device) if self.device.type == "cuda" else None
         #: CUDA, when token2wav has the first-chunk lane's graphs (``use_cuda_graphs(first_lane=
         #: True)``, before the runner is built): the stream of that lane's chunks
-        #: (``Token2Wav.in_first_lane``), a family stream of its own like the side stream. None
+        #: (``FastToken2Wav.in_first_lane``), a family stream of its own like the side stream. None
         #: otherwise, so settling and admissions wait on no idle stream.
         self._first_stream: torch.cuda.Stream | None = None
         if self._side_stream is not None and t2w.has_first_lane:
@@ -342,7 +343,7 @@ class Runner:
         """Queue the chunks and their copies to pinned host memory on ``side`` (a token2wav
         stream); no wait. Their tokens come from earlier steps, so nothing depends on the LLM
         work queued next. Chunks of the first-chunk lane and the others may run at once (on
-        their two streams): their graphs are apart (``Token2Wav.in_first_lane``), and each
+        their two streams): their graphs are apart (``FastToken2Wav.in_first_lane``), and each
         request has one chunk in flight at most."""
         if side.cuda_stream in self._side_waits:
             # what admissions queued on the runner's stream (a pooled token2wav stream's reset,
@@ -481,7 +482,7 @@ class Runner:
     def prepare_state_slots(self, n: int, tokens: int) -> int:
         """Start-up, after :meth:`prepare_first_prefix`: keep ``n`` flow states that streams of
         the voices with a prompt prefix hold while their later chunks extend them
-        (``Token2Wav.use_state_slots``), each for the longest of those prompts plus ``tokens``
+        (``FastToken2Wav.use_state_slots``), each for the longest of those prompts plus ``tokens``
         speech tokens. Returns the states kept (0 without a prepared prefix or a flow that
         can extend a state)."""
         prompts = [prefix for _, prefix in self._first_prefixes.values()]
@@ -566,7 +567,7 @@ class Runner:
     @_on_main_stream
     def precapture_vocoder(self, voice: FlowVoice) -> None:
         """Capture the vocoder graphs of the final chunks of ``voice``'s prompt length
-        (``Token2Wav.capture_final_vocoder``; :meth:`precapture` would capture them too): the
+        (``FastToken2Wav.capture_final_vocoder``; :meth:`precapture` would capture them too): the
         flow's kernels are not needed, so start-up captures them while those compile."""
         n_prompt = int(voice.prompt_token.reshape(-1).shape[0])
         self.t2w.capture_final_vocoder(n_prompt, hops=self.hops, fast_first=self.fast_first)
