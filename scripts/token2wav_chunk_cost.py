@@ -24,6 +24,7 @@ With ``OUT`` set the results also go to ``$OUT/token2wav_chunks.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import sys
 import time
@@ -38,10 +39,11 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from voice_out.bench.timing import save_out  # noqa: E402
+from voice_out.engine.chunk_schedule import MAX_HOP_TOKENS, HopPolicy  # noqa: E402
+from voice_out.engine.runner import stream_shapes  # noqa: E402
 from voice_out.fast import fused_flow  # noqa: E402
 from voice_out.fast.flow_step import FastToken2Wav  # noqa: E402
 from voice_out.model.checkpoint import random_flow, random_hift  # noqa: E402
-from voice_out.model.chunk_schedule import MAX_HOP_TOKENS, HopPolicy  # noqa: E402
 from voice_out.model.hift import HiFT  # noqa: E402
 from voice_out.model.token2wav import FlowPath  # noqa: E402
 
@@ -71,12 +73,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class TimedFlow:
-    """Forwards to the flow and adds the (synchronized) time of each call to ``elapsed_ms``."""
+    """Times the flow's chunk calls (``inference``, ``stream_chunk``), synchronized, into
+    ``elapsed_ms``: installed on the flow object itself (``install``), so that token2wav still
+    sees the real ``Flow`` and takes its prefix, cached and state paths."""
 
     def __init__(self, flow: Any, device: torch.device) -> None:
         self.flow = flow
         self.device = device
         self.elapsed_ms = 0.0
+        self.installed = False
+
+    def install(self) -> None:
+        for name in ("inference", "stream_chunk"):
+            setattr(self.flow, name, functools.partial(self._timed, getattr(self.flow, name)))
+        self.installed = True
 
     def _timed(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         sync(self.device)
@@ -85,17 +95,6 @@ class TimedFlow:
         sync(self.device)
         self.elapsed_ms += (time.perf_counter() - t0) * 1e3
         return out
-
-    def inference(self, *args: Any, **kwargs: Any) -> Tensor:
-        out: Tensor = self._timed(self.flow.inference, *args, **kwargs)
-        return out
-
-    def stream_chunk(self, *args: Any, **kwargs: Any) -> Tensor:
-        out: Tensor = self._timed(self.flow.stream_chunk, *args, **kwargs)
-        return out
-
-    def __getattr__(self, name: str) -> Any:  # every other call (prompts, caches, prefix and state paths), untimed
-        return getattr(self.flow, name)
 
 
 def sync(device: torch.device) -> None:
@@ -117,14 +116,16 @@ def run_utterance(
         prompt = t2w.prepare_voice(*voice) if path == "cached" else None
     flow_path: FlowPath = "cached" if path == "cached" else "rerun"
     first_prefix = prefix if path == "state" else None
-    stream = t2w.open_stream(*voice, hops=hops, flow_path=flow_path, flow_prompt=prompt, first_prefix=first_prefix)
+    stream = t2w.open_stream(*voice, flow_path=flow_path, flow_prompt=prompt, first_prefix=first_prefix)
     rows: list[dict[str, Any]] = []
     n = int(tokens.shape[1])
-    while (plan := stream.ready_chunk(n, llm_finished=True)) is not None:
+    schedule = hops.schedule(stream.prompt_tokens)  # as the engine's scheduler keeps it
+    while (plan := schedule.ready(n, llm_finished=True)) is not None:
         timed.elapsed_ms = 0.0
         sync(device)
         t0 = time.perf_counter()
         pcm = stream.run_chunk(plan, tokens)
+        schedule.commit(plan)
         host_ms = (time.perf_counter() - t0) * 1e3  # until the call returns: launches, host work
         sync(device)
         total_ms = (time.perf_counter() - t0) * 1e3
@@ -138,8 +139,8 @@ def run_utterance(
                 "final": plan.finalize,
                 "samples": int(pcm.shape[0]),
                 # with graphs the flow is not timed apart: both are None, not 0 and the total
-                "flow_ms": round(timed.elapsed_ms, 3) if t2w.flow is timed else None,
-                "vocoder_ms": round(total_ms - timed.elapsed_ms, 3) if t2w.flow is timed else None,
+                "flow_ms": round(timed.elapsed_ms, 3) if timed.installed else None,
+                "vocoder_ms": round(total_ms - timed.elapsed_ms, 3) if timed.installed else None,
                 "host_ms": round(host_ms, 3),
                 "total_ms": round(total_ms, 3),
                 "rtf": round(total_ms / 1e3 / audio_s, 4) if audio_s > 0 else None,
@@ -159,11 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--kernels: the fused flow kernels do not run here (CUDA and bf16/fp16 needed)")
     hift: HiFT = random_hift(config_file, device=device, seed=args.seed)
     timed = TimedFlow(flow, device)
-    if args.graphs:  # the timing wrapper syncs, which a graph capture cannot contain
-        t2w = FastToken2Wav(flow, hift, device=device)
+    t2w = FastToken2Wav(flow, hift, device=device)
+    if args.graphs:  # the timing syncs, which a graph capture cannot contain
         t2w.use_cuda_graphs(True)
     else:
-        t2w = FastToken2Wav(timed, hift, device=device)
+        timed.install()
 
     gen = torch.Generator().manual_seed(args.seed)
     n_mels = hift.dims.in_channels
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         t2w.use_state_slots(1, args.prompt_tokens + args.tokens)
     if args.graphs:  # what start-up captures, so no chunk below captures (or runs eagerly)
         for path in paths:
-            t2w.capture_stream_shapes(*voice, args.tokens, hops=hops, first_prefix=prefix if path == "state" else None)
+            shapes = stream_shapes(hops, args.prompt_tokens)
+            t2w.capture_stream_shapes(*voice, args.tokens, shapes, first_prefix=prefix if path == "state" else None)
 
     result: dict[str, Any] = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),

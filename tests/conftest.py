@@ -129,3 +129,13 @@ def random_speech(n: int, seed: int) -> list[int]:
     import torch
 
     return [int(t) for t in torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+def chunk_plans(stream: Any, tokens: Any, hops: Any = None, fast_first: int = 0, *, state: bool = False) -> list[Any]:
+    """The chunks the engine's schedule makes of ``tokens`` (all known: a list or a ``[1, n]`` /
+    ``[n]`` tensor) for a token2wav ``stream`` (its prompt length, whether it is whole), with
+    ``hops`` (None: upstream's), ``fast_first`` and ``state`` as ``plan_all`` takes them."""
+    from voice_out.engine.chunk_schedule import plan_all
+
+    n = int(tokens.shape[-1]) if hasattr(tokens, "shape") else len(tokens)
+    return plan_all(n, stream.prompt_tokens, hops, fast_first, state=state, whole=stream.whole)

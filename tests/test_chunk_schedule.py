@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, random_speech, random_voice
+from tests.conftest import REPO_ROOT, chunk_plans, random_speech, random_voice
 from voice_out.config import ConfigError, EngineConfig
+from voice_out.engine.chunk_schedule import HOP_GROWTHS, ChunkPlan, ChunkSchedule, HopPolicy, plan_all
 from voice_out.model.checkpoint import random_flow, random_hift
-from voice_out.model.chunk_schedule import HOP_GROWTHS, ChunkPlan, ChunkSchedule, HopPolicy, plan_all
 from voice_out.model.token2wav import Token2Wav
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
@@ -56,8 +56,8 @@ def test_token2wav_follows_the_buffered_schedule() -> None:
     speech = random_speech(160, 3)
     out = {}
     for growth in ("double", "buffered"):
-        stream = t2w.open_stream(token, feat, emb, hops=HopPolicy(growth=growth))
-        chunks = list(t2w.stream_all(stream, speech))
+        stream = t2w.open_stream(token, feat, emb)
+        chunks = list(t2w.stream_all(stream, speech, chunk_plans(stream, speech, HopPolicy(growth=growth))))
         assert [p.hop_tokens for p in stream.chunk_log] == [p.hop_tokens for p in plans_of(160, 50, growth)]
         assert sum(len(c) for c in chunks) == 960 * len(speech)
         out[growth] = chunks

@@ -34,6 +34,7 @@ from voice_out.engine.api import (
     UnknownVoiceError,
 )
 from voice_out.engine.build import BuildOptions
+from voice_out.engine.chunk_schedule import ChunkPlan, ChunkSchedule
 from voice_out.engine.engine import Engine, EngineStats, EngineStream
 from voice_out.engine.request import SAMPLES_PER_TOKEN, LlmStep, VoicePrompt
 from voice_out.engine.runner import Runner, noise_voice
@@ -49,7 +50,6 @@ from voice_out.engine.scheduler import (
 )
 from voice_out.fast.flow_step import FastToken2Wav
 from voice_out.fast.plan import PINNABLE
-from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
 from voice_out.model.token2wav import Token2WavStream
 from voice_out.text.rows import SOS, Row, RowKind
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, random_speech, random_voice
+from tests.conftest import REPO_ROOT, chunk_plans, random_speech, random_voice
+from voice_out.engine.chunk_schedule import ChunkSchedule, plan_all
 from voice_out.model.checkpoint import random_flow, random_hift
-from voice_out.model.chunk_schedule import ChunkSchedule, plan_all
 from voice_out.model.token2wav import Token2Wav
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
@@ -47,8 +47,8 @@ def test_fast_start_cached_equals_rerun_and_keeps_every_sample() -> None:
     out = {}
     for path in ("rerun", "cached"):
         prepared = t2w.prepare_voice(token, feat, emb) if path == "cached" else None
-        stream = t2w.open_stream(token, feat, emb, fast_first=8, flow_path=path, flow_prompt=prepared)
-        chunks = list(t2w.stream_all(stream, speech))
+        stream = t2w.open_stream(token, feat, emb, flow_path=path, flow_prompt=prepared)
+        chunks = list(t2w.stream_all(stream, speech, chunk_plans(stream, speech, fast_first=8)))
         assert sum(len(c) for c in chunks) == 960 * len(speech)
         assert len(chunks[0]) == 8 * 960 - 3840
         out[path] = torch.cat(chunks)

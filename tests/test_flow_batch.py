@@ -26,10 +26,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.conftest import REPO_ROOT, random_speech, random_voice
+from tests.conftest import REPO_ROOT, chunk_plans, random_speech, random_voice
 from tests.test_flow_streaming import inputs, make_flow, tiny_dims
+from voice_out.engine.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy
 from voice_out.model.checkpoint import random_flow, random_hift
-from voice_out.model.chunk_schedule import ChunkPlan
 from voice_out.model.flow import Flow
 from voice_out.model.token2wav import ChunkBatchError, Token2Wav, Token2WavStream
 
@@ -185,9 +185,15 @@ class BatchSpy:
 
 def open_stream(t2w: Token2Wav, n_prompt: int, seed: int, **kw: Any) -> Token2WavStream:
     token, feat, emb = random_voice(n_prompt, seed=seed)
+    kw = {k: v for k, v in kw.items() if k != "fast_first"}  # the schedule's (schedule_of)
     if kw.get("flow_path") == "cached":
         kw["flow_prompt"] = t2w.prepare_voice(token, feat, emb)
     return t2w.open_stream(token, feat, emb, **kw)
+
+
+def schedule_of(n_prompt: int, **kw: Any) -> ChunkSchedule:
+    """The engine's schedule of a stream opened with ``kw`` (its ``fast_first``)."""
+    return HopPolicy().schedule(n_prompt, kw.get("fast_first", 0))
 
 
 # (prompt tokens, speech tokens, stream options): prompts with a pad, none, aligned, long
@@ -204,19 +210,21 @@ STREAMS: list[tuple[int, int, dict[str, Any]]] = [
 def run_together(t2w: Token2Wav, starts: list[int]) -> tuple[list[list[Tensor]], list[Token2WavStream]]:
     """Stream k joins at round ``starts[k]``; each round runs every ready chunk in one call."""
     streams = [open_stream(t2w, p, 40 + k, **kw) for k, (p, _, kw) in enumerate(STREAMS)]
+    schedules = [schedule_of(p, **kw) for p, _, kw in STREAMS]
     tokens = [random_speech(n, 60 + k) for k, (_, n, _) in enumerate(STREAMS)]
     out: list[list[Tensor]] = [[] for _ in STREAMS]
     for rnd in range(100):
         ready = []
-        for k, stream in enumerate(streams):
-            plan = stream.ready_chunk(len(tokens[k]), llm_finished=True) if rnd >= starts[k] else None
+        for k in range(len(streams)):
+            plan = schedules[k].ready(len(tokens[k]), llm_finished=True) if rnd >= starts[k] else None
             if plan is not None:
                 ready.append((k, plan))
         if not ready and all(s.finished for s in streams):
             break
         audio = t2w.run_chunks([(streams[k], plan, tokens[k]) for k, plan in ready])
-        for (k, _), pcm in zip(ready, audio, strict=True):
+        for (k, plan), pcm in zip(ready, audio, strict=True):
             out[k].append(pcm.clone())
+            schedules[k].commit(plan)
     return out, streams
 
 
@@ -224,7 +232,9 @@ def run_alone(t2w: Token2Wav) -> list[list[Tensor]]:
     out = []
     for k, (p, n, kw) in enumerate(STREAMS):
         stream = open_stream(t2w, p, 40 + k, **kw)
-        out.append([c.clone() for c in t2w.stream_all(stream, random_speech(n, 60 + k))])
+        speech = random_speech(n, 60 + k)
+        plans = chunk_plans(stream, speech, fast_first=kw.get("fast_first", 0))
+        out.append([c.clone() for c in t2w.stream_all(stream, speech, plans)])
     return out
 
 
@@ -254,7 +264,7 @@ def test_one_batchable_chunk_runs_alone_bit_for_bit(t2w: Token2Wav, monkeypatch:
     spy = BatchSpy(t2w, monkeypatch)
     a, b = open_stream(t2w, 10, 1), open_stream(t2w, 10, 1)
     tokens = random_speech(60, 2)
-    plan = a.ready_chunk(len(tokens), False)
+    plan = schedule_of(10).ready(len(tokens), False)
     assert plan is not None and t2w.batchable(a, plan)
     (got,) = t2w.run_chunks([(a, plan, tokens)])
     assert spy.rows == [] and torch.equal(got, b.run_chunk(plan, tokens))
@@ -263,13 +273,13 @@ def test_one_batchable_chunk_runs_alone_bit_for_bit(t2w: Token2Wav, monkeypatch:
 def test_a_bad_pair_fails_before_any_stream_moves(t2w: Token2Wav) -> None:
     a, b = open_stream(t2w, 10, 3), open_stream(t2w, 37, 4)
     tokens = random_speech(60, 5)
-    pa, pb = a.ready_chunk(60, False), b.ready_chunk(60, False)
+    pa, pb = schedule_of(10).ready(60, False), schedule_of(37).ready(60, False)
     assert pa is not None and pb is not None
     with pytest.raises(ValueError, match="needs"):
         t2w.run_chunks([(a, pa, tokens), (b, pb, tokens[:20])])
     with pytest.raises(ValueError, match="twice"):
         t2w.run_chunks([(a, pa, tokens), (a, pa, tokens)])
-    assert a.schedule.n_chunks == b.schedule.n_chunks == 0 and not a.hift_cache.valid
+    assert a.chunks_done == b.chunks_done == 0 and not a.hift_cache.valid
     assert len(t2w.run_chunks([(a, pa, tokens), (b, pb, tokens)])) == 2  # both can still run
 
 
@@ -277,7 +287,7 @@ def test_a_chunk_failing_after_the_flow_pass_fails_alone(t2w: Token2Wav, monkeyp
     streams = [open_stream(t2w, p, 7 + k) for k, p in enumerate([10, 37, 0])]
     refs = [open_stream(t2w, p, 7 + k) for k, p in enumerate([10, 37, 0])]
     tokens = random_speech(80, 6)
-    plans = [s.ready_chunk(80, False) for s in streams]
+    plans = [schedule_of(p).ready(80, False) for p in [10, 37, 0]]
     finish = t2w._finish_chunk
 
     def flaky(stream: Token2WavStream, plan: ChunkPlan, mel: Tensor) -> Tensor:
@@ -297,5 +307,5 @@ def test_a_chunk_failing_after_the_flow_pass_fails_alone(t2w: Token2Wav, monkeyp
         want = refs[k].run_chunk(plan, tokens)
         got = err.results[k]
         assert got is not None and float((got - want).abs().max()) <= TOL
-        assert streams[k].schedule.n_chunks == 1
-    assert streams[1].schedule.n_chunks == 0
+        assert streams[k].chunks_done == 1
+    assert streams[1].chunks_done == 0

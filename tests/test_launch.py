@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from voice_out.engine.chunk_schedule import ChunkPlan
 from voice_out.engine.launch import LaunchPolicy
 from voice_out.fast.plan import cpu_plan
-from voice_out.model.chunk_schedule import ChunkPlan
 
 FIRST = ChunkPlan(index=0, token_offset=0, token_len=11, hop_tokens=8, finalize=False)
 LATER = ChunkPlan(index=2, token_offset=40, token_len=43, hop_tokens=40, finalize=False)

@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.conftest import load_case
+from tests.conftest import chunk_plans, load_case
+from voice_out.engine.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy, plan_all
 from voice_out.model.checkpoint import load_hift
-from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy, plan_all
 from voice_out.model.hift import HiFT
 from voice_out.model.token2wav import Token2Wav, hamming
 
@@ -128,9 +128,9 @@ class SpyHiFT(torch.nn.Module):
         return out
 
 
-def run_stream(t2w: Token2Wav, case: dict[str, Any], **kw: Any) -> list[Tensor]:
+def run_stream(t2w: Token2Wav, case: dict[str, Any], hops: HopPolicy | None = None, **kw: Any) -> list[Tensor]:
     stream = t2w.open_stream(case["prompt_token"], case["prompt_feat"], case["embedding"], **kw)
-    return list(t2w.stream_all(stream, case["token"]))
+    return list(t2w.stream_all(stream, case["token"], chunk_plans(stream, case["token"], hops)))
 
 
 # -- the schedule (pure python) -----------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_schedule_tokens_needed_and_errors() -> None:
 
 
 def test_schedule_module_needs_no_torch() -> None:
-    code = "import sys, voice_out.model.chunk_schedule; sys.exit('torch' in sys.modules)"
+    code = "import sys, voice_out.engine.chunk_schedule; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -212,7 +212,7 @@ def test_case_f_streaming(hift: HiFT, replay: ReplayFlow, case_f: dict[str, Any]
     spy = SpyHiFT(hift)
     t2w = Token2Wav(replay, spy)  # type: ignore[arg-type]
     stream = t2w.open_stream(case_f["prompt_token"], case_f["prompt_feat"], case_f["embedding"])
-    chunks = list(t2w.stream_all(stream, case_f["token"]))
+    chunks = list(t2w.stream_all(stream, case_f["token"], chunk_plans(stream, case_f["token"])))
     # the flow calls are upstream's: (tokens given, chunk-causal, finalize)
     assert replay.calls == [
         (int(n), not fin, bool(fin))
@@ -232,8 +232,8 @@ def test_case_f_streaming(hift: HiFT, replay: ReplayFlow, case_f: dict[str, Any]
     # object is reset in place (its cache tensors are kept) and gives the same audio again.
     ptr = stream.hift_cache.source.data_ptr()
     stream.reset(case_f["prompt_token"], case_f["prompt_feat"], case_f["embedding"])
-    assert stream.schedule.n_chunks == 0 and not stream.hift_cache.valid and stream.samples_emitted == 0
-    again = list(t2w.stream_all(stream, case_f["token"]))
+    assert stream.chunks_done == 0 and not stream.hift_cache.valid and stream.samples_emitted == 0
+    again = list(t2w.stream_all(stream, case_f["token"], chunk_plans(stream, case_f["token"])))
     assert stream.hift_cache.source.data_ptr() == ptr
     assert [c.shape for c in again] == [c.shape for c in chunks]
     assert all(torch.equal(a, b) for a, b in zip(chunks, again, strict=True))
@@ -267,10 +267,16 @@ def test_total_samples(fake_t2w: Token2Wav, hift: HiFT, n_tokens: int) -> None:
     voice = _voice(hift, 12)
     tokens = torch.randint(0, 6561, (n_tokens,), generator=torch.Generator().manual_seed(2)).tolist()
     stream = fake_t2w.open_stream(*voice)
-    chunks = list(fake_t2w.stream_all(stream, tokens))
-    assert [c.shape[0] for c in chunks] == [p.n_samples() for p in stream.chunk_log]
+    schedule = HopPolicy().schedule(stream.prompt_tokens)
+    plans = []
+    while (plan := schedule.ready(n_tokens, True)) is not None:
+        plans.append(plan)
+        schedule.commit(plan)
+    chunks = list(fake_t2w.stream_all(stream, tokens, plans))
+    assert stream.chunk_log == plans
+    assert [c.shape[0] for c in chunks] == [p.n_samples() for p in plans]
     assert sum(c.shape[0] for c in chunks) == SAMPLES_PER_TOKEN * n_tokens == stream.samples_emitted
-    assert stream.finished and stream.ready_chunk(n_tokens, True) is None
+    assert stream.finished and schedule.ready(n_tokens, True) is None
 
 
 def test_emitted_audio_does_not_depend_on_later_tokens(fake_t2w: Token2Wav, hift: HiFT) -> None:
@@ -279,20 +285,23 @@ def test_emitted_audio_does_not_depend_on_later_tokens(fake_t2w: Token2Wav, hift
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 6561, (1, 90), generator=g, dtype=torch.int32)
     a_stream, b_stream = fake_t2w.open_stream(*voice), fake_t2w.open_stream(*voice)
+    a_sched, b_sched = HopPolicy().schedule(20), HopPolicy().schedule(20)
     for n in range(0, 90):
-        plan_a = a_stream.ready_chunk(n, llm_finished=False)
-        plan_b = b_stream.ready_chunk(n, llm_finished=False)
+        plan_a = a_sched.ready(n, llm_finished=False)
+        plan_b = b_sched.ready(n, llm_finished=False)
         assert plan_a == plan_b
         if plan_a is not None and plan_b is not None:
             other = tokens[:, :n].clone()
             other[0, plan_b.token_len :] = torch.randint(0, 6561, (n - plan_b.token_len,), generator=g)
             assert torch.equal(a_stream.run_chunk(plan_a, tokens[:, :n]), b_stream.run_chunk(plan_b, other))
-    assert a_stream.schedule.n_chunks == 2
+            a_sched.commit(plan_a)
+            b_sched.commit(plan_b)
+    assert a_stream.chunks_done == 2
 
 
 def test_run_chunk_checks_its_input(fake_t2w: Token2Wav, hift: HiFT) -> None:
     stream = fake_t2w.open_stream(*_voice(hift, 25))
-    plan = stream.ready_chunk(40, llm_finished=False)
+    plan = HopPolicy().schedule(25).ready(40, llm_finished=False)
     assert plan is not None and plan.token_len == 28
     with pytest.raises(ValueError, match="needs 28 tokens"):
         stream.run_chunk(plan, list(range(20)))
@@ -391,15 +400,16 @@ def test_cached_stream_reset_after_cancel(flow: Any, hift: HiFT, case_f: dict[st
     t2w = Token2Wav(flow, hift)
     voice = (case_f["prompt_token"], case_f["prompt_feat"], case_f["embedding"])
     tokens = case_f["token"][:, :60]
-    fresh = list(t2w.stream_all(t2w.open_stream(*voice, flow_path="cached"), tokens))
+    first = t2w.open_stream(*voice, flow_path="cached")
+    fresh = list(t2w.stream_all(first, tokens, chunk_plans(first, tokens)))
     stream = t2w.open_stream(*voice, flow_path="cached")
-    plan = stream.ready_chunk(60, llm_finished=False)
+    plan = HopPolicy().schedule(stream.prompt_tokens).ready(60, llm_finished=False)
     assert plan is not None and not plan.finalize
     stream.run_chunk(plan, tokens)  # ... and the request is cancelled here
     flow_cache = stream.flow_cache
     stream.reset(*voice)
     assert stream.flow_cache is flow_cache  # reused in place
-    again = list(t2w.stream_all(stream, tokens))
+    again = list(t2w.stream_all(stream, tokens, chunk_plans(stream, tokens)))
     assert [c.shape for c in again] == [c.shape for c in fresh]
     assert all(torch.equal(a, b) for a, b in zip(fresh, again, strict=True))
 
@@ -412,7 +422,7 @@ def test_streams_made_in_inference_mode_run_outside_it(fake_t2w: Token2Wav, hift
         inside = fake_t2w.open_stream(*voice)
     outside = fake_t2w.open_stream(*voice)
     tokens = list(range(100, 160))
-    a = list(fake_t2w.stream_all(inside, tokens))
+    a = list(fake_t2w.stream_all(inside, tokens, chunk_plans(inside, tokens)))
     with torch.inference_mode():
-        b = list(fake_t2w.stream_all(outside, tokens))
+        b = list(fake_t2w.stream_all(outside, tokens, chunk_plans(outside, tokens)))
     assert len(a) == 2 and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -12,6 +12,7 @@ import pytest
 
 from voice_out.config import EngineConfig
 from voice_out.engine.api import SAMPLE_RATE, StreamFailedError, TextTooLongError
+from voice_out.engine.chunk_schedule import ChunkPlan
 from voice_out.engine.request import (
     EOS_TOKEN,
     FILL_TOKEN,
@@ -34,7 +35,6 @@ from voice_out.engine.scheduler import (
 )
 from voice_out.engine.textfeed import BistreamFeed, CharPipeline
 from voice_out.fast.plan import PINNABLE, cpu_plan
-from voice_out.model.chunk_schedule import ChunkPlan
 from voice_out.text.rows import TASK_ID, RowKind
 
 FORCED = ForcedTokens(3)
@@ -378,7 +378,7 @@ def test_back_pressure_decodes_on_beside_a_chunk_in_flight() -> None:
 
 
 def test_a_stream_on_a_flow_state_takes_the_state_s_hops() -> None:
-    """A request the runner reports on a flow state of its own (``StepResult.on_state``, at
+    """A request the runner reports on a flow state of its own (``StepResult.flow_state``, at
     admission) grows its hop to the plan's ``flow_state_max_hop_tokens``; the others keep
     ``max_hop_tokens``; every token is vocoded either way."""
     sched = create_scheduler(max_streams=2, flow_state_max_hop_tokens=200)
@@ -394,7 +394,7 @@ def test_a_stream_on_a_flow_state_takes_the_state_s_hops() -> None:
             chunks[v.request_id].append(v.chunk)
         result = fake_result(plan)
         if i == 0:
-            result.on_state.add(on)
+            result.flow_state.add(on)
         outs += sched.update(plan, result)
     for rid, largest in ((on, 200), (off, 100)):
         hops = [c.hop_tokens for c in chunks[rid]]

@@ -23,11 +23,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import load_case
+from tests.conftest import chunk_plans, load_case
 from tests.test_parity_token2wav import ReplayFlow, assert_wave_close
 from voice_out.config import Config, EngineConfig, ServerConfig
 from voice_out.engine.api import BadOptionError, PcmChunk
 from voice_out.engine.build import BuildOptions
+from voice_out.engine.chunk_schedule import HopPolicy
 from voice_out.engine.engine import Engine
 from voice_out.engine.request import FILL_TOKEN, FlowVoice, VoicePrompt
 from voice_out.engine.scheduler import ForcedTokens
@@ -59,7 +60,7 @@ def whole_stream(t2w: Token2Wav, case_f: dict[str, Any], speed: float) -> list[t
     stream = t2w.open_stream(
         case_f["prompt_token"], case_f["prompt_feat"], case_f["embedding"], speed=speed, whole=True
     )
-    return list(t2w.stream_all(stream, case_f["token"]))
+    return list(t2w.stream_all(stream, case_f["token"], chunk_plans(stream, case_f["token"])))
 
 
 # -- speed ---------------------------------------------------------------------------------------
@@ -102,8 +103,9 @@ def test_speed_needs_the_whole_schedule(hift: HiFT, case_f: dict[str, Any]) -> N
     with pytest.raises(ValueError, match="> 0"):
         t2w.open_stream(*args, speed=0.0)
     stream = t2w.open_stream(*args, speed=SPEED)  # whole by default when speed != 1
-    assert stream.schedule.whole and stream.ready_chunk(500, llm_finished=False) is None
-    plan = stream.ready_chunk(500, llm_finished=True)
+    schedule = HopPolicy().schedule(stream.prompt_tokens, whole=stream.whole)  # the engine's, as it makes it
+    assert stream.whole and schedule.ready(500, llm_finished=False) is None
+    plan = schedule.ready(500, llm_finished=True)
     assert plan is not None and (plan.index, plan.token_offset, plan.token_len, plan.finalize) == (0, 0, 500, True)
 
 

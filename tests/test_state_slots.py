@@ -16,12 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import REPO_ROOT, random_voice
+from tests.conftest import REPO_ROOT, chunk_plans, random_voice
+from voice_out.engine.chunk_schedule import ChunkPlan, HopPolicy, plan_all
+from voice_out.engine.runner import stream_shapes
 from voice_out.fast import fused_flow
 from voice_out.fast.flow_step import FastToken2Wav
 from voice_out.fast.kernels import flow as flow_kernels
 from voice_out.model.checkpoint import random_flow, random_hift
-from voice_out.model.chunk_schedule import ChunkPlan, HopPolicy, plan_all
 from voice_out.model.flow import Flow
 from voice_out.model.flow_dims import FlowPrompt
 from voice_out.model.flow_estimator import attention_bias, chunk_mask
@@ -43,12 +44,13 @@ def _run(
     prefix: bool = True,
     seed: int = 3,
     device: str = "cpu",
-    **kw: object,
+    hops: HopPolicy | None = None,
 ) -> tuple[list[torch.Tensor], Token2WavStream]:
     token, feat, emb = random_voice(n_prompt, device, seed)
     first_prefix = t2w.prepare_prefix(token, feat, emb) if prefix else None
-    stream = t2w.open_stream(token, feat, emb, first_prefix=first_prefix, **kw)  # type: ignore[arg-type]
-    return [c.clone() for c in t2w.stream_all(stream, _speech(n_tokens))], stream
+    stream = t2w.open_stream(token, feat, emb, first_prefix=first_prefix)
+    speech = _speech(n_tokens)
+    return [c.clone() for c in t2w.stream_all(stream, speech, chunk_plans(stream, speech, hops))], stream
 
 
 def _state_keys(prompt: FlowPrompt, n_tokens: int, hops: HopPolicy | None = None) -> set[int]:
@@ -115,15 +117,15 @@ def test_a_stream_on_a_slot_takes_longer_hops_and_ends_within_the_usual_final_ch
     hops = HopPolicy(growth="buffered", state_max_hop=200)
     for n in (695, 775):  # the rest after 615 tokens: 80 (the final chunk), 160 (100, then 60)
         token, feat, emb = random_voice(60, "cpu", 3)
-        ref = cpu_t2w.open_stream(token, feat, emb, hops=hops)
-        hops.on_state(ref.schedule)
-        want = [c.clone() for c in cpu_t2w.stream_all(ref, _speech(n))]
+        ref = cpu_t2w.open_stream(token, feat, emb)
+        # the chunks the scheduler plans for a stream on a slot (HopPolicy.on_state), for both
+        plans = chunk_plans(ref, _speech(n), hops, state=True)
+        want = [c.clone() for c in cpu_t2w.stream_all(ref, _speech(n), plans)]
         cpu_t2w.use_state_slots(1, 60 + n)
         frames = _count_state_calls(cpu_t2w)
-        stream = cpu_t2w.open_stream(token, feat, emb, hops=hops, first_prefix=cpu_t2w.prepare_prefix(token, feat, emb))
-        hops.on_state(stream.schedule)
+        stream = cpu_t2w.open_stream(token, feat, emb, first_prefix=cpu_t2w.prepare_prefix(token, feat, emb))
         assert stream.state_slot is not None
-        got = [c.clone() for c in cpu_t2w.stream_all(stream, _speech(n))]
+        got = [c.clone() for c in cpu_t2w.stream_all(stream, _speech(n), plans)]
         hop_list = [p.hop_tokens for p in stream.chunk_log]
         assert hop_list == [p.hop_tokens for p in ref.chunk_log]
         assert hop_list[:6] == [25 + 15, 25, 50, 100, 200, 200]  # the first with the prompt's pad
@@ -148,7 +150,7 @@ def test_a_stream_leaves_a_slot_too_small_and_goes_on_by_rerun(cpu_t2w: FastToke
     token, feat, emb = random_voice(60, "cpu", 3)
     stream = cpu_t2w.open_stream(token, feat, emb, first_prefix=cpu_t2w.prepare_prefix(token, feat, emb))
     got = []
-    for chunk in cpu_t2w.stream_all(stream, _speech(250)):
+    for chunk in cpu_t2w.stream_all(stream, _speech(250), chunk_plans(stream, _speech(250))):
         got.append(chunk.clone())
         if slot.owner is None:
             assert stream.state_slot is None
@@ -314,7 +316,7 @@ def test_graphed_state_slots_equal_eager_across_voices() -> None:
     t2w.use_state_slots(2, 500)
     token, feat, emb = random_voice(60, "cuda", 11)
     prompt = t2w.prepare_prefix(token, feat, emb)
-    t2w.capture_stream_shapes(token, feat, emb, 300, first_prefix=prompt)
+    t2w.capture_stream_shapes(token, feat, emb, 300, stream_shapes(HopPolicy(), 60), first_prefix=prompt)
     keys = _state_keys(prompt, 300)
     assert all(set(slot.graph.captured_keys) == keys for slot in t2w._state_slots)
     # the encoder's graphs: one per chunk position (the catch-up, then each hop)
@@ -343,11 +345,13 @@ def test_graphed_state_slots_equal_eager_across_voices() -> None:
     assert {id(s.state_slot) for s in streams} == {id(slot) for slot in t2w._state_slots}
     outs: list[list[torch.Tensor]] = [[], []]
     speech = _speech(300)
+    schedules = [HopPolicy().schedule(60) for _ in streams]
     while not all(s.finished for s in streams):
         for i, s in enumerate(streams):
-            plan = s.ready_chunk(len(speech), True)
+            plan = schedules[i].ready(len(speech), True)
             if plan is not None:
                 outs[i].append(s.run_chunk(plan, speech).clone())
+                schedules[i].commit(plan)
     for out, ref in zip(outs, want[:2], strict=True):
         for a, b in zip(out, ref, strict=True):
             torch.testing.assert_close(a, b, atol=2e-3, rtol=0)

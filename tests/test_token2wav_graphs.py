@@ -8,20 +8,20 @@ checked there against ``run_chunk`` per stream (within 1e-5, tiny random models)
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT, random_speech, random_voice
+from tests.conftest import REPO_ROOT, chunk_plans, random_speech, random_voice
+from voice_out.engine.chunk_schedule import ChunkPlan, HopPolicy, plan_all
+from voice_out.engine.runner import stream_shapes
 from voice_out.fast import flow_step, fused_flow
 from voice_out.fast.flow_step import FINAL_COARSE_CHUNKS, FINAL_FINE_TOKENS, FastToken2Wav
 from voice_out.fast.graphs import GraphedFn, graphs_disabled
 from voice_out.model.checkpoint import random_flow, random_hift
-from voice_out.model.chunk_schedule import ChunkPlan
-from voice_out.model.token2wav import Token2WavStream
+from voice_out.model.token2wav import CHUNK_TOKENS, Token2WavStream
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
 
@@ -31,7 +31,7 @@ def _stream_all(t2w: FastToken2Wav, flow_path: str, n_prompt: int, n_tokens: int
     prepared = t2w.prepare_voice(token, feat, emb) if flow_path == "cached" else None
     stream = t2w.open_stream(token, feat, emb, flow_path=flow_path, flow_prompt=prepared)  # type: ignore[arg-type]
     speech = torch.randint(0, 6561, (n_tokens,), generator=torch.Generator().manual_seed(9)).tolist()
-    return [c.clone() for c in t2w.stream_all(stream, speech)]
+    return [c.clone() for c in t2w.stream_all(stream, speech, chunk_plans(stream, speech))]
 
 
 def test_graphs_are_a_no_op_on_cpu() -> None:
@@ -66,9 +66,10 @@ def _prefix_stream_all(
 ) -> tuple[list[torch.Tensor], Any]:
     token, feat, emb = random_voice(n_prompt, device, seed)
     first_prefix = t2w.prepare_prefix(token, feat, emb) if prefix else None
-    stream = t2w.open_stream(token, feat, emb, first_prefix=first_prefix, fast_first=fast_first)
+    stream = t2w.open_stream(token, feat, emb, first_prefix=first_prefix)
     speech = random_speech(120, seed=seed + 100)
-    return [c.clone() for c in t2w.stream_all(stream, speech)], first_prefix
+    plans = chunk_plans(stream, speech, fast_first=fast_first)
+    return [c.clone() for c in t2w.stream_all(stream, speech, plans)], first_prefix
 
 
 @pytest.mark.parametrize("n_prompt", [50, 60, 78])
@@ -123,9 +124,9 @@ def _open(t2w: FastToken2Wav, n_prompt: int, seed: int, device: str = "cpu") -> 
 
 
 def _fork(t2w: FastToken2Wav, stream: Token2WavStream) -> Token2WavStream:
-    """A second stream in exactly ``stream``'s state (voice, schedule progress, vocoder cache)."""
+    """A second stream in exactly ``stream``'s state (voice, progress, vocoder cache)."""
     twin = t2w.open_stream(stream.prompt_token, stream.prompt_feat, stream.embedding)
-    twin.schedule = copy.copy(stream.schedule)
+    twin.chunks_done, twin.token_offset, twin.finished = stream.chunks_done, stream.token_offset, stream.finished
     for name in ("mel", "source", "speech"):
         getattr(twin.hift_cache, name).copy_(getattr(stream.hift_cache, name))
     twin.hift_cache.valid = stream.hift_cache.valid
@@ -133,7 +134,7 @@ def _fork(t2w: FastToken2Wav, stream: Token2WavStream) -> Token2WavStream:
 
 
 def _total(stream: Token2WavStream, plan: ChunkPlan) -> int:
-    return stream.schedule.flow_end(plan)
+    return stream.flow_end(plan)
 
 
 # (prompt tokens, chunk index) of each stream, grouped by T = prompt + real tokens of that
@@ -171,12 +172,14 @@ def _mixed_chunks(t2w: FastToken2Wav) -> tuple[list[tuple[Token2WavStream, Chunk
     for total, members in GROUPS.items():
         for k, (n_prompt, index) in enumerate(members):
             stream = _open(t2w, n_prompt, seed=total + k)
+            schedule = HopPolicy().schedule(n_prompt)
             tokens = random_speech(200, seed=1000 + total + k)
             for _ in range(index):  # earlier chunks, alone
-                plan = stream.ready_chunk(len(tokens), llm_finished=False)
+                plan = schedule.ready(len(tokens), llm_finished=False)
                 assert plan is not None
                 stream.run_chunk(plan, tokens)
-            plan = stream.ready_chunk(len(tokens), llm_finished=False)
+                schedule.commit(plan)
+            plan = schedule.ready(len(tokens), llm_finished=False)
             assert plan is not None and plan.index == index and _total(stream, plan) == total
             want.append(_fork(t2w, stream).run_chunk(plan, tokens))
             pairs.append((stream, plan, tokens))
@@ -206,7 +209,7 @@ def test_grouped_batched_chunks_equal_run_chunk_on_cpu(
     print("grouped batched chunks vs run_chunk, max abs pcm:", f"{max(errs):.2g}")
     assert [len(a) for a in got] == [len(b) for b in want]
     assert max(errs) <= 1e-5
-    assert all(stream.schedule.n_chunks == plan.index + 1 for stream, plan, _ in pairs)
+    assert all(stream.chunks_done == plan.index + 1 for stream, plan, _ in pairs)
 
 
 def test_uncaptured_groups_run_eagerly(grouped_t2w: FastToken2Wav, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -239,14 +242,15 @@ def test_batch_keys_for_start_up_capture(grouped_t2w: FastToken2Wav) -> None:
     """75-token prompt, 500 tokens: non-final chunks end at T = 100, 150, 250 ... 550 (six
     lengths), each captured for buckets 2, 4, 8; a max batch of 3 needs buckets 2 and 4."""
     t2w = grouped_t2w
-    keys = t2w.batch_keys(75, 500, 8)
+    plans = plan_all(500, 75)
+    keys = t2w.batch_keys(plans, 75, 8)
     assert keys == [(False, b, t) for t in (100, 150, 250, 350, 450, 550) for b in (2, 4, 8)]
-    assert t2w.batch_keys(75, 500, 3) == [(False, b, t) for t in (100, 150, 250, 350, 450, 550) for b in (2, 4)]
-    assert t2w.batch_keys(75, 500, 1) == []
+    assert t2w.batch_keys(plans, 75, 3) == [(False, b, t) for t in (100, 150, 250, 350, 450, 550) for b in (2, 4)]
+    assert t2w.batch_keys(plans, 75, 1) == []
     # a fast first chunk (off a chunk boundary) is never batched: its T is not captured
-    assert t2w.batch_keys(75, 100, 2, fast_first=10) == [(False, 2, 125)]  # the realigned second chunk
+    assert t2w.batch_keys(plan_all(100, 75, fast_first=10), 75, 2) == [(False, 2, 125)]  # the realigned second chunk
     t2w.use_batch_buckets(())
-    assert t2w.batch_keys(75, 500, 8) == []  # grouping off: nothing to capture
+    assert t2w.batch_keys(plans, 75, 8) == []  # grouping off: nothing to capture
     with pytest.raises(ValueError, match="batch buckets"):
         t2w.use_batch_buckets((1, 2))
 
@@ -268,7 +272,9 @@ def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, lane: bool, monk
     t2w.use_cuda_graphs(True, first_lane=lane)
     assert t2w.batch_buckets == (2, 4, 8) and t2w.has_first_lane == lane
     voice = _open(t2w, 50, seed=1, device="cuda")
-    n = t2w.capture_stream_shapes(voice.prompt_token, voice.prompt_feat, voice.embedding, 190, max_batch=8)
+    n = t2w.capture_stream_shapes(
+        voice.prompt_token, voice.prompt_feat, voice.embedding, 190, stream_shapes(HopPolicy(), 50), max_batch=8
+    )
     graph = t2w._graph_flow_batch
     assert graph is not None
     captured = set(cast("list[tuple[int, int]]", graph.captured_keys))
@@ -292,19 +298,21 @@ def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, lane: bool, monk
 
     def rounds() -> list[list[torch.Tensor]]:
         streams = [_open(t2w, p, seed=20 + k, device="cuda") for k, p in enumerate(prompts)]
+        schedules = [HopPolicy().schedule(p) for p in prompts]
         tokens = [random_speech(150 + 7 * k, seed=40 + k) for k in range(len(prompts))]
         out: list[list[torch.Tensor]] = [[] for _ in prompts]
         for rnd in range(50):
             ready = []
-            for k, stream in enumerate(streams):
-                plan = stream.ready_chunk(len(tokens[k]), llm_finished=True) if rnd >= starts[k] else None
+            for k in range(len(streams)):
+                plan = schedules[k].ready(len(tokens[k]), llm_finished=True) if rnd >= starts[k] else None
                 if plan is not None:
                     ready.append((k, plan))
             if not ready:
                 break
             audio = t2w.run_chunks([(streams[k], plan, tokens[k]) for k, plan in ready])
-            for (k, _), pcm in zip(ready, audio, strict=True):
+            for (k, plan), pcm in zip(ready, audio, strict=True):
                 out[k].append(pcm.clone())
+                schedules[k].commit(plan)
         assert all(s.finished for s in streams)
         return out
 
@@ -348,7 +356,8 @@ def test_graphed_batched_chunks_equal_eager(dtype: torch.dtype, lane: bool, monk
         with graphs_disabled():
             for k, p in enumerate(prompts):
                 stream = _open(t2w, p, seed=20 + k, device="cuda")
-                alone = list(t2w.stream_all(stream, random_speech(150 + 7 * k, seed=40 + k)))
+                speech = random_speech(150 + 7 * k, seed=40 + k)
+                alone = list(t2w.stream_all(stream, speech, chunk_plans(stream, speech)))
                 for a, b in zip(got[k], alone, strict=True):
                     torch.testing.assert_close(a, b, atol=tol, rtol=0)
                     err = max(err, float((a - b).abs().max()))
@@ -359,10 +368,8 @@ def test_final_total_keys() -> None:
     """A final chunk's padded length: a whole flow chunk (25) up to FINAL_FINE_TOKENS, then a
     multiple of FINAL_COARSE_CHUNKS chunks (100)."""
     t2w = FastToken2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
-    token, feat, emb = random_voice(50, "cpu")
-    sched = t2w.open_stream(token, feat, emb).schedule
-    assert sched.chunk_size == 25 and FINAL_FINE_TOKENS == 500 and FINAL_COARSE_CHUNKS == 4
-    got = {n: t2w.final_total(sched, n) for n in (1, 25, 26, 476, 500, 501, 525, 526, 600, 601, 1650)}
+    assert CHUNK_TOKENS == 25 and FINAL_FINE_TOKENS == 500 and FINAL_COARSE_CHUNKS == 4
+    got = {n: t2w.final_total(n) for n in (1, 25, 26, 476, 500, 501, 525, 526, 600, 601, 1650)}
     assert got == {
         1: 25,
         25: 25,
@@ -392,13 +399,13 @@ def test_graphed_final_chunks_equal_eager(monkeypatch: pytest.MonkeyPatch) -> No
     # the dummy stream runs 250 tokens (upstream's hops: chunks at 28, 78, 178 tokens); the
     # single-chunk graphs past them (278 .. 578 tokens) are captured directly, without warm-up
     monkeypatch.setattr(flow_step, "STREAM_CAPTURE_TOKENS", 250)
-    t2w.capture_stream_shapes(token, feat, emb, 600, max_batch=2, batch_tokens=100)
+    t2w.capture_stream_shapes(token, feat, emb, 600, stream_shapes(HopPolicy(), 50), max_batch=2, batch_tokens=100)
     single = t2w._graph_flow
     assert single is not None and {(50, 278), (50, 378), (50, 478), (50, 578)} <= set(single.captured_keys)
     final, batched = t2w._graph_flow_final, t2w._graph_flow_batch
     assert final is not None and batched is not None
     assert sorted(final.captured_keys) == [*range(75, 501, 25), 600, 700]  # type: ignore[type-var]
-    assert batched.captured_keys == [key[1:] for key in t2w.batch_keys(50, 100, 2)] == [(2, 75), (2, 125)]
+    assert batched.captured_keys == [key[1:] for key in t2w.batch_keys(plan_all(100, 50), 50, 2)] == [(2, 75), (2, 125)]
     # the final vocoder too: every length a final chunk can have (fresh: shorter than the
     # first chunk, 1..27 tokens; after a cached chunk: 0..102 new tokens)
     fresh, cached = t2w._graph_hift, t2w._graph_hift_cached

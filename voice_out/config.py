@@ -26,7 +26,9 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from voice_out.errors import VoiceOutError
-from voice_out.model.chunk_schedule import HOP_GROWTHS
+
+#: How a stream's chunk hop grows (``engine.hop_growth``; ``voice_out.engine.chunk_schedule``).
+HOP_GROWTHS = ("double", "buffered")
 
 ENV_PREFIX = "VOICE_OUT_"
 DEFAULT_MODEL = "FunAudioLLM/CosyVoice2-0.5B"
@@ -219,7 +221,7 @@ class EngineConfig:
     #: How the token2wav hop grows after each chunk: "buffered" (never more than the audio
     #: already made: 25, 25, 50, 100 ...; streams do not run dry when many share the GPU) or
     #: "double" (upstream's: 25, 50, 100 ...; the second chunk needs the LLM at twice real
-    #: time per stream). voice_out.model.chunk_schedule; docs/benchmarks.md has both measured.
+    #: time per stream). voice_out.engine.chunk_schedule; docs/benchmarks.md has both measured.
     hop_growth: str = "buffered"
     #: Fast start: a first token2wav chunk of this many tokens (0 = off, upstream's schedule);
     #: earlier first audio, the first chunk only approximately equal to a single pass.

@@ -28,8 +28,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from voice_out.engine.chunk_schedule import ChunkPlan
 from voice_out.fast.plan import Plan
-from voice_out.model.chunk_schedule import ChunkPlan
 
 K = TypeVar("K")
 

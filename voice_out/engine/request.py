@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from voice_out.engine.alignment import AlignmentTracker
 from voice_out.engine.api import SAMPLE_RATE, StreamState
-from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule
+from voice_out.engine.chunk_schedule import ChunkPlan, ChunkSchedule
 from voice_out.text.rows import Row
 
 if TYPE_CHECKING:

@@ -30,12 +30,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from voice_out.engine.chunk_schedule import ChunkPlan, HopPolicy, plan_all
 from voice_out.engine.request import FlowVoice
 from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepResult, VocodeWork
-from voice_out.fast.flow_step import FastToken2Wav
+from voice_out.fast.flow_step import FastToken2Wav, StreamShapes
 from voice_out.fast.graphs import family_stream
 from voice_out.fast.llm_step import GraphedLLM, PendingIds, pack_decode_rows
-from voice_out.model.chunk_schedule import HopPolicy
 from voice_out.model.qwen2 import KVCache, SpeechLM
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, ras_sample_batch
 from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2WavStream
@@ -277,7 +277,7 @@ class Runner:
                 self._hook(adm.request_id, "admit")
                 self._admit(adm)
                 if self.live[adm.request_id].t2w.state_slot is not None:
-                    result.on_state.add(adm.request_id)
+                    result.flow_state.add(adm.request_id)
             except Exception as e:  # noqa: BLE001 - one request's setup fails alone
                 result.failed[adm.request_id] = _describe(e)
         llm = [w for w in plan.llm if w.request_id in self.live and w.request_id not in result.failed]
@@ -495,10 +495,9 @@ class Runner:
         if flow_voice is None:
             raise TypeError(f"voice {adm.voice.name!r} has no token2wav conditioning")
         token, feat, emb, prepared = self._voice(flow_voice)
-        # the same first/max hop as the scheduler's copy of the schedule: it hands us its plans
+        # the chunks come planned by the request's schedule (the scheduler's); speed != 1 makes
+        # the stream whole (one final chunk), as it makes the schedule
         kw: dict[str, Any] = {
-            "hops": self.hops,
-            "fast_first": adm.fast_first,
             "speed": adm.speed,
             "flow_path": self.flow_path,
             "first_prefix": self._first_prefix(flow_voice),
@@ -553,11 +552,11 @@ class Runner:
                 token,
                 feat,
                 emb,
-                hops=self.hops,
                 flow_path=self.flow_path,
                 flow_prompt=prepared,
             )
-            for _ in self.t2w.stream_all(stream, list(range(1, 9))):
+            tokens = list(range(1, 9))
+            for _ in self.t2w.stream_all(stream, tokens, plan_all(len(tokens), stream.prompt_tokens, self.hops)):
                 pass
             self._t2w_pool.append((stream, None))  # synchronised below
             self._voice_cache.clear()
@@ -570,7 +569,7 @@ class Runner:
         (``FastToken2Wav.capture_final_vocoder``; :meth:`precapture` would capture them too): the
         flow's kernels are not needed, so start-up captures them while those compile."""
         n_prompt = int(voice.prompt_token.reshape(-1).shape[0])
-        self.t2w.capture_final_vocoder(n_prompt, hops=self.hops, fast_first=self.fast_first)
+        self.t2w.capture_final_vocoder(stream_shapes(self.hops, n_prompt, self.fast_first))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -589,8 +588,7 @@ class Runner:
             feat,
             emb,
             n_tokens,
-            hops=self.hops,
-            fast_first=self.fast_first,
+            stream_shapes(self.hops, int(token.shape[1]), self.fast_first),
             max_batch=max_batch,
             batch_tokens=batch_tokens,
             first_prefix=self._first_prefix(voice),
@@ -895,6 +893,18 @@ class Runner:
             made.append((work.request_id, stream.run_chunk(work.chunk, tokens)))
         except Exception as e:  # noqa: BLE001 - one request's chunk fails alone
             result.failed[work.request_id] = _describe(e)
+
+
+def stream_shapes(hops: HopPolicy, prompt_tokens: int, fast_first: int = 0) -> StreamShapes:
+    """The chunks of ``hops`` for streams of a voice of ``prompt_tokens`` flow prompt tokens
+    (with ``fast_first``), as the scheduler's schedules make them: what token2wav's start-up
+    captures are for (``FastToken2Wav.capture_stream_shapes``)."""
+    first = hops.schedule(prompt_tokens, fast_first)  # as it starts: its first hop
+
+    def plans(n_tokens: int, state: bool) -> list[ChunkPlan]:
+        return plan_all(n_tokens, prompt_tokens, hops, fast_first, state=state)
+
+    return StreamShapes(plans, first.tokens_for_next_chunk, hops.max_hop + first.lookahead)
 
 
 def _pcm(audio: Tensor) -> np.ndarray:

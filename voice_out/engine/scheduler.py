@@ -47,6 +47,7 @@ from voice_out.engine.api import (
     StreamFailedError,
     TextTooLongError,
 )
+from voice_out.engine.chunk_schedule import ChunkPlan, HopPolicy
 from voice_out.engine.launch import LaunchPolicy
 from voice_out.engine.request import (
     EOS_TOKEN,
@@ -64,7 +65,6 @@ from voice_out.engine.request import (
 )
 from voice_out.engine.textfeed import BistreamFeed
 from voice_out.fast.plan import Plan, cpu_plan
-from voice_out.model.chunk_schedule import ChunkPlan, HopPolicy
 from voice_out.text.bistream import BistreamConfig
 from voice_out.text.rows import Row
 
@@ -94,9 +94,8 @@ class Admit:
     slot: int
     seed: int
     voice: VoicePrompt
-    #: Tokens of a fast first token2wav chunk for this request (0 = upstream's first chunk).
-    fast_first: int = 0
-    #: token2wav speed: != 1 makes the request's audio in one final chunk (spec 5.6).
+    #: token2wav speed: != 1 makes the request's audio in one final chunk (spec 5.6). How big
+    #: each chunk is comes with its ``VocodeWork`` (the request's schedule is the scheduler's).
     speed: float = 1.0
 
 
@@ -167,9 +166,10 @@ class StepResult:
     audio: dict[str, np.ndarray] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     inflight: set[str] = field(default_factory=set)
-    #: Requests admitted in this step whose later chunks extend a flow state of their own:
-    #: their hops grow to the plan's ``flow_state_max_hop_tokens`` (``HopPolicy.on_state``).
-    on_state: set[str] = field(default_factory=set)
+    #: Requests admitted in this step that hold a flow state of their own (the runner's
+    #: token2wav lent them a state slot): their later chunks cost about the same whatever
+    #: their length. What their hops become is the scheduler's choice (``HopPolicy.on_state``).
+    flow_state: set[str] = field(default_factory=set)
 
 
 # --------------------------------------------------------------------------------------------
@@ -494,7 +494,7 @@ class Scheduler:
             req.status = RequestStatus.PREFILL
             req.admit_time = self.clock()
             self._slot_owner[slot] = rid
-            admits.append(Admit(rid, slot, req.seed, req.voice, req.schedule.fast_first, req.speed))
+            admits.append(Admit(rid, slot, req.seed, req.voice, req.speed))
         return tuple(admits)
 
     def _ready_chunks(self, now: float, awaiting: bool) -> list[tuple[Request, ChunkPlan]]:
@@ -613,7 +613,7 @@ class Scheduler:
             if req is not None:
                 self._fail(req, StreamFailedError(message))
 
-        for rid in result.on_state:
+        for rid in result.flow_state:  # longer chunks where a chunk's cost does not grow with them
             req = self.requests.get(rid)
             if req is not None:
                 self.hops.on_state(req.schedule)

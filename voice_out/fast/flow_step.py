@@ -38,7 +38,7 @@ GPU worker thread only, as the eager token2wav.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,10 +46,11 @@ import torch
 from torch import Tensor
 
 from voice_out.fast.graphs import GraphedFn
-from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy, plan_all
 from voice_out.model.token2wav import (
-    DEFAULT_HOPS,
+    CHUNK_TOKENS,
+    LOOKAHEAD_TOKENS,
     MEL_FRAMES_PER_TOKEN,
+    Chunk,
     FlowInference,
     Token2Wav,
     Token2WavStream,
@@ -75,6 +76,22 @@ FIRST_GRAPH_FAMILY = "token2wav.first"
 #: Row counts of the graphed batched re-run chunks: a group of n chunks runs in the smallest
 #: bucket >= n (pad rows are copies of its first row); larger groups split at the largest.
 CHUNK_BATCH_BUCKETS = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class StreamShapes:
+    """The chunks that streams of one prompt length make, from the engine's chunk schedule
+    (which the fast path does not import): what start-up captures for them.
+
+    ``plans(n, state)``: the chunks of an utterance of ``n`` speech tokens, all known (``state``:
+    of a stream on a state slot, whose hops the scheduler grows: ``HopPolicy.on_state``).
+    ``first_tokens``: the tokens a first non-final chunk needs (its hop + look-ahead): a
+    shorter utterance is one final chunk without an overlap cache. ``final_tokens``: the
+    most tokens a final chunk after the first takes, plus one (the largest hop + look-ahead)."""
+
+    plans: Callable[[int, bool], Sequence[Chunk]]
+    first_tokens: int
+    final_tokens: int
 
 
 @dataclass
@@ -110,8 +127,8 @@ class _StateSlot:
     mel frames, and those of its encoder part (``Flow.state_mu``), one per ``Flow.StateKey``
     (the chunk's position: ``key``, the one being run). ``owner``: the stream holding it, or
     None; ``started``: whether the owner's state was set up (its voice's prompt prefix copied
-    in, at its first chunk here); ``captured``: the (prompt, tokens, hops, fast first) whose
-    chunks start-up ran through it."""
+    in, at its first chunk here); ``captured``: the (prompt, prefix, chunks) whose chunks
+    start-up ran through it."""
 
     cache: Any
     graph: GraphedFn
@@ -322,9 +339,9 @@ class FastToken2Wav(Token2Wav):
         """Whether the first-chunk lane is on (``use_cuda_graphs(first_lane=True)`` on CUDA)."""
         return self._first_lane is not None
 
-    def in_first_lane(self, plan: ChunkPlan) -> bool:
+    def in_first_lane(self, plan: Chunk) -> bool:
         """Whether ``plan`` replays the first-chunk lane's graphs: a non-final first chunk
-        (``ChunkPlan.starts_audio``) while the lane is on (``use_cuda_graphs(first_lane=True)``).
+        (``Chunk.starts_audio``) while the lane is on (``use_cuda_graphs(first_lane=True)``).
         A caller running two :meth:`run_chunks` calls at once (on two CUDA streams) must keep
         these chunks and the others apart."""
         return self._first_lane is not None and plan.starts_audio
@@ -337,30 +354,21 @@ class FastToken2Wav(Token2Wav):
         """The batched-chunk flow graph of a group of chunks of the first-chunk lane or not."""
         return self._first_lane.batch if first_lane and self._first_lane is not None else self._graph_flow_batch
 
-    def batch_keys(
-        self,
-        prompt_tokens: int,
-        n_tokens: int,
-        max_batch: int,
-        *,
-        hops: HopPolicy = DEFAULT_HOPS,
-        fast_first: int = 0,
-    ) -> list[tuple[bool, int, int]]:
+    def batch_keys(self, plans: Sequence[Chunk], prompt_tokens: int, max_batch: int) -> list[tuple[bool, int, int]]:
         """The (first lane, bucket, T) keys of the grouped batched chunks that streams of this
-        prompt length meet in their first ``n_tokens`` speech tokens, in groups of at most
+        prompt length meet in ``plans`` (an utterance's chunks), in groups of at most
         ``max_batch`` chunks: every bucket a group of 2 .. ``max_batch`` uses, for the T (prompt
-        + real tokens) of every batchable non-final chunk of the schedule, with whether the
-        chunk is the first-chunk lane's (:meth:`in_first_lane`). No tensor work."""
+        + real tokens) of every batchable non-final chunk, with whether the chunk is the
+        first-chunk lane's (:meth:`in_first_lane`). No tensor work."""
         if not self.batch_buckets or max_batch < 2:
             return []
         buckets = sorted({self._bucket(n) for n in range(2, min(max_batch, self.batch_buckets[-1]) + 1)})
-        sched = hops.schedule(prompt_tokens, fast_first)  # for flow_end and the chunk size only
         lengths = [
-            (self.in_first_lane(plan), sched.flow_end(plan))
-            for plan in plan_all(n_tokens, prompt_tokens, hops, fast_first)
-            if not plan.finalize and not (plan.index == 0 and fast_first)
+            (self.in_first_lane(plan), prompt_tokens + plan.token_len - LOOKAHEAD_TOKENS)
+            for plan in plans
+            if not plan.finalize
         ]
-        return [(first, b, t) for first, t in lengths if t % sched.chunk_size == 0 for b in buckets]
+        return [(first, b, t) for first, t in lengths if t % CHUNK_TOKENS == 0 for b in buckets]
 
     def _bucket(self, n: int) -> int:
         """The smallest batch bucket that holds ``n`` rows (``n`` <= the largest bucket)."""
@@ -373,15 +381,14 @@ class FastToken2Wav(Token2Wav):
         prompt_feat: Tensor,
         embedding: Tensor,
         n_tokens: int,
+        shapes: StreamShapes,
         *,
-        hops: HopPolicy = DEFAULT_HOPS,
-        fast_first: int = 0,
         max_batch: int = 1,
         batch_tokens: int | None = None,
         first_prefix: Any = None,
     ) -> int:
         """Capture now (start-up) the graphs a stream of this prompt length meets in its first
-        ``n_tokens`` speech tokens, instead of mid-stream: its single-chunk flow graphs (with
+        ``n_tokens`` speech tokens (its chunks: ``shapes``), instead of mid-stream: its single-chunk flow graphs (with
         ``first_prefix``, a voice's :meth:`prepare_prefix`: the first chunk's from it too), final
         chunk graphs (:meth:`final_total`) and vocoder graphs, and (``max_batch`` >= 2, grouped
         batching on) the batched-chunk graphs of :meth:`batch_keys` for groups of up to
@@ -392,22 +399,21 @@ class FastToken2Wav(Token2Wav):
         if self._graph_flow is None:
             return 0
         self._capturing = True
-        stream = self.open_stream(
-            prompt_token, prompt_feat, embedding, hops=hops, fast_first=fast_first, first_prefix=first_prefix
-        )
+        stream = self.open_stream(prompt_token, prompt_feat, embedding, first_prefix=first_prefix)
         self.release_state(stream)  # the re-run path's chunks here; the state slots' below
         # placeholder speech ids; the extra chunk's worth covers a final chunk rounded up
-        dummy = [(7 * i + 1) % 6561 for i in range(n_tokens + stream.schedule.chunk_size)]
+        dummy = [(7 * i + 1) % 6561 for i in range(n_tokens + CHUNK_TOKENS)]
+        n_run = min(n_tokens, STREAM_CAPTURE_TOKENS)
         try:
-            for _ in self.stream_all(stream, dummy[: min(n_tokens, STREAM_CAPTURE_TOKENS)]):
+            for _ in self.stream_all(stream, dummy[:n_run], shapes.plans(n_run, False)):
                 pass
         finally:
             self._capturing = False
-        self._capture_state_slots(stream, dummy[:n_tokens], hops, fast_first)
+        self._capture_state_slots(stream, dummy[:n_tokens], shapes.plans(n_tokens, True))
         prompt_token, prompt_feat = prompt_token.to(self.device), prompt_feat.to(self.device)
         embedding = embedding.to(self.device)
         n_prompt = int(prompt_token.shape[1])
-        for plan in plan_all(n_tokens, n_prompt, hops, fast_first):  # the longer utterances' chunks
+        for plan in shapes.plans(n_tokens, False):  # the longer utterances' chunks
             key = (n_prompt, plan.token_len)
             single = self._flow_graph(self.in_first_lane(plan))
             if plan.finalize or single is None or single.has(key):
@@ -415,24 +421,23 @@ class FastToken2Wav(Token2Wav):
             token = self._as_tokens(dummy[: plan.token_len])
             single.capture(key, token, prompt_token, prompt_feat, embedding, warmup=0)
         n_batched = n_tokens if batch_tokens is None else min(n_tokens, batch_tokens)
-        keys = self.batch_keys(n_prompt, n_batched, max_batch, hops=hops, fast_first=fast_first)
+        keys = self.batch_keys(shapes.plans(n_batched, False), n_prompt, max_batch)
         for first, bucket, total in keys:
             graph = self._batch_graph(first)
             assert graph is not None
-            token = self._as_tokens(dummy[: total - n_prompt + stream.schedule.lookahead])
+            token = self._as_tokens(dummy[: total - n_prompt + LOOKAHEAD_TOKENS])
             ids, emb, cond, _ = self._full_flow().batch_inputs([(token, prompt_token, prompt_feat, embedding)] * bucket)
             graph.capture((bucket, total), ids, emb, cond)
         final = self._graph_flow_final
         if final is not None:  # the final chunk of an utterance ending anywhere in n_tokens
-            sched = stream.schedule
-            totals = sorted({self.final_total(sched, n_prompt + n) for n in range(1, n_tokens + 1)})
+            totals = sorted({self.final_total(n_prompt + n) for n in range(1, n_tokens + 1)})
             for total in totals:
                 token = self._as_tokens(dummy[: total - n_prompt])
                 ids, n_valid, emb, cond, _ = self._full_flow().final_inputs(
                     [(token, prompt_token, prompt_feat, embedding)], total
                 )
                 final.capture(total, ids, n_valid, emb, cond)
-        self.capture_final_vocoder(n_prompt, hops=hops, fast_first=fast_first)
+        self.capture_final_vocoder(shapes)
         graphs = [
             self._graph_flow,
             self._graph_flow_batch,
@@ -446,36 +451,26 @@ class FastToken2Wav(Token2Wav):
         graphs += [slot.graph for slot in self._state_slots]
         return sum(len(g.captured_keys) for g in graphs if g is not None)
 
-    def _capture_state_slots(
-        self, like: Token2WavStream, dummy: Sequence[int], hops: HopPolicy, fast_first: int
-    ) -> None:
-        """Capture (start-up) every state slot's graphs of the chunks a stream like ``like`` (its
-        voice, ``hops``, ``fast_first``) makes on a slot in ``dummy``'s tokens (its hops up to
-        ``hops.state_max_hop``: ``HopPolicy.on_state``): the estimator's per chunk length, the
+    def _capture_state_slots(self, like: Token2WavStream, dummy: Sequence[int], plans: Sequence[Chunk]) -> None:
+        """Capture (start-up) every state slot's graphs of the chunks ``plans`` that a stream
+        like ``like`` (its voice) makes on a slot over ``dummy``'s tokens (the hops of a stream on
+        a slot: ``HopPolicy.on_state``): the estimator's per chunk length, the
         encoder's per chunk position, by running a placeholder stream through each
         slot that has not run them. The slots' contents are placeholders after this: a stream's
         first chunk on a slot sets it up afresh."""
         prompt = like.first_prefix
         if prompt is None or not self._state_slots:
             return
-        done = (int(prompt.n_prompt), int(prompt.n_prefix), len(dummy), hops, fast_first)
+        done = (int(prompt.n_prompt), int(prompt.n_prefix), tuple(plans))
         for slot in self._state_slots:
             if slot.owner is not None or done in slot.captured:
                 continue
-            stream = self.open_stream(
-                like.prompt_token,
-                like.prompt_feat,
-                like.embedding,
-                hops=hops,
-                fast_first=fast_first,
-                first_prefix=prompt,
-            )
+            stream = self.open_stream(like.prompt_token, like.prompt_feat, like.embedding, first_prefix=prompt)
             self.release_state(stream)
             self._acquire_state(stream, slot)
-            hops.on_state(stream.schedule)  # as the engine's scheduler makes a slot's chunks
             self._capturing = True
             try:
-                for _ in self.stream_all(stream, dummy):
+                for _ in self.stream_all(stream, dummy, plans):
                     pass
             finally:
                 self._capturing = False
@@ -483,27 +478,26 @@ class FastToken2Wav(Token2Wav):
             slot.captured.add(done)
 
     @torch.inference_mode()
-    def capture_final_vocoder(self, prompt_tokens: int, *, hops: HopPolicy = DEFAULT_HOPS, fast_first: int = 0) -> None:
-        """Capture the vocoder of every final chunk a stream of a voice of ``prompt_tokens``
-        flow prompt tokens (with ``hops`` and ``fast_first``) can end with (start-up; part of
+    def capture_final_vocoder(self, shapes: StreamShapes) -> None:
+        """Capture the vocoder of every final chunk a stream of ``shapes`` (a voice's prompt
+        length, the engine's hops) can end with (start-up; part of
         :meth:`capture_stream_shapes`, which skips what is captured already). It needs none of
         the flow's kernels: the engine captures it while they compile.
 
         A final chunk's mel has a length of its own: the tokens left after the last chunk, fewer
-        than a hop plus the lookahead (so 0 .. max_hop + lookahead - 1 new tokens after the
-        cached frames), or, for an utterance shorter than its first chunk, 1 .. first hop +
-        pad + lookahead - 1 tokens and no cache. HiFT's convolutions look ahead, so a padded
+        than a hop plus the lookahead (so 0 .. ``shapes.final_tokens`` - 1 new tokens after the
+        cached frames), or, for an utterance shorter than its first chunk, 1 ..
+        ``shapes.first_tokens`` - 1 tokens and no cache. HiFT's convolutions look ahead, so a padded
         length would change the tail: one graph per length (eager was ~40 ms of launches)."""
         fresh, cached = self._graph_hift, self._graph_hift_cached
         if fresh is None or cached is None:
             return
-        first = hops.schedule(prompt_tokens, fast_first)  # as it starts: its first hop
         per = MEL_FRAMES_PER_TOKEN
         mels = self.hift.dims.in_channels
         source = torch.zeros(1, 1, self.cache_samples, device=self.device)  # HiFTCache.source
-        for k in range(1, first.hop_now + first.lookahead):
+        for k in range(1, shapes.first_tokens):
             fresh.capture(per * k, torch.zeros(1, mels, per * k, device=self.device))
-        for k in range(hops.max_hop + first.lookahead):
+        for k in range(shapes.final_tokens):
             n = self.cache_frames + per * k
             cached.capture(n, torch.zeros(1, mels, n, device=self.device), source)
 
@@ -511,11 +505,11 @@ class FastToken2Wav(Token2Wav):
     def prepare_flow(self, stream: Token2WavStream) -> None:
         """The eager set-up (:meth:`Token2Wav.prepare_flow`), and a free state slot
         (:meth:`use_state_slots`) for a re-run-path stream whose voice has a prompt prefix."""
-        if not stream.schedule.whole:  # a whole stream makes one final chunk: no state to extend
+        if not stream.whole:  # a whole stream makes one final chunk: no state to extend
             self._acquire_state(stream)
         super().prepare_flow(stream)
 
-    def _flow_mel(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor:
+    def _flow_mel(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> Tensor:
         """A later non-final chunk of a stream holding a state slot extends it
         (:meth:`_state_chunk`); every other chunk, or one that leaves its slot, as the eager
         token2wav makes it (with the graphs of the overrides below)."""
@@ -525,11 +519,11 @@ class FastToken2Wav(Token2Wav):
                 return mel
         return super()._flow_mel(stream, plan, token)
 
-    def _rerun_first(self, stream: Token2WavStream, token: Tensor) -> bool:
+    def _rerun_first(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> bool:
         """A cached-path stream's first chunk re-runs under graphs too: the graph serves it."""
-        return super()._rerun_first(stream, token) or (self._graph_flow is not None and token.is_cuda)
+        return super()._rerun_first(stream, plan, token) or (self._graph_flow is not None and token.is_cuda)
 
-    def _rerun_chunk(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor:
+    def _rerun_chunk(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> Tensor:
         """A non-final chunk by upstream's re-run (prompt + tokens so far, chunk-causal): the new
         frames, float32 [1, 80, 2 * hop_tokens]. From a graph per (prompt length, tokens so far)
         for first chunks and for lengths start-up captured (``capture_stream_shapes``);
@@ -542,7 +536,7 @@ class FastToken2Wav(Token2Wav):
         key = (int(stream.prompt_token.shape[1]), plan.token_len)
         return graph(key, *args)[:, :, start:].float().clone()  # the graph reuses its output
 
-    def _prefix_chunk(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor:
+    def _prefix_chunk(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> Tensor:
         """A non-final first chunk from the voice's prompt prefix (``Flow.prefix_core``): its
         new frames, float32 [1, 80, 2 * hop_tokens], as :meth:`_rerun_chunk` gives them but
         without the prefix's frames in the estimator calls. Under CUDA graphs it replays a
@@ -564,16 +558,15 @@ class FastToken2Wav(Token2Wav):
         return slot.graph(key, ids, emb, cond)[:, :, start:].float().clone()  # the graph reuses its output
 
     @staticmethod
-    def _state_frames(stream: Token2WavStream, plan: ChunkPlan) -> int:
+    def _state_frames(stream: Token2WavStream, plan: Chunk) -> int:
         """The mel frames a later non-final ``plan`` of ``stream`` computes on its state slot:
         those since the state's last boundary (the first time, since its voice's prompt
         prefix: the prompt's tail, the first chunk's tokens and this one's)."""
         slot = stream.state_slot
-        sched = stream.schedule
         done = slot.cache.n_done if slot is not None and slot.started else stream.first_prefix.n_prefix
-        return MEL_FRAMES_PER_TOKEN * (sched.flow_end(plan) - done)
+        return MEL_FRAMES_PER_TOKEN * (stream.flow_end(plan) - done)
 
-    def _state_chunk(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor | None:
+    def _state_chunk(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> Tensor | None:
         """A later non-final chunk on the stream's state slot: its new frames, float32 [1, 80,
         2 * hop_tokens], as :meth:`_rerun_chunk` gives them. The encoder runs over the new tokens
         from the slot's graph of this position (eagerly at a position start-up did not reach),
@@ -582,11 +575,11 @@ class FastToken2Wav(Token2Wav):
         the caller re-runs it, and every chunk after it."""
         slot = stream.state_slot
         assert slot is not None
-        sched = stream.schedule
         frames = self._state_frames(stream, plan)
-        fits = sched.flow_end(plan) <= slot.cache.capacity  # the tokens it keeps (Flow.state_inputs)
+        end = stream.flow_end(plan)
+        fits = end <= slot.cache.capacity  # the tokens it keeps (Flow.state_inputs)
         graphed = token.is_cuda and (self._capturing or slot.graph.has(frames))
-        if sched.flow_end(plan) % sched.chunk_size or not fits or (self._graph_flow is not None and not graphed):
+        if end % CHUNK_TOKENS or not fits or (self._graph_flow is not None and not graphed):
             self.release_state(stream)
             return None
         flow = self._full_flow()
@@ -636,14 +629,14 @@ class FastToken2Wav(Token2Wav):
             slot = self._prefix_slots[n_prefix] = _PrefixSlot(state=state, graph=graph)
         return slot
 
-    def _final_chunk(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor:
+    def _final_chunk(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> Tensor:
         """The final chunk (full attention over prompt + every token): its new frames, float32
         [1, 80, 2 * hop_tokens]. From the graph of ``flow.final_core`` over the tokens right-
         padded to the next multiple of the flow chunk (T = prompt + tokens rounded up; padding
         is masked, so it is exact) when start-up captured that T, else eagerly: every utterance
         ends at its own length, so a capture here would stall every stream."""
         graph = self._graph_flow_final if token.is_cuda else None
-        total = self.final_total(stream.schedule, stream.schedule.prompt_tokens + plan.token_len)
+        total = self.final_total(stream.prompt_tokens + plan.token_len)
         if graph is None or not (self._capturing or graph.has(total)):
             return super()._final_chunk(stream, plan, token)
         args = self._rerun_args(stream, plan, token)
@@ -652,17 +645,18 @@ class FastToken2Wav(Token2Wav):
         lo, hi = spans[0]
         return graph(total, ids, n_valid, emb, cond)[:, :, lo + start : hi].float().clone()
 
-    def final_total(self, sched: ChunkSchedule, n_tokens: int) -> int:
+    @staticmethod
+    def final_total(n_tokens: int) -> int:
         """The padded length (prompt + tokens, ``n_tokens`` of them real) of a final chunk's pass,
         its graph's key: a whole flow chunk up to ``FINAL_FINE_TOKENS``, then a multiple of
         ``FINAL_COARSE_CHUNKS`` chunks."""
-        fine = sched.round_up(n_tokens)
+        fine = -(-n_tokens // CHUNK_TOKENS) * CHUNK_TOKENS
         if fine <= FINAL_FINE_TOKENS:
             return fine
-        coarse = sched.chunk_size * FINAL_COARSE_CHUNKS
+        coarse = CHUNK_TOKENS * FINAL_COARSE_CHUNKS
         return -(-n_tokens // coarse) * coarse
 
-    def _single_graph(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> GraphedFn | None:
+    def _single_graph(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> GraphedFn | None:
         """The single-chunk graph a re-run of ``plan`` replays (a first chunk's is captured on
         first use), or None: it runs eagerly."""
         graph = self._flow_graph(self.in_first_lane(plan)) if token.is_cuda else None
@@ -671,7 +665,7 @@ class FastToken2Wav(Token2Wav):
             return graph
         return None
 
-    def batchable(self, stream: Token2WavStream, plan: ChunkPlan) -> bool:
+    def batchable(self, stream: Token2WavStream, plan: Chunk) -> bool:
         """As :meth:`Token2Wav.batchable`, except a later chunk on a state slot (its own
         state's graph). With grouped batching (:meth:`use_batch_buckets`) a batchable chunk
         that ends up alone in its group still takes :meth:`run_chunk`'s path."""
@@ -680,7 +674,7 @@ class FastToken2Wav(Token2Wav):
         return super().batchable(stream, plan)
 
     def _batch_mels(
-        self, chunks: Sequence[tuple[Token2WavStream, ChunkPlan, Tensor]], rows: list[int]
+        self, chunks: Sequence[tuple[Token2WavStream, Chunk, Tensor]], rows: list[int]
     ) -> dict[int, Tensor]:
         """Grouped batching when batch buckets are set (:meth:`_batched_mels`), else the eager
         token2wav's one padded pass."""
@@ -689,7 +683,7 @@ class FastToken2Wav(Token2Wav):
         return super()._batch_mels(chunks, rows)
 
     def _batched_mels(
-        self, chunks: Sequence[tuple[Token2WavStream, ChunkPlan, Tensor]], rows: list[int]
+        self, chunks: Sequence[tuple[Token2WavStream, Chunk, Tensor]], rows: list[int]
     ) -> dict[int, Tensor]:
         """Grouped batching (:meth:`use_batch_buckets`): the new mel frames of the chunks
         ``rows`` that run batched, by index; the others are left to :meth:`run_chunk`'s path.
@@ -705,7 +699,7 @@ class FastToken2Wav(Token2Wav):
         groups: dict[tuple[bool, int], list[int]] = {}  # (first-chunk lane, T) -> rows
         for i in rows:
             stream, plan, _ = chunks[i]
-            groups.setdefault((self.in_first_lane(plan), stream.schedule.flow_end(plan)), []).append(i)
+            groups.setdefault((self.in_first_lane(plan), stream.flow_end(plan)), []).append(i)
         top = self.batch_buckets[-1]
         mels: dict[int, Tensor] = {}
         for (first, total), group in groups.items():

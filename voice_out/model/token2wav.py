@@ -2,17 +2,16 @@
 
 cosyvoice2-spec.md sections 5.3-5.4. :class:`Token2Wav` holds the shared, stateless models (the
 flow and the vocoder); :class:`Token2WavStream` is ALL the state of one request (its prompt, its
-chunk schedule, its vocoder overlap cache, its flow cache) and is reset in place for the next
-request. Nothing survives from one request to the next (upstream leaks its hop across requests).
+vocoder overlap cache, its flow cache, which chunk comes next) and is reset in place for the
+next request. When a chunk is made and how big is not decided here: the engine's chunk schedule
+(``voice_out.engine.chunk_schedule``, one per request, the scheduler's) plans each chunk and
+hands it over as a :class:`Chunk`; a stream only checks that it is its next one.
 
 How an engine drives one request (GPU worker thread only)::
 
     stream = t2w.open_stream(prompt_token, prompt_feat, embedding)       # or stream.reset(...)
-    while True:
-        plan = stream.ready_chunk(len(tokens), llm_finished)              # no tensor work
-        if plan is None: wait for more tokens (or the request is done: stream.finished)
+    for each chunk the schedule plans (no tensor work there):
         pcm = stream.run_chunk(plan, tokens)                              # float32 (n,), 24 kHz
-        if plan.finalize: break
 
 Per chunk (non-final chunks hold back their last 160 ms)::
 
@@ -44,7 +43,7 @@ the per-chunk steps below (``_rerun_chunk``, ``_prefix_chunk``, ``_final_chunk``
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -52,17 +51,46 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from voice_out.model.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy
 from voice_out.model.flow import Flow
 from voice_out.model.hift import HiFT
 from voice_out.model.transfer import to_device
 
-#: upstream's hops (25, 50, 100): what a stream gets unless told otherwise
-DEFAULT_HOPS = HopPolicy()
+#: The flow's chunk (static_chunk_size of its encoder) and look-ahead, in speech tokens: a
+#: non-final chunk's audio ends on a chunk boundary counted from the prompt's start, with this
+#: many tokens after it (the engine's chunk schedule keeps to the same two numbers).
+CHUNK_TOKENS = 25
+LOOKAHEAD_TOKENS = 3
 MEL_FRAMES_PER_TOKEN = 2  # token_mel_ratio: 25 Hz tokens, 50 Hz mel
 HIFT_CACHE_FRAMES = 8  # vocoder overlap between chunks (160 ms)
 
 FlowPath = Literal["rerun", "cached"]
+
+
+class Chunk(Protocol):
+    """One token2wav call, as the engine's chunk schedule plans it
+    (``voice_out.engine.chunk_schedule.ChunkPlan``): ``token_len`` tokens (a prefix of the
+    request's speech tokens) go to the flow; the chunk's audio starts at token ``token_offset``;
+    ``hop_tokens`` tokens become final (a non-final chunk's are followed by
+    ``LOOKAHEAD_TOKENS`` of context; the ``finalize`` chunk takes all the rest); ``index``
+    counts the request's chunks from 0; ``starts_audio``: a non-final first chunk."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def token_offset(self) -> int: ...
+
+    @property
+    def token_len(self) -> int: ...
+
+    @property
+    def hop_tokens(self) -> int: ...
+
+    @property
+    def finalize(self) -> bool: ...
+
+    @property
+    def starts_audio(self) -> bool: ...
 
 
 class FlowInference(Protocol):
@@ -154,7 +182,6 @@ class Token2WavStream:
     prompt_token: Tensor
     prompt_feat: Tensor
     embedding: Tensor
-    schedule: ChunkSchedule
     hift_cache: HiFTCache
     flow_path: FlowPath = "rerun"
     noise: torch.Generator | None = None
@@ -168,24 +195,50 @@ class Token2WavStream:
     #: token so far.
     state_slot: Any = None
     #: token2wav speed (spec 5.6): != 1 resamples the whole utterance's mel in time before the
-    #: vocoder, so the stream's schedule is ``whole`` (one final chunk).
+    #: vocoder, so the stream is ``whole``.
     speed: float = 1.0
+    #: The request's audio is ONE final chunk over every token (its schedule is ``whole``).
+    whole: bool = False
+    #: Progress, to check each chunk handed over: chunks made, the token the next one starts
+    #: at, whether the final one was made.
+    chunks_done: int = 0
+    token_offset: int = 0
+    finished: bool = False
     samples_emitted: int = 0
-    chunk_log: list[ChunkPlan] = field(default_factory=list)
+    chunk_log: list[Chunk] = field(default_factory=list)
     #: Cached path: the first chunk's mel came from a re-run (graphed, or a fast first chunk that
     #: ends off a chunk boundary), so the flow cache has not taken in any speech token yet; the
     #: next chunk feeds it everything from the prompt's end (ending on a boundary again).
     flow_cache_behind: bool = False
 
     @property
-    def finished(self) -> bool:
-        return self.schedule.finished
+    def prompt_tokens(self) -> int:
+        """P, the voice's flow prompt tokens."""
+        return int(self.prompt_token.shape[-1])
 
-    def ready_chunk(self, n_tokens_available: int, llm_finished: bool) -> ChunkPlan | None:
-        """The chunk to run now for this request, or None. No tensor work."""
-        return self.schedule.ready(n_tokens_available, llm_finished)
+    def flow_end(self, plan: Chunk) -> int:
+        """T of a non-final ``plan``: prompt + the tokens its audio covers (its look-ahead
+        excluded), where its flow pass ends; a multiple of ``CHUNK_TOKENS`` on a boundary."""
+        return self.prompt_tokens + plan.token_len - LOOKAHEAD_TOKENS
 
-    def run_chunk(self, plan: ChunkPlan, tokens: Tensor | Sequence[int]) -> Tensor:
+    def check(self, plan: Chunk) -> None:
+        """ValueError unless ``plan`` is this stream's next chunk (and, for a ``whole`` stream,
+        its one final chunk). No state changes."""
+        if self.finished or plan.index != self.chunks_done or plan.token_offset != self.token_offset:
+            raise ValueError(f"chunk plan {plan} is not the next chunk of this stream")
+        if self.whole and not plan.finalize:
+            raise ValueError(f"chunk plan {plan}: a whole stream makes one final chunk")
+        if not plan.finalize and plan.token_len != plan.token_offset + plan.hop_tokens + LOOKAHEAD_TOKENS:
+            raise ValueError(f"chunk plan {plan}: a non-final chunk takes {LOOKAHEAD_TOKENS} look-ahead tokens")
+
+    def _commit(self, plan: Chunk) -> None:
+        """Record that ``plan`` was made (its audio emitted)."""
+        self.chunks_done += 1
+        self.token_offset = plan.token_len if plan.finalize else plan.token_offset + plan.hop_tokens
+        self.finished = plan.finalize
+        self.chunk_log.append(plan)
+
+    def run_chunk(self, plan: Chunk, tokens: Tensor | Sequence[int]) -> Tensor:
         """Run ``plan`` on the request's tokens so far (at least ``plan.token_len``): float32 (n,)."""
         return self.model.run_chunk(self, plan, tokens)
 
@@ -195,8 +248,6 @@ class Token2WavStream:
         prompt_feat: Tensor,
         embedding: Tensor,
         *,
-        hops: HopPolicy = DEFAULT_HOPS,
-        fast_first: int = 0,
         flow_path: FlowPath | None = None,
         noise: torch.Generator | None = None,
         flow_prompt: Any = None,
@@ -218,7 +269,9 @@ class Token2WavStream:
         self.embedding = embedding.to(dev)
         whole = speed != 1.0 if whole is None else whole
         self.speed = _check_speed(speed, whole)
-        self.schedule = hops.schedule(int(prompt_token.shape[-1]), fast_first, whole=whole)
+        self.whole = whole
+        self.chunks_done = self.token_offset = 0
+        self.finished = False
         self.hift_cache.reset()
         if flow_path is not None:
             self.flow_path = flow_path
@@ -267,7 +320,7 @@ class Token2Wav:
         """Whether first chunks replay graphs of their own (never, eagerly; ``FastToken2Wav``)."""
         return False
 
-    def in_first_lane(self, plan: ChunkPlan) -> bool:
+    def in_first_lane(self, plan: Chunk) -> bool:
         """Whether ``plan`` runs in the first-chunk lane (never, eagerly; ``FastToken2Wav``). A
         caller running two :meth:`run_chunks` calls at once (on two CUDA streams) must keep
         these chunks and the others apart."""
@@ -285,8 +338,6 @@ class Token2Wav:
         prompt_feat: Tensor,
         embedding: Tensor,
         *,
-        hops: HopPolicy = DEFAULT_HOPS,
-        fast_first: int = 0,
         flow_path: FlowPath = "rerun",
         noise: torch.Generator | None = None,
         flow_prompt: Any = None,
@@ -296,8 +347,6 @@ class Token2Wav:
     ) -> Token2WavStream:
         """A new per-request state.
 
-        ``fast_first``: tokens of a fast first chunk (0 = off; see ``chunk_schedule``).
-        ``hops``: the hop policy, the same as the engine's own schedule for the request uses;
         ``noise`` None = deterministic vocoder source; ``flow_prompt`` and ``first_prefix`` as
         in :meth:`Token2WavStream.reset`; ``speed`` and ``whole`` likewise.
         """
@@ -308,8 +357,8 @@ class Token2Wav:
             prompt_token=prompt_token.to(self.device),
             prompt_feat=prompt_feat.to(self.device),
             embedding=embedding.to(self.device),
-            schedule=hops.schedule(int(prompt_token.shape[-1]), fast_first, whole=whole),
             speed=float(speed),
+            whole=whole,
             hift_cache=HiFTCache.allocate(
                 self.hift.dims.in_channels, self.cache_frames, self.samples_per_frame, self.device
             ),
@@ -361,14 +410,14 @@ class Token2Wav:
 
     # -- one chunk -----------------------------------------------------------------------------
 
-    def _flow_mel(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor:
+    def _flow_mel(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> Tensor:
         """New mel frames of ``plan``: [1, 80, 2 * hop_tokens] float32."""
         if plan.hop_tokens == 0:  # a final chunk with nothing new (an empty request)
             return torch.zeros(1, self.hift.dims.in_channels, 0, device=self.device)
         first = plan.index == 0 and not plan.finalize
         if first and self._from_prefix(stream, plan):
             return self._prefix_chunk(stream, plan, token)
-        if not plan.finalize and (stream.flow_path == "rerun" or (first and self._rerun_first(stream, token))):
+        if not plan.finalize and (stream.flow_path == "rerun" or (first and self._rerun_first(stream, plan, token))):
             mel = self._rerun_chunk(stream, plan, token)
             # a cached-path stream whose first chunk came from a re-run: its flow cache has taken
             # in no speech token yet (the next chunk catches it up)
@@ -384,31 +433,30 @@ class Token2Wav:
         new = token[:, plan.token_offset : plan.token_len]  # new tokens (+ look-ahead unless final)
         return flow.stream_chunk(stream.flow_cache, new, plan.finalize).float()
 
-    def _rerun_chunk(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor:
+    def _rerun_chunk(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> Tensor:
         """A non-final chunk by upstream's re-run (prompt + tokens so far, chunk-causal): the new
         frames, float32 [1, 80, 2 * hop_tokens]."""
         args = self._rerun_args(stream, plan, token)
         start = MEL_FRAMES_PER_TOKEN * plan.token_offset
         return self.flow.inference(*args, streaming=True, finalize=False)[:, :, start:].float()
 
-    def _rerun_first(self, stream: Token2WavStream, token: Tensor) -> bool:
-        """Whether a cached-path stream's first chunk re-runs (a fast first chunk ends off a
-        chunk boundary, which the flow cache cannot take in)."""
-        return bool(stream.schedule.fast_first)
+    def _rerun_first(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> bool:
+        """Whether a cached-path stream's first chunk re-runs: one that ends off a chunk
+        boundary (a fast first chunk), which the flow cache cannot take in."""
+        return stream.flow_end(plan) % CHUNK_TOKENS != 0
 
     @staticmethod
-    def _from_prefix(stream: Token2WavStream, plan: ChunkPlan) -> bool:
+    def _from_prefix(stream: Token2WavStream, plan: Chunk) -> bool:
         """Whether ``plan`` (a non-final first chunk) is computed from the voice's prompt
         prefix: the stream has one (re-run path) and the chunk ends on a flow chunk boundary
         (not a fast first chunk)."""
-        sched = stream.schedule
         return (
             stream.first_prefix is not None
             and stream.flow_path == "rerun"
-            and sched.flow_end(plan) % sched.chunk_size == 0
+            and stream.flow_end(plan) % CHUNK_TOKENS == 0
         )
 
-    def _prefix_chunk(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor:
+    def _prefix_chunk(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> Tensor:
         """A non-final first chunk from the voice's prompt prefix (``Flow.prefix_core``): its
         new frames, float32 [1, 80, 2 * hop_tokens], as :meth:`_rerun_chunk` gives them but
         without the prefix's frames in the estimator calls."""
@@ -419,7 +467,7 @@ class Token2Wav:
         start = MEL_FRAMES_PER_TOKEN * (prompt.n_prompt - prompt.n_prefix + plan.token_offset)
         return flow.prefix_core(ids, emb, cond, prompt.prefix)[:, :, start:].float()
 
-    def _final_chunk(self, stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> Tensor:
+    def _final_chunk(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> Tensor:
         """The final chunk (full attention over prompt + every token): its new frames, float32
         [1, 80, 2 * hop_tokens]."""
         args = self._rerun_args(stream, plan, token)
@@ -428,7 +476,7 @@ class Token2Wav:
         return mel[:, :, start:].float()
 
     @staticmethod
-    def _rerun_args(stream: Token2WavStream, plan: ChunkPlan, token: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _rerun_args(stream: Token2WavStream, plan: Chunk, token: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(tokens so far [1, token_len], prompt_token, prompt_feat, embedding) of a re-run."""
         return token[:, : plan.token_len], stream.prompt_token, stream.prompt_feat, stream.embedding
 
@@ -436,45 +484,43 @@ class Token2Wav:
         t = to_device(tokens if isinstance(tokens, Tensor) else list(tokens), self.device, torch.int32)
         return t[None, :] if t.dim() == 1 else t
 
-    def _chunk_tokens(self, stream: Token2WavStream, plan: ChunkPlan, tokens: Tensor | Sequence[int]) -> Tensor:
+    def _chunk_tokens(self, stream: Token2WavStream, plan: Chunk, tokens: Tensor | Sequence[int]) -> Tensor:
         """Check that ``plan`` can run now (no state is touched): the request's tokens [1, n]."""
-        stream.schedule.check(plan)
+        stream.check(plan)
         token = self._as_tokens(tokens)
         if token.shape[1] < plan.token_len:
             raise ValueError(f"chunk needs {plan.token_len} tokens, got {token.shape[1]}")
         return token
 
     @torch.inference_mode()
-    def run_chunk(self, stream: Token2WavStream, plan: ChunkPlan, tokens: Tensor | Sequence[int]) -> Tensor:
+    def run_chunk(self, stream: Token2WavStream, plan: Chunk, tokens: Tensor | Sequence[int]) -> Tensor:
         """Make the audio of ``plan`` for ``stream``: float32 (n,) on the model device.
 
         ``tokens``: the request's speech tokens so far, [1, n] / [n] tensor or a list; only the
-        first ``plan.token_len`` are read. Advances the stream's schedule and caches.
+        first ``plan.token_len`` are read. Advances the stream's progress and caches.
         """
         token = self._chunk_tokens(stream, plan, tokens)
         return self._finish_chunk(stream, plan, self._flow_mel(stream, plan, token))
 
-    def batchable(self, stream: Token2WavStream, plan: ChunkPlan) -> bool:
+    def batchable(self, stream: Token2WavStream, plan: Chunk) -> bool:
         """Whether :meth:`run_chunks` may compute this chunk's flow in a batched pass: a
-        non-final chunk of a re-run-path stream that ends on a flow chunk boundary (not a fast
-        first chunk), with the real flow (``Flow.inference_batch``)."""
+        non-final chunk of a re-run-path stream that ends on a flow chunk boundary (so right
+        padding never reaches its frames), with the real flow (``Flow.inference_batch``)."""
         if plan.finalize or plan.hop_tokens == 0 or stream.flow_path != "rerun":
             return False
         if self.full_flow is None:
             return False
-        if plan.index == 0 and stream.schedule.fast_first:
-            return False
-        return stream.schedule.flow_end(plan) % stream.schedule.chunk_size == 0
+        return stream.flow_end(plan) % CHUNK_TOKENS == 0
 
     @torch.inference_mode()
-    def run_chunks(self, pairs: Sequence[tuple[Token2WavStream, ChunkPlan, Tensor | Sequence[int]]]) -> list[Tensor]:
+    def run_chunks(self, pairs: Sequence[tuple[Token2WavStream, Chunk, Tensor | Sequence[int]]]) -> list[Tensor]:
         """:meth:`run_chunk` for several streams at once: the audio of each, in order.
 
         The flow of the :meth:`batchable` chunks runs batched (:meth:`_batch_mels`: here all
         of them in ONE ``flow.inference_batch`` call, when there are two or more; the fast
         token2wav groups them by length under graphs). The rest go through :meth:`run_chunk`'s
         flow step. Each
-        chunk is then finished (vocoder, cross-fade, caches, schedule) as :meth:`run_chunk`
+        chunk is then finished (vocoder, cross-fade, caches, progress) as :meth:`run_chunk`
         does. Each stream may appear once.
 
         Failures: a bad pair (not its stream's next chunk, too few tokens) or a failing batched
@@ -505,14 +551,14 @@ class Token2Wav:
         return [r for r in results if r is not None]
 
     def _batch_mels(
-        self, chunks: Sequence[tuple[Token2WavStream, ChunkPlan, Tensor]], rows: list[int]
+        self, chunks: Sequence[tuple[Token2WavStream, Chunk, Tensor]], rows: list[int]
     ) -> dict[int, Tensor]:
         """New mel frames of the batchable ``chunks[i]`` (i in ``rows``) that run batched, by
         index; the others are left to :meth:`run_chunk`'s path. Eagerly: :meth:`_eager_batch`."""
         return self._eager_batch(chunks, rows)
 
     def _eager_batch(
-        self, chunks: Sequence[tuple[Token2WavStream, ChunkPlan, Tensor]], rows: list[int]
+        self, chunks: Sequence[tuple[Token2WavStream, Chunk, Tensor]], rows: list[int]
     ) -> dict[int, Tensor]:
         """New mel frames of ``chunks[i]`` for i in ``rows``, from ONE eager
         ``flow.inference_batch`` call (right-padded to the longest); {} for fewer than 2."""
@@ -524,7 +570,7 @@ class Token2Wav:
             for i, mel in zip(rows, mels, strict=True)
         }
 
-    def _finish_chunk(self, stream: Token2WavStream, plan: ChunkPlan, mel: Tensor) -> Tensor:
+    def _finish_chunk(self, stream: Token2WavStream, plan: Chunk, mel: Tensor) -> Tensor:
         """Vocoder, cross-fade and caches for ``plan``'s new mel [1, 80, F]; commits the plan."""
         cache = stream.hift_cache
         if mel.shape[2] == 0 and not cache.valid:
@@ -551,8 +597,7 @@ class Token2Wav:
                 cache.valid = False
         if plan.finalize:
             self.release_state(stream)
-        stream.schedule.commit(plan)
-        stream.chunk_log.append(plan)
+        stream._commit(plan)
         stream.samples_emitted += int(speech.shape[0])
         return speech
 
@@ -566,10 +611,12 @@ class Token2Wav:
 
     # -- conveniences --------------------------------------------------------------------------
 
-    def stream_all(self, stream: Token2WavStream, tokens: Tensor | Sequence[int]) -> Iterator[Tensor]:
-        """All chunks of a request whose tokens are all known (tests, offline use)."""
-        n = int(self._as_tokens(tokens).shape[1])
-        while (plan := stream.ready_chunk(n, llm_finished=True)) is not None:
+    def stream_all(
+        self, stream: Token2WavStream, tokens: Tensor | Sequence[int], plans: Iterable[Chunk]
+    ) -> Iterator[Tensor]:
+        """The audio of each of ``plans`` in turn, on a request whose tokens are all known
+        (tests, offline use, start-up; ``voice_out.engine.chunk_schedule.plan_all`` plans them)."""
+        for plan in plans:
             yield stream.run_chunk(plan, tokens)
 
     @torch.inference_mode()

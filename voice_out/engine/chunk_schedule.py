@@ -1,8 +1,9 @@
 """When streaming token2wav makes a chunk, and how big it is (cosyvoice2-spec.md section 5.3).
 
 Pure Python, no torch: the engine scheduler asks "is a chunk ready for this request, and how
-big" from here without touching tensors; ``token2wav.Token2WavStream`` owns one schedule per
-request and does the tensor work for each :class:`ChunkPlan`.
+big" from here without touching tensors. The scheduler owns the one schedule of a request
+(``voice_out.engine.request.Request.schedule``) and hands each chunk to token2wav as a
+``voice_out.model.token2wav.ChunkPlan``; token2wav keeps no schedule of its own.
 
 The rule, with P prompt tokens and hop h (first hop h0, default 25)::
 
@@ -17,7 +18,7 @@ The rule, with P prompt tokens and hop h (first hop h0, default 25)::
         -> final chunk: flow over all tokens with full attention, emits everything left.
 
 A stream whose later chunks extend a flow state of its own (``HopPolicy.state_max_hop``,
-``token2wav.Token2Wav.use_state_slots``) grows its hop further: such a chunk costs about the
+``voice_out.fast.flow_step.FastToken2Wav.use_state_slots``) grows its hop further: such a chunk costs about the
 same whatever its length (its kernels are bound by their count, not their rows), so fewer,
 longer chunks make the utterance sooner. Its final chunk stays within the policy's
 ``max_hop`` + lookahead tokens (the vocoder's graphs are captured for those lengths): once the
@@ -54,11 +55,15 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-CHUNK_SIZE_TOKENS = 25  # flow chunk (static_chunk_size of the encoder); also the default first hop
+from voice_out.config import HOP_GROWTHS
+
+#: The flow's chunk (static_chunk_size of its encoder) and look-ahead, in tokens: the
+#: schedule's boundaries and lookahead are these (``voice_out.model.token2wav`` checks the
+#: chunks it is given against the same two numbers).
+CHUNK_SIZE_TOKENS = 25  # also the default first hop
+LOOKAHEAD_TOKENS = 3  # tokens that must exist beyond a non-final chunk
 MAX_HOP_TOKENS = 100
 HOP_SCALE = 2
-HOP_GROWTHS = ("double", "buffered")
-LOOKAHEAD_TOKENS = 3  # flow pre-lookahead: tokens that must exist beyond a non-final chunk
 
 
 @dataclass(frozen=True)
@@ -281,10 +286,18 @@ class HopPolicy:
         sched.max_hop = max(self.state_max_hop, self.max_hop)
 
 
-def plan_all(n_tokens: int, prompt_tokens: int, hops: HopPolicy | None = None, fast_first: int = 0) -> list[ChunkPlan]:
+def plan_all(
+    n_tokens: int,
+    prompt_tokens: int,
+    hops: HopPolicy | None = None,
+    fast_first: int = 0,
+    *,
+    state: bool = False,
+    whole: bool = False,
+) -> list[ChunkPlan]:
     """The whole schedule of a request whose ``n_tokens`` speech tokens are all known (``hops``
-    None: upstream's)."""
-    schedule = (hops or HopPolicy()).schedule(prompt_tokens, fast_first)
+    None: upstream's; ``state`` and ``whole`` as in :meth:`HopPolicy.schedule`)."""
+    schedule = (hops or HopPolicy()).schedule(prompt_tokens, fast_first, state=state, whole=whole)
     plans: list[ChunkPlan] = []
     while (plan := schedule.ready(n_tokens, llm_finished=True)) is not None:
         plans.append(plan)
