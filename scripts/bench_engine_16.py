@@ -76,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-chunks-per-step", type=int, default=None, help="default: the plan's (8 with CUDA graphs, else 4)"
     )
-    p.add_argument("--flow-path", default="rerun", choices=["rerun", "cached"])
     p.add_argument("--kv-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument(
@@ -108,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
         options=BuildOptions(
             forced=ForcedTokens(args.tokens_per_text_token),
             kv_len=args.kv_len,
-            flow_path=args.flow_path,
             noise_prompt_tokens=args.prompt_tokens,
             text_normalizer="none",
             pins={} if args.max_chunks_per_step is None else {"max_chunks_per_step": args.max_chunks_per_step},
@@ -141,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_text_token": args.tokens_per_text_token,
         "prompt_tokens": args.prompt_tokens,
         "max_ahead_s": args.max_ahead_s,
-        "flow_path": args.flow_path,
         "fast_first_tokens": args.fast_first,
         "ttfa_ms": {
             "p50": percentile(ttfa, 0.5),

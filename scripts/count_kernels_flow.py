@@ -23,8 +23,8 @@ Euler updates).
 
 Three calls are measured, all on a first-chunk-sized input (``--prompt`` tokens of prompt +
 25 new + 3 look-ahead, as ``flow.inference(..., streaming=True)`` runs it): one estimator call
-(streaming mask), one re-run-path ``Flow.solve`` (no cache) and one cached-path ``Flow.solve``
-(with the stream cache's ``EstimatorState``, the ``stream_chunk`` path). Weights are seeded random
+(streaming mask), one re-run-path ``Flow.solve`` (no cache) and one state-path ``Flow.solve``
+(with the stream cache's ``EstimatorState``, the state path). Weights are seeded random
 (``voice_out.model.checkpoint.random_flow``); the counts do not depend on their values. With
 ``OUT`` set, the counts are also written to ``$OUT/flow_kernel_counts.json``.
 """
@@ -306,7 +306,8 @@ def main() -> None:
         )
         # The cached path: a prompt prefix state, then the first chunk's solve with the cache.
         prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
-        cache = flow.new_stream_cache(prompt, capacity=n_tok + 8)
+        cache = flow.allocate_stream_cache(n_tok + 8)
+        flow.reset_stream_cache(cache, prompt)
         f0 = prompt.n_prefix * d.token_mel_ratio
 
         def estimator_call() -> Any:

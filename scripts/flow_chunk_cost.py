@@ -1,10 +1,11 @@
-"""Time per streaming chunk of the flow: cached ``stream_chunk`` vs upstream-style re-run.
+"""Time per streaming chunk of the flow: a stream's own state (``state_inputs`` / ``state_core``,
+eager) vs upstream-style re-run.
 
 Upstream re-runs the flow over the prompt and every token so far at each chunk, so a chunk
-costs more the longer the utterance; the cached path runs only the new tokens through the
-network. This prints, per chunk index, the wall time of both paths on the same tokens. For the
-final chunk, "cached" is the chunk-causal incremental final and "re-run" the upstream-exact
-full-attention pass (which the default, exact ``stream_chunk(..., finalize=True)`` runs).
+costs more the longer the utterance; the state path runs only the new tokens through the
+network. This prints, per chunk index, the wall time of both paths on the same tokens. The
+final chunk is upstream's full-attention pass on both (token2wav runs it so): timed once, as
+the re-run.
 
     python scripts/flow_chunk_cost.py                                  # tiny model, CPU
     python scripts/flow_chunk_cost.py --full --device cuda             # random CosyVoice2-0.5B, bf16
@@ -55,7 +56,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, help="generated tokens (default 600 on CPU, 1500 on CUDA)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-rerun", action="store_true", help="time only the cached path")
+    ap.add_argument("--no-rerun", action="store_true", help="time only the state path")
     ap.add_argument("--repeat", type=int, default=1, help="run the stream N times, keep each chunk's fastest")
     args = ap.parse_args()
 
@@ -79,26 +80,27 @@ def main() -> None:
     with torch.inference_mode():
         # warm-up (kernels, allocator) on a short stream
         warm = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
-        wcache = flow.new_stream_cache(warm, capacity=p + 200)
+        wcache = flow.allocate_stream_cache(p + 200)
+        flow.reset_stream_cache(wcache, warm)
         for off, hop, final in plan[:3]:
-            flow.stream_chunk(wcache, token[:, off : off + hop + (0 if final else la)], final)
+            if not final:
+                flow.state_core(*flow.state_inputs(wcache, token[:, off : off + hop + la]), wcache)
         flow.inference(token[:, :60], prompt_token, prompt_feat, embedding, streaming=True, finalize=False)
 
         prep_times: list[float] = []
         for rep in range(args.repeat):
             ms, prompt = timed(device, lambda: flow.prepare_prompt(prompt_token, prompt_feat, embedding))
             prep_times.append(ms)
-            cache = flow.new_stream_cache(prompt, capacity=p + n_tokens)
+            cache = flow.allocate_stream_cache(p + n_tokens)
+            flow.reset_stream_cache(cache, prompt)
             for k, (off, hop, final) in enumerate(plan):
                 stop = off + hop + (0 if final else la)
-                # The final chunk is timed chunk-causal (incremental); its exact full-attention
-                # version IS the re-run (stream_chunk's default final calls inference once).
-                cached_ms, _ = timed(
-                    device,
-                    lambda c=cache, a=off, b=stop, f=final: flow.stream_chunk(
-                        c, token[:, a:b], f, full_attention_final=False
-                    ),
-                )
+                state_ms = None
+                if not final:  # the final chunk is the full-attention re-run on both paths
+                    state_ms, _ = timed(
+                        device,
+                        lambda c=cache, a=off, b=stop: flow.state_core(*flow.state_inputs(c, token[:, a:b]), c),
+                    )
                 rerun_ms = None
                 if not args.no_rerun:
                     rerun_ms, _ = timed(
@@ -110,7 +112,8 @@ def main() -> None:
                 if rep == 0:
                     rows.append({"chunk": k, "offset": off, "hop": hop, "final": final, "tokens_so_far": stop})
                 row = rows[k]
-                row["cached_ms"] = min(row.get("cached_ms", cached_ms), cached_ms)
+                if state_ms is not None:
+                    row["state_ms"] = min(row.get("state_ms", state_ms), state_ms)
                 if rerun_ms is not None:
                     row["rerun_ms"] = min(row.get("rerun_ms", rerun_ms), rerun_ms)
         prep_ms = min(prep_times)
@@ -122,25 +125,22 @@ def main() -> None:
     print(f"flow chunk cost: {config.name} dims, {name}, {str(dtype).replace('torch.', '')}")
     print(f"prompt {p} tokens (prefix state {prompt.n_prefix} tokens, prepare_prompt {prep_ms:.1f} ms)")
     print(f"stream cache: {cache.nbytes / 2**20:.1f} MiB for {cache.capacity} tokens")
-    print("| chunk | tokens so far | hop | cached ms | re-run ms | cached ms/token | re-run ms/token |")
+    print("| chunk | tokens so far | hop | state ms | re-run ms | state ms/token | re-run ms/token |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         rerun = r.get("rerun_ms")
+        state = r.get("state_ms")
         label = f"{r['chunk']}{' (final)' if r['final'] else ''}"
         cells = [
             label,
             str(r["tokens_so_far"]),
             str(r["hop"]),
-            f"{r['cached_ms']:.1f}",
+            f"{state:.1f}" if state is not None else "-",
             f"{rerun:.1f}" if rerun is not None else "-",
-            f"{r['cached_ms'] / max(r['hop'], 1):.2f}",
+            f"{state / max(r['hop'], 1):.2f}" if state is not None else "-",
             f"{rerun / max(r['hop'], 1):.2f}" if rerun is not None else "-",
         ]
         print("| " + " | ".join(cells) + " |")
-    print(
-        "final row: 'cached' = chunk-causal incremental final (full_attention_final=False); "
-        "'re-run' = upstream's full-attention final, which the exact cached final runs as is"
-    )
     result = {
         "device": name,
         "dtype": str(dtype),

@@ -6,9 +6,9 @@ tokens through ``Token2WavStream`` as if the LLM had produced them all, and repo
 tokens given to the flow, new tokens, samples, flow ms, vocoder ms (HiFT + cross-fade), total
 ms, the host's part (until the call returns, before the GPU is waited for) and the chunk's
 real-time factor (time / audio duration). ``--flow-path both`` runs the
-re-run path (upstream: cost grows with the utterance) and the cached path (cost per new token)
-one after the other. ``state`` is the engine's fast path: the first chunk from the voice's
-prompt prefix, the later ones on a state slot (``FastToken2Wav.use_state_slots``; with
+re-run path (upstream: cost grows with the utterance) and the state path one after the other.
+``state`` is the engine's fast path: the first chunk from the voice's prompt prefix, the later
+ones on a state slot (``FastToken2Wav.use_state_slots``; with
 ``--graphs``, replayed from the graphs start-up would capture); ``--kernels`` runs the flow's
 fused kernels, as the engine does on a GPU. A warm-up stream runs first (``--warmup-tokens``),
 so kernels are built.
@@ -45,7 +45,6 @@ from voice_out.fast import fused_flow  # noqa: E402
 from voice_out.fast.flow_step import FastToken2Wav  # noqa: E402
 from voice_out.model.checkpoint import random_flow, random_hift  # noqa: E402
 from voice_out.model.hift import HiFT  # noqa: E402
-from voice_out.model.token2wav import FlowPath  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SAMPLE_RATE = 24000
@@ -57,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", type=Path, default=None, help="a cosyvoice2.yaml (overrides --full)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--flow-dtype", default="float32", choices=sorted(DTYPES), help="HiFT always runs in float32")
-    p.add_argument("--flow-path", default="both", help="rerun, cached, state, a comma list, or both (rerun,cached)")
+    p.add_argument("--flow-path", default="both", help="rerun, state, a comma list, or both (rerun,state)")
     p.add_argument("--kernels", action="store_true", help="the flow's fused kernels (CUDA, bf16/fp16)")
     p.add_argument("--tokens", type=int, default=500, help="speech tokens of the utterance (25 per second)")
     p.add_argument("--prompt-tokens", type=int, default=87, help="flow prompt tokens (the voice)")
@@ -73,9 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class TimedFlow:
-    """Times the flow's chunk calls (``inference``, ``stream_chunk``), synchronized, into
-    ``elapsed_ms``: installed on the flow object itself (``install``), so that token2wav still
-    sees the real ``Flow`` and takes its prefix, cached and state paths."""
+    """Times the flow's re-run calls (``inference``), synchronized, into ``elapsed_ms``:
+    installed on the flow object itself (``install``), so that token2wav still sees the real
+    ``Flow`` and takes its prefix and state paths (untimed)."""
 
     def __init__(self, flow: Any, device: torch.device) -> None:
         self.flow = flow
@@ -84,7 +83,7 @@ class TimedFlow:
         self.installed = False
 
     def install(self) -> None:
-        for name in ("inference", "stream_chunk"):
+        for name in ("inference",):
             setattr(self.flow, name, functools.partial(self._timed, getattr(self.flow, name)))
         self.installed = True
 
@@ -112,11 +111,8 @@ def run_utterance(
     hops: HopPolicy,
 ) -> list[dict[str, Any]]:
     device = t2w.device
-    with torch.no_grad():
-        prompt = t2w.prepare_voice(*voice) if path == "cached" else None
-    flow_path: FlowPath = "cached" if path == "cached" else "rerun"
     first_prefix = prefix if path == "state" else None
-    stream = t2w.open_stream(*voice, flow_path=flow_path, flow_prompt=prompt, first_prefix=first_prefix)
+    stream = t2w.open_stream(*voice, first_prefix=first_prefix)
     rows: list[dict[str, Any]] = []
     n = int(tokens.shape[1])
     schedule = hops.schedule(stream.prompt_tokens)  # as the engine's scheduler keeps it
@@ -175,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     tokens = torch.randint(0, 6561, (1, args.tokens), generator=gen).to(device)
     hops = HopPolicy(max_hop=args.max_hop)
-    paths = ["rerun", "cached"] if args.flow_path == "both" else args.flow_path.split(",")
-    if not set(paths) <= {"rerun", "cached", "state"}:
-        raise SystemExit(f"--flow-path: rerun, cached, state or both, got {args.flow_path!r}")
+    paths = ["rerun", "state"] if args.flow_path == "both" else args.flow_path.split(",")
+    if not set(paths) <= {"rerun", "state"}:
+        raise SystemExit(f"--flow-path: rerun, state or both, got {args.flow_path!r}")
     prefix = None
     if "state" in paths:
         with torch.no_grad():

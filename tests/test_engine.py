@@ -568,30 +568,6 @@ def test_an_abandoned_stream_is_cancelled_when_collected(engine: Engine) -> None
     assert_clean(engine)
 
 
-def test_cached_flow_path_speaks_like_the_rerun_path(engine: Engine, tmp_path: Path) -> None:
-    text = ["a few words ", "for the flow"]  # 24 ids -> 72 tokens: chunks of 25, 25, 22 (final)
-    rerun = solo(engine, 77, text)  # the default: upstream's re-run of the prefix per chunk
-    eng = Engine.load(
-        engine.config,
-        options=BuildOptions(
-            forced=ForcedTokens(3),
-            warmup=False,
-            text_normalizer="none",
-            noise_prompt_tokens=0,
-            kv_len=512,
-            flow_path="cached",
-        ),
-    )
-    eng.start(timeout=120)
-    try:
-        cached = solo(eng, 77, text)
-    finally:
-        eng.close()
-    assert signature(cached) == signature(rerun) and len(cached) == 3
-    for a, b in zip(cached, rerun, strict=True):
-        np.testing.assert_allclose(a.pcm, b.pcm, atol=1e-4)
-
-
 def test_a_real_model_directory_speaks_in_a_registered_voice(parity_dir: Path, tmp_path: Path) -> None:
     """The loading path of real checkpoints: llm.pt/flow.pt/hift.pt, the BPE tokenizer, the
     streaming normalizer and a voice added to the store from audio (the parity model dir)."""

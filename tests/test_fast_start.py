@@ -7,8 +7,8 @@ import torch
 
 from tests.conftest import REPO_ROOT, chunk_plans, random_speech, random_voice
 from voice_out.engine.chunk_schedule import ChunkSchedule, plan_all
+from voice_out.fast.flow_step import FastToken2Wav
 from voice_out.model.checkpoint import random_flow, random_hift
-from voice_out.model.token2wav import Token2Wav
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -40,16 +40,20 @@ def test_first_audio_needs_fast_plus_lookahead_tokens() -> None:
         ChunkSchedule(prompt_tokens=75, fast_first=25)
 
 
-def test_fast_start_cached_equals_rerun_and_keeps_every_sample() -> None:
-    t2w = Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
+def test_fast_start_on_a_flow_state_equals_rerun_and_keeps_every_sample() -> None:
+    """A fast first chunk (off a chunk boundary: a re-run), then the later chunks of a stream
+    holding a flow state (the realigning second chunk catches the state up)."""
+    t2w = FastToken2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
     token, feat, emb = random_voice(50, seed=2)
     speech = random_speech(140, 2)
+    t2w.use_state_slots(1, 50 + 140)
     out = {}
-    for path in ("rerun", "cached"):
-        prepared = t2w.prepare_voice(token, feat, emb) if path == "cached" else None
-        stream = t2w.open_stream(token, feat, emb, flow_path=path, flow_prompt=prepared)
+    for path in ("rerun", "state"):
+        prefix = t2w.prepare_prefix(token, feat, emb) if path == "state" else None
+        stream = t2w.open_stream(token, feat, emb, first_prefix=prefix)
+        assert (stream.state_slot is not None) == (path == "state")
         chunks = list(t2w.stream_all(stream, speech, chunk_plans(stream, speech, fast_first=8)))
         assert sum(len(c) for c in chunks) == 960 * len(speech)
         assert len(chunks[0]) == 8 * 960 - 3840
         out[path] = torch.cat(chunks)
-    torch.testing.assert_close(out["cached"], out["rerun"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out["state"], out["rerun"], atol=1e-4, rtol=0)

@@ -13,9 +13,9 @@ sequences cross many chunk boundaries. What is proven:
 
 ``Token2Wav.run_chunks`` (tiny random flow + HiFT, 25-token chunks): streams at different
 chunks, with different prompts, run together round by round, give the audio each gives alone
-(within 1e-5), with their re-run non-final chunks really batched and the rest (cached path,
-fast first chunk, final chunks) run as ``run_chunk``; a bad pair fails before any stream moves;
-a chunk failing after the flow pass fails alone.
+(within 1e-5), with their re-run non-final chunks really batched and the rest (the later chunks
+of a stream on a flow state, fast first chunk, final chunks) run as ``run_chunk``; a bad pair
+fails before any stream moves; a chunk failing after the flow pass fails alone.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import Tensor
 from tests.conftest import REPO_ROOT, chunk_plans, random_speech, random_voice
 from tests.test_flow_streaming import inputs, make_flow, tiny_dims
 from voice_out.engine.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy
+from voice_out.fast.flow_step import FastToken2Wav
 from voice_out.model.checkpoint import random_flow, random_hift
 from voice_out.model.flow import Flow
 from voice_out.model.token2wav import ChunkBatchError, Token2Wav, Token2WavStream
@@ -155,8 +156,11 @@ TINY = REPO_ROOT / "configs" / "models" / "tiny"
 
 
 @pytest.fixture(scope="module")
-def t2w() -> Token2Wav:
-    return Token2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
+def t2w() -> FastToken2Wav:
+    """Eager (no graphs, no batch buckets), with one flow state for a stream of STREAMS."""
+    t2w = FastToken2Wav(random_flow(TINY, "cpu"), random_hift(TINY, "cpu"))
+    t2w.use_state_slots(1, 37 + 95)
+    return t2w
 
 
 class BatchSpy:
@@ -185,10 +189,11 @@ class BatchSpy:
 
 def open_stream(t2w: Token2Wav, n_prompt: int, seed: int, **kw: Any) -> Token2WavStream:
     token, feat, emb = random_voice(n_prompt, seed=seed)
-    kw = {k: v for k, v in kw.items() if k != "fast_first"}  # the schedule's (schedule_of)
-    if kw.get("flow_path") == "cached":
-        kw["flow_prompt"] = t2w.prepare_voice(token, feat, emb)
-    return t2w.open_stream(token, feat, emb, **kw)
+    if not kw.get("state"):  # fast_first is the schedule's (schedule_of)
+        return t2w.open_stream(token, feat, emb)
+    stream = t2w.open_stream(token, feat, emb, first_prefix=t2w.prepare_prefix(token, feat, emb))
+    assert stream.state_slot is not None  # its later chunks extend a flow state of its own
+    return stream
 
 
 def schedule_of(n_prompt: int, **kw: Any) -> ChunkSchedule:
@@ -202,7 +207,7 @@ STREAMS: list[tuple[int, int, dict[str, Any]]] = [
     (37, 90, {}),
     (25, 140, {}),
     (0, 60, {}),
-    (37, 95, {"flow_path": "cached"}),  # not batched: the cached path
+    (37, 95, {"state": True}),  # its later chunks not batched: they extend its flow state
     (10, 70, {"fast_first": 8}),  # its first chunk is not batched (off a boundary)
 ]
 
@@ -257,7 +262,10 @@ def test_run_chunks_equals_each_stream_alone(t2w: Token2Wav, monkeypatch: pytest
         rows = spy.batched(stream)
         allowed = [p.token_len for p in stream.chunk_log if not p.finalize and not (k == 5 and p.index == 0)]
         assert len(set(rows)) == len(rows) and set(rows) <= set(allowed), k
-        assert rows if k != 4 else not rows, k  # every re-run stream was batched; the cached one never
+        if k == 4:  # on a flow state: at most its first chunk (a re-run) was batched, never a later one
+            assert set(rows) <= {stream.chunk_log[0].token_len}, k
+        else:
+            assert rows, k  # every re-run stream was batched
 
 
 def test_one_batchable_chunk_runs_alone_bit_for_bit(t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> None:

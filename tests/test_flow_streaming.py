@@ -1,15 +1,15 @@
-"""The flow's cached streaming path against its re-run reference path.
+"""The flow's incremental path (a stream's own state: ``state_inputs`` / ``state_core``, eager
+here) against its re-run reference path.
 
 A small random flow (encoder width 512 as upstream requires, everything else tiny) with a
 5-token chunk, so that short sequences cross many chunk boundaries. What is proven:
 
-* every non-final chunk of ``stream_chunk`` equals upstream's re-run
+* every non-final chunk on the state equals upstream's re-run
   ``inference(tokens[:offset + hop + 3], streaming=True, finalize=False)[..., 2 offset:]``, and
-  the final chunk equals the full-attention re-run;
-* the non-final chunks equal the matching slice of ONE streaming pass over all tokens (and with
-  ``full_attention_final=False`` the whole stream does);
+  the final chunk (token2wav's full-attention re-run) equals upstream's final pass;
+* the non-final chunks equal the matching slice of ONE streaming pass over all tokens;
 * the work per chunk is its new tokens only (no earlier frame goes through the network again);
-* prompt state is shared read-only, caches reset in place and grow when needed.
+* prompt state is shared read-only, states reset in place and refuse what does not fit.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from voice_out.model.checkpoint import init_random_flow_
 from voice_out.model.flow import Flow
-from voice_out.model.flow_dims import FlowDims, FlowPrompt
+from voice_out.model.flow_dims import FlowDims, FlowPrompt, FlowStreamCache
 
 TOL = 1e-5  # fp32: the paths differ only by matmul blocking
 
@@ -74,25 +74,44 @@ def inputs(flow: Flow, n_prompt: int, n_tokens: int, seed: int = 1) -> tuple[Ten
     return token, prompt_token, prompt_feat, embedding
 
 
+def state_chunk(flow: Flow, cache: FlowStreamCache, tokens: Tensor) -> Tensor:
+    """A non-final chunk on ``cache``: ``tokens`` ``[1, n_new + lookahead]`` -> the mel of the
+    new tokens ``[1, n_mels, ratio n_new]`` (the state's first chunk also computes the
+    prompt's tail, dropped here)."""
+    mu, spk, cond, x0, at = flow.state_inputs(cache, tokens)
+    mel = flow.state_core(mu, spk, cond, x0, at, cache)
+    n_new = tokens.shape[1] - flow.dims.pre_lookahead
+    return mel[:, :, mel.shape[2] - flow.dims.token_mel_ratio * n_new :]
+
+
 def run_stream(
     flow: Flow,
     prompt: FlowPrompt,
     token: Tensor,
     plan: list[tuple[int, int, bool]],
     capacity: int | None = None,
-    full_attention_final: bool = True,
+    cache: FlowStreamCache | None = None,
 ) -> list[Tensor]:
-    la = flow.dims.pre_lookahead
-    cache = flow.new_stream_cache(prompt, capacity=capacity)
+    """The chunks of ``plan`` as token2wav makes them on a stream state: each non-final one
+    on the state (``cache``, or a new one of ``capacity`` tokens, reset to ``prompt``), the
+    final one by the full-attention re-run."""
+    la, ratio = flow.dims.pre_lookahead, flow.dims.token_mel_ratio
+    if cache is None:
+        cache = flow.allocate_stream_cache(capacity or prompt.n_prompt + token.shape[1])
+    flow.reset_stream_cache(cache, prompt)
     out = []
     for offset, hop, final in plan:
-        stop = offset + hop + (0 if final else la)
-        out.append(flow.stream_chunk(cache, token[:, offset:stop], final, full_attention_final=full_attention_final))
+        if final:
+            args = (prompt.prompt_token, prompt.prompt_feat, prompt.embedding)
+            mel = flow.inference(token[:, : offset + hop], *args, streaming=False, finalize=True)
+            out.append(mel[:, :, ratio * offset :])
+        else:
+            out.append(state_chunk(flow, cache, token[:, offset : offset + hop + la]))
     return out
 
 
 @pytest.mark.parametrize("n_prompt", [0, 2, 13, 20, 24])
-def test_cached_equals_rerun_for_every_chunk(flow: Flow, n_prompt: int) -> None:
+def test_state_chunks_equal_rerun_for_every_chunk(flow: Flow, n_prompt: int) -> None:
     """n_prompt 0: no prompt; 2: no prefix; 13 / 24: a prefix and a prompt tail; 20: chunk-aligned."""
     token, prompt_token, prompt_feat, embedding = inputs(flow, n_prompt, 64)
     plan = flow.dims.upstream_plan(n_prompt, 64)
@@ -108,7 +127,7 @@ def test_cached_equals_rerun_for_every_chunk(flow: Flow, n_prompt: int) -> None:
                 token[:, :n], prompt_token, prompt_feat, embedding, streaming=not final, finalize=final
             )
             err = float((ref[:, :, ratio * offset :] - mel).abs().max())
-            print(f"P={n_prompt} chunk at {offset} (+{hop}, final={final}): cached vs re-run {err:.2g}")
+            print(f"P={n_prompt} chunk at {offset} (+{hop}, final={final}): state vs re-run {err:.2g}")
             assert err <= TOL
 
 
@@ -123,10 +142,8 @@ def test_streaming_chunks_equal_one_streaming_pass(flow: Flow) -> None:
         full = flow.inference(token, prompt_token, prompt_feat, embedding, streaming=False, finalize=True)
         prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
         exact = torch.cat(run_stream(flow, prompt, token, plan), dim=2)
-        causal = torch.cat(run_stream(flow, prompt, token, plan, full_attention_final=False), dim=2)
     head = ratio * last_offset
     assert float((exact[:, :, :head] - single[:, :, :head]).abs().max()) <= TOL
-    assert float((causal - single).abs().max()) <= TOL  # chunk-causal final: the whole stream
     assert float((exact[:, :, head:] - full[:, :, head:]).abs().max()) <= TOL  # upstream's final pass
     # the full-attention final really differs from the streaming pass (so the test can tell them apart)
     assert float((exact[:, :, head:] - single[:, :, head:]).abs().max()) > 1e-3
@@ -152,18 +169,18 @@ def test_work_per_chunk_is_only_the_new_tokens(flow: Flow) -> None:
             prefix = prompt.n_prefix
             seen.clear()
             pos_rows.clear()
-            run_stream(flow, prompt, token, plan, full_attention_final=False)
+            run_stream(flow, prompt, token, plan[:-1])  # the final chunk is the full re-run
     finally:
         for h in hooks:
             h.remove()
     ratio, steps = flow.dims.token_mel_ratio, flow.dims.n_timesteps
     expected: list[tuple[str, int]] = []
-    for k, (_, hop, _) in enumerate(plan):
+    for k, (_, hop, _) in enumerate(plan[:-1]):
         n = hop + (n_prompt - prefix if k == 0 else 0)  # the first chunk also finishes the prompt tail
         expected += [("encoder", n)] + [("estimator", ratio * n)] * steps
     assert seen == expected
     # relative-position keys: a chunk projects only its new distances, never the old ones
-    assert pos_rows[1:] == [hop for _, hop, _ in plan[1:]]
+    assert pos_rows[1:] == [hop for _, hop, _ in plan[1:-1]]
     assert max(hop for _, hop, _ in plan) == 4 * flow.dims.enc_chunk  # long stream, bounded chunks
 
 
@@ -176,13 +193,11 @@ def test_prompt_state_is_shared_and_caches_reset_in_place(flow: Flow) -> None:
         other = flow.prepare_prompt(*other_prompt)
         snapshot = [t.clone() for t in (prompt.prefix.est_k, prompt.prefix.enc_v, *prompt.prefix.est_ctx)]
         first = run_stream(flow, prompt, token, plan)
-        cache = flow.new_stream_cache(other)
+        cache = flow.allocate_stream_cache(64)
         cache_id = id(cache.est_k)
-        run_stream(flow, other, other_token, flow.dims.upstream_plan(13, 40))
+        run_stream(flow, other, other_token, flow.dims.upstream_plan(13, 40), cache=cache)
         for req in range(2):  # the same cache object serves request after request
-            flow.reset_stream_cache(cache, prompt)
-            la = flow.dims.pre_lookahead
-            again = [flow.stream_chunk(cache, token[:, o : o + h + (0 if f else la)], f) for o, h, f in plan]
+            again = run_stream(flow, prompt, token, plan, cache=cache)  # reset to the prompt first
             assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True)), req
         assert id(cache.est_k) == cache_id  # reset does not reallocate
     after = [prompt.prefix.est_k, prompt.prefix.enc_v, *prompt.prefix.est_ctx]
@@ -204,14 +219,18 @@ def test_prompt_state_kept_in_host_memory_serves_a_gpu_stream() -> None:
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def test_cache_grows_when_capacity_is_exceeded(flow: Flow) -> None:
+def test_a_state_refuses_tokens_past_its_capacity(flow: Flow) -> None:
+    """A state never grows (a CUDA graph holds its buffers): room to spare gives the same
+    chunks as room for exactly the utterance; a chunk past the room is refused."""
     token, prompt_token, prompt_feat, embedding = inputs(flow, 13, 50, seed=6)
     plan = flow.dims.upstream_plan(13, 50)
     with torch.no_grad():
         prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
         roomy = run_stream(flow, prompt, token, plan, capacity=200)
-        tight = run_stream(flow, prompt, token, plan, capacity=14)
-    for a, b in zip(roomy, tight, strict=True):
+        exact = run_stream(flow, prompt, token, plan, capacity=13 + 50)
+        with pytest.raises(ValueError, match="capacity"):
+            run_stream(flow, prompt, token, plan, capacity=14)
+    for a, b in zip(roomy, exact, strict=True):
         assert float((a - b).abs().max()) <= TOL
 
 
@@ -219,15 +238,15 @@ def test_misuse_is_refused(flow: Flow) -> None:
     token, prompt_token, prompt_feat, embedding = inputs(flow, 13, 30, seed=7)
     with torch.no_grad():
         prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
-        cache = flow.new_stream_cache(prompt)
+        cache = flow.allocate_stream_cache(64)
+        with pytest.raises(ValueError, match="reset to a prompt"):
+            flow.state_inputs(cache, token[:, :10])
+        flow.reset_stream_cache(cache, prompt)
         with pytest.raises(ValueError, match="chunk boundary"):
-            flow.stream_chunk(cache, token[:, :9], finalize=False)  # 13 + 6 is not a multiple of 5
+            flow.state_inputs(cache, token[:, :9])  # 13 + 6 is not a multiple of 5
         with pytest.raises(ValueError, match="look-ahead"):
-            flow.stream_chunk(cache, token[:, :3], finalize=False)
-        flow.stream_chunk(cache, token[:, :10], finalize=False)  # 13 + 7 = 20
-        flow.stream_chunk(cache, token[:, 7:], finalize=True)
-        with pytest.raises(ValueError, match="finalized"):
-            flow.stream_chunk(cache, token[:, :5], finalize=True)
+            flow.state_inputs(cache, token[:, :3])
+        state_chunk(flow, cache, token[:, :10])  # 13 + 7 = 20
         with pytest.raises(ValueError, match="prompt_feat"):
             flow.prepare_prompt(prompt_token, prompt_feat[:, :-1], embedding)
 
@@ -237,16 +256,18 @@ def test_length_limit_is_the_noise_buffer() -> None:
     token, prompt_token, prompt_feat, embedding = inputs(short, 5, 40, seed=8)
     with torch.no_grad():
         prompt = short.prepare_prompt(prompt_token, prompt_feat, embedding)
-        cache = short.new_stream_cache(prompt)
-        short.stream_chunk(cache, token[:, :18], finalize=False)  # 5 + 15 = 20 tokens = 40 frames
+        cache = short.allocate_stream_cache(100)  # capped at the noise buffer's 30 tokens
+        assert cache.capacity == 30
+        short.reset_stream_cache(cache, prompt)
+        state_chunk(short, cache, token[:, :18])  # 5 + 15 = 20 tokens = 40 frames
         with pytest.raises(ValueError, match="exceed"):
-            short.stream_chunk(cache, token[:, 15:33], finalize=False)  # 35 tokens = 70 frames > 60
+            state_chunk(short, cache, token[:, 15:33])  # 35 tokens = 70 frames > 60
         with pytest.raises(ValueError, match="noise buffer"):
             short.inference(token, prompt_token, prompt_feat, embedding, streaming=True, finalize=True)
 
 
 def test_other_chunk_geometry_and_bfloat16() -> None:
-    """Estimator chunk = 2 x the upsampled encoder chunk; and the cached path in bfloat16."""
+    """Estimator chunk = 2 x the upsampled encoder chunk; and the state path in bfloat16."""
     flow = make_flow(tiny_dims(enc_chunk=5, est_chunk=20), seed=9)
     token, prompt_token, prompt_feat, embedding = inputs(flow, 7, 50, seed=10)
     plan = flow.dims.upstream_plan(7, 50)
@@ -254,18 +275,18 @@ def test_other_chunk_geometry_and_bfloat16() -> None:
     with torch.no_grad():
         single = flow.inference(token, prompt_token, prompt_feat, embedding, streaming=True, finalize=True)
         prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
-        causal = torch.cat(run_stream(flow, prompt, token, plan, full_attention_final=False), dim=2)
-        assert float((causal - single).abs().max()) <= TOL
+        head = ratio * plan[-1][0]
+        exact = torch.cat(run_stream(flow, prompt, token, plan), dim=2)
+        assert float((exact[:, :, :head] - single[:, :, :head]).abs().max()) <= TOL
         flow = flow.to(torch.bfloat16)
         assert flow.noise.dtype == torch.float32 and torch.equal(flow.noise, make_flow(tiny_dims()).noise)
         prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
         assert prompt.prefix.est_k.dtype == torch.bfloat16
         low = run_stream(flow, prompt, token, plan)
-    head = ratio * plan[-1][0]
     low_head = torch.cat(low, dim=2)[:, :, :head]
     assert low_head.dtype == torch.float32
     err = float((low_head - single[:, :, :head]).abs().max())
-    print(f"bfloat16 cached stream vs float32 single pass: max abs {err:.3g} (mel std {float(single.std()):.3g})")
+    print(f"bfloat16 state stream vs float32 single pass: max abs {err:.3g} (mel std {float(single.std()):.3g})")
     assert err < 0.25 * float(single.std())
 
 

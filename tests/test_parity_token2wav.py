@@ -3,8 +3,8 @@
 The orchestration is tested on its own by replaying the flow mels that upstream computed for
 these exact calls (case d records every flow call of case f's streaming run, case f the
 non-streaming mel), so a flow error cannot hide or cause a token2wav error. Tests with the real
-flow (end to end, streaming == single pass, cached == re-run) run when ``voice_out.model.flow``
-is present.
+flow (end to end, streaming == single pass, later chunks on a flow state == re-run) run when
+``voice_out.model.flow`` is present.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch import Tensor
 
 from tests.conftest import chunk_plans, load_case
 from voice_out.engine.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy, plan_all
+from voice_out.fast.flow_step import FastToken2Wav
 from voice_out.model.checkpoint import load_hift
 from voice_out.model.hift import HiFT
 from voice_out.model.token2wav import Token2Wav, hamming
@@ -321,18 +322,31 @@ def flow(parity_dir: Path) -> Any:
     return checkpoint.load_flow(parity_dir)
 
 
+def run_on_state(flow: Any, hift: Any, case: dict[str, Any], hops: HopPolicy | None = None) -> list[Tensor]:
+    """``case`` streamed as the engine streams a voice with a prompt prefix and a flow state:
+    its first chunk from the prefix, its later chunks extending a state slot of its own
+    (``FastToken2Wav``; eager here)."""
+    t2w = FastToken2Wav(flow, hift)
+    voice = (case["prompt_token"], case["prompt_feat"], case["embedding"])
+    prefix = t2w.prepare_prefix(*voice)
+    assert prefix is not None  # the case's prompt has a whole flow chunk before its last 3 tokens
+    t2w.use_state_slots(1, prefix.n_prompt + int(case["token"].shape[1]))
+    stream = t2w.open_stream(*voice, first_prefix=prefix)
+    assert stream.state_slot is not None
+    return list(t2w.stream_all(stream, case["token"], chunk_plans(stream, case["token"], hops)))
+
+
 @pytest.fixture(scope="module")
 def real_runs(flow: Any, hift: HiFT, case_f: dict[str, Any]) -> dict[str, tuple[list[Tensor], SpyHiFT]]:
-    """Case f streamed through our flow, once per flow path."""
-    runs = {}
-    for path in ("rerun", "cached"):
-        spy = SpyHiFT(hift)
-        chunks = run_stream(Token2Wav(flow, spy), case_f, flow_path=path)  # type: ignore[arg-type]
-        runs[path] = (chunks, spy)
+    """Case f streamed through our flow, by re-run and on a flow state."""
+    spy = SpyHiFT(hift)
+    runs = {"rerun": (run_stream(Token2Wav(flow, spy), case_f), spy)}  # type: ignore[arg-type]
+    spy = SpyHiFT(hift)
+    runs["state"] = (run_on_state(flow, spy, case_f), spy)
     return runs
 
 
-@pytest.mark.parametrize("path", ["rerun", "cached"])
+@pytest.mark.parametrize("path", ["rerun", "state"])
 def test_case_f_end_to_end(
     real_runs: dict[str, tuple[list[Tensor], SpyHiFT]], case_f: dict[str, Any], path: str
 ) -> None:
@@ -341,15 +355,15 @@ def test_case_f_end_to_end(
     assert_wave_close(f"f stream_concat, our flow ({path})", case_f["stream_concat"][0], torch.cat(chunks))
 
 
-def test_cached_flow_path_equals_rerun(real_runs: dict[str, tuple[list[Tensor], SpyHiFT]]) -> None:
-    (rerun, rerun_spy), (cached, cached_spy) = real_runs["rerun"], real_runs["cached"]
+def test_state_path_equals_rerun(real_runs: dict[str, tuple[list[Tensor], SpyHiFT]]) -> None:
+    (rerun, rerun_spy), (cached, cached_spy) = real_runs["rerun"], real_runs["state"]
     for (m_a, n_a), (m_b, n_b) in zip(rerun_spy.calls, cached_spy.calls, strict=True):
         assert m_a.shape == m_b.shape and n_a == n_b
         assert float((m_a - m_b).abs().max()) <= 1e-4  # mel tolerance of the flow parity cases
     for a, b in zip(rerun, cached, strict=True):
         assert a.shape == b.shape
         err = float((a - b).abs().max())
-        print(f"cached vs rerun chunk: max abs {err:.3g}, SNR {snr_db(a, b):.1f} dB")
+        print(f"state vs rerun chunk: max abs {err:.3g}, SNR {snr_db(a, b):.1f} dB")
         assert err <= 5e-4
 
 
@@ -387,28 +401,35 @@ def test_case_f_nonstreaming_end_to_end(flow: Any, hift: HiFT, case_f: dict[str,
 def test_case_f2_first_hop_100_reproduces_upstreams_second_request(flow: Any, hift: HiFT, cases_dir: Path) -> None:
     """Optional case f2: upstream's leaked hop, reproduced on purpose through ``first_hop=100``."""
     f2 = load_case(cases_dir, "f2_quirk_second_stream_call")
-    chunks = run_stream(
-        Token2Wav(flow, hift), f2, hops=HopPolicy(first_hop=int(f2["hop_len_after_first_call"])), flow_path="cached"
-    )
+    chunks = run_on_state(flow, hift, f2, HopPolicy(first_hop=int(f2["hop_len_after_first_call"])))
     assert [c.shape[0] for c in chunks] == f2["second_call_chunk_samples"].tolist()
     assert_wave_close("f2 second_call_stream_concat", f2["second_call_stream_concat"][0], torch.cat(chunks))
 
 
-def test_cached_stream_reset_after_cancel(flow: Any, hift: HiFT, case_f: dict[str, Any]) -> None:
-    """Barge-in: a request cut after its first chunk, then the state object reset in place for
-    the next request, gives exactly what a fresh stream gives."""
-    t2w = Token2Wav(flow, hift)
+def test_state_stream_reset_after_cancel(flow: Any, hift: HiFT, case_f: dict[str, Any]) -> None:
+    """Barge-in: a request cut after its first chunk on its flow state, then the stream reset in
+    place for the next request (its state slot given back and taken again), gives exactly what
+    a fresh stream gives."""
+    t2w = FastToken2Wav(flow, hift)
     voice = (case_f["prompt_token"], case_f["prompt_feat"], case_f["embedding"])
-    tokens = case_f["token"][:, :60]
-    first = t2w.open_stream(*voice, flow_path="cached")
+    prefix = t2w.prepare_prefix(*voice)
+    assert prefix is not None
+    tokens = case_f["token"][:, :120]
+    t2w.use_state_slots(1, prefix.n_prompt + 120)
+    first = t2w.open_stream(*voice, first_prefix=prefix)
     fresh = list(t2w.stream_all(first, tokens, chunk_plans(first, tokens)))
-    stream = t2w.open_stream(*voice, flow_path="cached")
-    plan = HopPolicy().schedule(stream.prompt_tokens).ready(60, llm_finished=False)
-    assert plan is not None and not plan.finalize
-    stream.run_chunk(plan, tokens)  # ... and the request is cancelled here
-    flow_cache = stream.flow_cache
-    stream.reset(*voice)
-    assert stream.flow_cache is flow_cache  # reused in place
+    stream = t2w.open_stream(*voice, first_prefix=prefix)  # the slot, given back by the first
+    slot = stream.state_slot
+    assert slot is not None
+    schedule = HopPolicy().schedule(stream.prompt_tokens)
+    for _ in range(2):  # the first chunk, then one on the state ... and the request is cancelled here
+        plan = schedule.ready(120, llm_finished=False)
+        assert plan is not None and not plan.finalize
+        stream.run_chunk(plan, tokens)
+        schedule.commit(plan)
+    assert slot.started and slot.cache.n_done > prefix.n_prompt
+    stream.reset(*voice, first_prefix=prefix)
+    assert stream.state_slot is slot  # reused in place
     again = list(t2w.stream_all(stream, tokens, chunk_plans(stream, tokens)))
     assert [c.shape for c in again] == [c.shape for c in fresh]
     assert all(torch.equal(a, b) for a, b in zip(fresh, again, strict=True))

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import REPO_ROOT, chunk_plans, random_voice
+from tests.test_flow_streaming import state_chunk
 from voice_out.engine.chunk_schedule import ChunkPlan, HopPolicy, plan_all
 from voice_out.engine.runner import stream_shapes
 from voice_out.fast import fused_flow
@@ -266,7 +267,8 @@ def _pair(dims: object) -> tuple[Flow, Flow]:
 def test_state_chunks_with_kernels_equal_the_plain_state_path(dims: object) -> None:
     """Three chunks of a stream from the voice's prefix (the catch-up, then two hops) through
     ``state_core`` with the fused kernels (start on the device; the kernels extend the state)
-    against the plain bf16 state path (``stream_chunk``): within bf16 rounding, chunk by chunk,
+    against the plain bf16 state path (the estimator without kernels, start read on the host):
+    within bf16 rounding, chunk by chunk,
     and the fused state then holds what the plain one does."""
     plain, fused = _pair(dims)
     d = fused.dims
@@ -285,7 +287,7 @@ def test_state_chunks_with_kernels_equal_the_plain_state_path(dims: object) -> N
         done = 0
         for stop in bounds:
             new = speech[:, done : stop + d.pre_lookahead]
-            want = plain.stream_chunk(caches[0], new, False)
+            want = state_chunk(plain, caches[0], new)
             mu, spk, cond, x0, at = fused.state_inputs(caches[1], new)
             got = fused.state_core(mu, spk, cond, x0, at, caches[1])
             # the state's frames from its last boundary (the first time, the prompt's tail too)

@@ -26,10 +26,9 @@ from voice_out.model.token2wav import CHUNK_TOKENS, Token2WavStream
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
 
 
-def _stream_all(t2w: FastToken2Wav, flow_path: str, n_prompt: int, n_tokens: int, device: str) -> list[torch.Tensor]:
+def _stream_all(t2w: FastToken2Wav, n_prompt: int, n_tokens: int, device: str) -> list[torch.Tensor]:
     token, feat, emb = random_voice(n_prompt, device)
-    prepared = t2w.prepare_voice(token, feat, emb) if flow_path == "cached" else None
-    stream = t2w.open_stream(token, feat, emb, flow_path=flow_path, flow_prompt=prepared)  # type: ignore[arg-type]
+    stream = t2w.open_stream(token, feat, emb)
     speech = torch.randint(0, 6561, (n_tokens,), generator=torch.Generator().manual_seed(9)).tolist()
     return [c.clone() for c in t2w.stream_all(stream, speech, chunk_plans(stream, speech))]
 
@@ -41,15 +40,14 @@ def test_graphs_are_a_no_op_on_cpu() -> None:
 
 
 @pytest.mark.requires_cuda
-@pytest.mark.parametrize("flow_path", ["rerun", "cached"])
-def test_graphed_token2wav_equals_eager(flow_path: str) -> None:
+def test_graphed_token2wav_equals_eager() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     t2w = FastToken2Wav(random_flow(TINY, "cuda"), random_hift(TINY, "cuda"))
-    want = _stream_all(t2w, flow_path, 50, 190, "cuda")
+    want = _stream_all(t2w, 50, 190, "cuda")
     t2w.use_cuda_graphs(True)
     for _ in range(2):  # the second run replays graphs captured by the first
-        got = _stream_all(t2w, flow_path, 50, 190, "cuda")
+        got = _stream_all(t2w, 50, 190, "cuda")
         assert [len(c) for c in got] == [len(c) for c in want]
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
@@ -393,7 +391,7 @@ def test_graphed_final_chunks_equal_eager(monkeypatch: pytest.MonkeyPatch) -> No
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     t2w = FastToken2Wav(random_flow(TINY, "cuda"), random_hift(TINY, "cuda"))
-    wants = {n: _stream_all(t2w, "rerun", 50, n, "cuda") for n in (20, 31, 77, 140, 480)}
+    wants = {n: _stream_all(t2w, 50, n, "cuda") for n in (20, 31, 77, 140, 480)}
     t2w.use_cuda_graphs(True)
     token, feat, emb = random_voice(50, "cuda")
     # the dummy stream runs 250 tokens (upstream's hops: chunks at 28, 78, 178 tokens); the
@@ -438,7 +436,7 @@ def test_graphed_final_chunks_equal_eager(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(t2w.flow, "inference", counting_inference)
     for n, want in wants.items():
-        got = _stream_all(t2w, "rerun", 50, n, "cuda")
+        got = _stream_all(t2w, 50, n, "cuda")
         assert [len(c) for c in got] == [len(c) for c in want]
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=2e-4, rtol=0)

@@ -295,7 +295,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-rates", help="text arrival rates in text tokens/s (default 20,60)")
     p.add_argument("--scenarios", help="engine scenarios (default cold,ttfa,stream,capacity,rtf,memory)")
     p.add_argument("--ramp-s", type=float, help="capacity streams start spread over this many seconds (default 1)")
-    p.add_argument("--flow-path", choices=["rerun", "cached"], help="token2wav flow path (default rerun)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument(
         "--gpu-memory",

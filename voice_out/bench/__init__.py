@@ -74,7 +74,7 @@ def _engine_options(args: argparse.Namespace) -> EngineBenchOptions:
     from voice_out.bench.engine_bench import DEFAULT_STREAMS, SCENARIOS, EngineBenchOptions
 
     over: dict[str, Any] = {"streams": _ints(getattr(args, "streams", None)) or DEFAULT_STREAMS}
-    for name in ("reps", "tokens_per_text_token", "ttfa_target_ms", "ramp_s", "flow_path", "threads"):
+    for name in ("reps", "tokens_per_text_token", "ttfa_target_ms", "ramp_s", "threads"):
         value = getattr(args, name, None)
         if value is not None:
             over[name] = value

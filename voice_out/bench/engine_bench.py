@@ -90,7 +90,6 @@ class EngineBenchOptions:
     ramp_s: float = 1.0
     #: Speech tokens of the synthetic voice prompt of random models.
     prompt_tokens: int = 150
-    flow_path: str = "rerun"
     #: torch CPU threads (0: torch's default).
     threads: int = 0
     scenarios: tuple[str, ...] = SCENARIOS
@@ -159,7 +158,6 @@ def load_engine(cfg: Config, opts: EngineBenchOptions) -> Engine:
             options=BuildOptions(
                 forced=forced,
                 kv_len=opts.kv_len(),
-                flow_path=opts.flow_path,
                 noise_prompt_tokens=opts.prompt_tokens,
                 text_normalizer="none",
                 pins=dict(opts.pins),
@@ -550,7 +548,6 @@ def run_engine_bench(
         dtype=cfg.model.dtype if device.type == "cuda" else "float32",
         tokens_per_text_token=opts.tokens_per_text_token,
         prompt_tokens=opts.prompt_tokens,
-        flow_path=opts.flow_path,
         # the engine's own switches (--gpu-memory, --set engine.eager=true); the plan is below
         gpu_memory=cfg.engine.gpu_memory,
         eager=cfg.engine.eager,

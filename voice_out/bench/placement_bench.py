@@ -94,7 +94,6 @@ def build_engines(cfg: Config, design: str, devices: Sequence[str], opts: Engine
             load_options = BuildOptions(
                 forced=forced,
                 kv_len=opts.kv_len(),
-                flow_path=opts.flow_path,
                 noise_prompt_tokens=opts.prompt_tokens,
                 text_normalizer="none",
                 pins=dict(opts.pins),

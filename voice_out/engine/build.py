@@ -217,8 +217,8 @@ class BuildOptions:
     ``forced``: forced-tokens mode; by default (:data:`AUTO_FORCED`) random weights speak a
     realistic ``RANDOM_TOKENS_PER_TEXT_TOKEN`` tokens per text token and real ones stop on
     EOS, None forces nothing. ``kv_len``: KV-cache positions per stream. ``warmup``: compile,
-    warm up and capture at start (False: on first use). ``flow_path``: token2wav's ``rerun``
-    (upstream) or ``cached`` flow. ``fault_hook``: a test hook (see ``Runner``).
+    warm up and capture at start (False: on first use). ``fault_hook``: a test hook (see
+    ``Runner``).
     ``noise_prompt_tokens``: prompt length of random weights' ``noise`` voice.
     ``text_normalizer``: ``auto``, ``wetext``, ``rules`` or ``none``. ``pins``: fast-path
     choices set by hand (``voice_out.fast.plan.Plan`` field -> value, plus ``capability``:
@@ -228,7 +228,6 @@ class BuildOptions:
     forced: ForcedTokens | None | AutoForced = AUTO_FORCED
     kv_len: int = 4096
     warmup: bool = True
-    flow_path: str = "rerun"
     fault_hook: Any | None = None
     noise_prompt_tokens: int = 25
     text_normalizer: str = "auto"
@@ -251,7 +250,7 @@ def build_engine(cfg: Config, voices: Any | None = None, options: BuildOptions |
     tokenizer = load_tokenizer(files.weights_dir, files.dims.text_vocab_size)
     book = voice_book(cfg, files, tokenizer.encode, voices, opts.noise_prompt_tokens)
     plan = plan_engine(cfg, files, device, dtype, opts.kv_len, book, opts.pins or {})
-    recipe = RunnerRecipe(cfg, files, device, dtype, plan, book, opts.kv_len, opts.flow_path, opts.fault_hook)
+    recipe = RunnerRecipe(cfg, files, device, dtype, plan, book, opts.kv_len, opts.fault_hook)
     return EngineParts(
         runner_factory=recipe.build,
         pipeline_factory=text_pipeline_factory(tokenizer, opts.text_normalizer),
@@ -367,7 +366,6 @@ class RunnerRecipe:
     plan: Plan
     book: VoiceBook
     kv_len: int
-    flow_path: str
     fault_hook: Any | None
 
     # ---- build (worker thread) ------------------------------------------------------------
@@ -437,7 +435,6 @@ class RunnerRecipe:
             sampling=SamplingParams(top_p=ec.top_p, top_k=ec.top_k, win_size=ec.ras_win_size, tau_r=ec.ras_tau_r),
             hops=hop_policy(ec, plan),
             fast_first=ec.fast_first_tokens,
-            flow_path=self.flow_path,
             fault_hook=self.fault_hook,
             graphs=plan.cuda_graphs,
             graph_buckets=plan.graph_batch_buckets,

@@ -38,7 +38,7 @@ from voice_out.fast.graphs import family_stream
 from voice_out.fast.llm_step import GraphedLLM, PendingIds, pack_decode_rows
 from voice_out.model.qwen2 import KVCache, SpeechLM
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, ras_sample_batch
-from voice_out.model.token2wav import ChunkBatchError, FlowPath, Token2WavStream
+from voice_out.model.token2wav import ChunkBatchError, Token2WavStream
 from voice_out.model.transfer import to_device
 from voice_out.text.rows import SOS, Row, RowKind, text_rows
 
@@ -167,7 +167,6 @@ class Runner:
         sampling: SamplingParams | None = None,
         hops: HopPolicy | None = None,
         fast_first: int = 0,
-        flow_path: str = "rerun",
         fault_hook: FaultHook | None = None,
         graphs: bool = False,
         graph_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 48, 64),
@@ -193,7 +192,6 @@ class Runner:
         self.sampling = sampling or SamplingParams()
         self.hops = hops or HopPolicy()
         self.fast_first = fast_first
-        self.flow_path: FlowPath = "cached" if flow_path == "cached" else "rerun"
         self.fault_hook = fault_hook
         self.batched_input_rows = batched_input_rows
         # one extra slot takes the writes of idle rows (a graph bucket's padding)
@@ -245,9 +243,9 @@ class Runner:
         #: CUDA: the event of the latest launch that used each live token2wav stream (by id):
         #: a stream reused after its request is dropped waits for that one launch alone.
         self._last_launch: dict[int, torch.cuda.Event] = {}
-        # voice -> device tensors (+ prepared flow prompt); the entry keeps the voice alive, so
-        # its id cannot be reused while cached. Least recently used first; bounded.
-        self._voice_cache: OrderedDict[int, tuple[FlowVoice, Tensor, Tensor, Tensor, object]] = OrderedDict()
+        # voice -> device tensors; the entry keeps the voice alive, so its id cannot be reused
+        # while cached. Least recently used first; bounded.
+        self._voice_cache: OrderedDict[int, tuple[FlowVoice, Tensor, Tensor, Tensor]] = OrderedDict()
         #: voice -> (the voice, its prompt prefix for first chunks: ``Token2Wav.prepare_prefix``);
         #: made at start-up only (an eager pass over the prefix would stall every stream), at
         #: most ``prefix_voices`` of them; the entry keeps the voice alive, as above.
@@ -434,17 +432,16 @@ class Runner:
         self.cache.reset()
         self.slot_len = [0] * len(self.slot_len)
 
-    def _voice(self, voice: FlowVoice) -> tuple[Tensor, Tensor, Tensor, object]:
-        """Device copies of a voice's conditioning, batch-1 shaped, and (cached flow path) its
-        prepared flow prompt: made once per voice, shared by its requests."""
+    def _voice(self, voice: FlowVoice) -> tuple[Tensor, Tensor, Tensor]:
+        """Device copies of a voice's conditioning, batch-1 shaped: made once per voice, shared
+        by its requests."""
         hit = self._voice_cache.get(id(voice))
         if hit is None or hit[0] is not voice:
             dev = self.t2w.device
             token = voice.prompt_token.reshape(1, -1).to(dev, torch.int32)
             feat = voice.prompt_feat.reshape(1, -1, voice.prompt_feat.shape[-1]).to(dev, torch.float32)
             emb = voice.embedding.reshape(1, -1).to(dev, torch.float32)
-            prepared = self.t2w.prepare_voice(token, feat, emb) if self.flow_path == "cached" else None
-            hit = (voice, token, feat, emb, prepared)
+            hit = (voice, token, feat, emb)
             self._voice_cache[id(voice)] = hit
             while len(self._voice_cache) > VOICE_CACHE_SIZE:
                 if self._inflight:  # launched chunks may still read the evicted voice's tensors
@@ -452,7 +449,7 @@ class Runner:
                 self._voice_cache.popitem(last=False)
         else:
             self._voice_cache.move_to_end(id(voice))
-        return hit[1], hit[2], hit[3], hit[4]
+        return hit[1], hit[2], hit[3]
 
     def _first_prefix(self, voice: FlowVoice) -> object:
         """The voice's prompt prefix for its first chunks, or None (not prepared)."""
@@ -469,9 +466,9 @@ class Runner:
         150-token prompt at full size (bf16)."""
         if self._first_prefix(voice) is not None:
             return True
-        if self.flow_path != "rerun" or len(self._first_prefixes) >= self.prefix_voices:
+        if len(self._first_prefixes) >= self.prefix_voices:
             return False
-        token, feat, emb, _ = self._voice(voice)
+        token, feat, emb = self._voice(voice)
         prefix = self.t2w.prepare_prefix(token, feat, emb)
         if prefix is None:
             return False
@@ -494,12 +491,11 @@ class Runner:
         flow_voice = adm.voice.flow
         if flow_voice is None:
             raise TypeError(f"voice {adm.voice.name!r} has no token2wav conditioning")
-        token, feat, emb, prepared = self._voice(flow_voice)
+        token, feat, emb = self._voice(flow_voice)
         # the chunks come planned by the request's schedule (the scheduler's); speed != 1 makes
         # the stream whole (one final chunk), as it makes the schedule
         kw: dict[str, Any] = {
             "speed": adm.speed,
-            "flow_path": self.flow_path,
             "first_prefix": self._first_prefix(flow_voice),
         }
         if self._t2w_pool:
@@ -510,9 +506,9 @@ class Runner:
                 # alone (GPU side), not for every chunk in flight, which held a whole LLM step
                 # behind the later chunks of other streams (~120 ms at 16 streams)
                 torch.cuda.current_stream(self.device).wait_event(last)
-            stream.reset(token, feat, emb, flow_prompt=prepared, **kw)
+            stream.reset(token, feat, emb, **kw)
         else:
-            stream = self.t2w.open_stream(token, feat, emb, flow_prompt=prepared, **kw)
+            stream = self.t2w.open_stream(token, feat, emb, **kw)
         self.cache.reset(adm.slot)
         self.slot_len[adm.slot] = 0
         self.live[adm.request_id] = _Live(adm.slot, adm.seed, stream)
@@ -547,14 +543,8 @@ class Runner:
         """Start-up, after :meth:`warmup_llm` and the flow's kernels: a token2wav stream of a
         few chunks for ``voice``, then pooled for the first request."""
         with torch.inference_mode():
-            token, feat, emb, prepared = self._voice(voice)
-            stream = self.t2w.open_stream(
-                token,
-                feat,
-                emb,
-                flow_path=self.flow_path,
-                flow_prompt=prepared,
-            )
+            token, feat, emb = self._voice(voice)
+            stream = self.t2w.open_stream(token, feat, emb)
             tokens = list(range(1, 9))
             for _ in self.t2w.stream_all(stream, tokens, plan_all(len(tokens), stream.prompt_tokens, self.hops)):
                 pass
@@ -582,7 +572,7 @@ class Runner:
         graphs for steps of up to ``max_batch`` chunks (the engine passes its
         ``max_chunks_per_step``) within the first ``batch_tokens`` (None: ``n_tokens``).
         Returns graphs held."""
-        token, feat, emb, _ = self._voice(voice)
+        token, feat, emb = self._voice(voice)
         n = self.t2w.capture_stream_shapes(
             token,
             feat,

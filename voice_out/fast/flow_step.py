@@ -7,12 +7,10 @@ these on top; the engine builds it, tests compare it with the eager one:
   stream is ONE captured graph, keyed by (prompt length, tokens so far): the schedule makes
   only a few lengths per prompt length (25 + pad, then 50 and 100 more each time), and one graph
   serves every voice of that prompt length. First chunks, which decide time to first audio,
-  replay it on both flow paths (captured on first use); other lengths replay it once
+  replay it (captured on first use); other lengths replay it once
   :meth:`FastToken2Wav.capture_stream_shapes` has captured them at start-up, and run eagerly
   until then (a capture mid-stream would stall every stream). Every non-final vocoder call
-  replays a graph per mel length. A cached-path stream whose first chunk came from the graph
-  replays that chunk into its flow cache at its second chunk (off the critical path: the
-  listener already has 1 s of audio). Graph outputs equal the eager ones
+  replays a graph per mel length. Graph outputs equal the eager ones
   (tests/test_token2wav_graphs.py).
 - Grouped batched chunks (:meth:`FastToken2Wav.use_batch_buckets`): with graphs, the chunks of a
   :meth:`~voice_out.model.token2wav.Token2Wav.run_chunks` call are grouped by T = prompt + real
@@ -170,8 +168,8 @@ class FastToken2Wav(Token2Wav):
         batch_buckets: Sequence[int] = CHUNK_BATCH_BUCKETS,
         first_lane: bool = False,
     ) -> None:
-        """Replay non-final flow calls (every chunk of a re-run-path stream, the first chunk of a
-        cached-path one) and non-final vocoder calls from CUDA graphs (CUDA only; a no-op on the
+        """Replay non-final flow calls (every re-run chunk, first chunks from a prompt prefix)
+        and non-final vocoder calls from CUDA graphs (CUDA only; a no-op on the
         CPU), and run a :meth:`run_chunks` call's batchable chunks in groups of one length, each
         padded to one of ``batch_buckets`` (:meth:`use_batch_buckets`). Vocoder graphs and the
         single-chunk flow graphs of first chunks are captured on first use; every other flow
@@ -316,7 +314,7 @@ class FastToken2Wav(Token2Wav):
 
     def _acquire_state(self, stream: Token2WavStream, slot: _StateSlot | None = None) -> None:
         """Give ``stream`` a free state slot (``slot``, or the first free one) if it can use one."""
-        if stream.state_slot is not None or stream.first_prefix is None or stream.flow_path != "rerun":
+        if stream.state_slot is not None or stream.first_prefix is None:
             return
         if slot is None:
             slot = next((s for s in self._state_slots if s.owner is None), None)
@@ -518,10 +516,6 @@ class FastToken2Wav(Token2Wav):
             if mel is not None:
                 return mel
         return super()._flow_mel(stream, plan, token)
-
-    def _rerun_first(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> bool:
-        """A cached-path stream's first chunk re-runs under graphs too: the graph serves it."""
-        return super()._rerun_first(stream, plan, token) or (self._graph_flow is not None and token.is_cuda)
 
     def _rerun_chunk(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> Tensor:
         """A non-final chunk by upstream's re-run (prompt + tokens so far, chunk-causal): the new

@@ -26,23 +26,26 @@ Public API (stable; :mod:`voice_out.model.token2wav` drives it; GPU worker threa
     ids, n_valid, embedding, cond, spans = flow.final_inputs(items, total=T)  # [B, T], [B], ..
     mel = flow.final_core(ids, n_valid, embedding, cond)                      # float32 [B, 80, 2T]
 
-    # Cached streaming path: each chunk costs only its new tokens.
-    prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)   # once per voice; share it
-    cache = flow.new_stream_cache(prompt, capacity=None)                 # per request
-    flow.reset_stream_cache(cache, prompt)                               # next request, in place
-    mel = flow.stream_chunk(cache, token[:, offset : offset + hop + 3], finalize=False)  # [1, 80, 2 hop]
-    ...
-    mel = flow.stream_chunk(cache, token[:, offset:], finalize=True)     # [1, 80, 2 (N - offset)]
+    # A first chunk from a voice's prompt prefix (once per voice; share it): the prefix's frames
+    # are read, not recomputed, in the 10 estimator calls.
+    prompt = flow.prepare_prompt(prompt_token, prompt_feat, embedding)
+    ids, embedding, cond = flow.prefix_inputs(token[:, : hop + 3], prompt)
+    mel = flow.prefix_core(ids, embedding, cond, prompt.prefix)   # the prompt's tail + the chunk
 
-``stream_chunk(cache, tokens, finalize)``: ``tokens`` are the tokens not yet given as new, and,
-when not finalizing, ``pre_lookahead`` (3) look-ahead tokens at the end, which are given again
-at the start of the next call. A non-final call must end on a chunk boundary counted from the
-first prompt token (prompt + tokens so far a multiple of 25), as upstream's schedule 25+pad, 50,
-100... guarantees. Its mel equals ``inference(token[:, :offset + hop + 3], ..., streaming=True,
-finalize=False)[:, :, 2 offset:]``. The final call (``finalize=True``) by default reproduces
-upstream's full-attention last pass exactly by re-running the whole utterance once (the only
-non-incremental step; see ``stream_chunk``); ``full_attention_final=False`` keeps it chunk-causal
-and incremental (= the matching slice of one streaming pass).
+    # Later chunks extending a stream's own state (a FlowStreamCache of fixed capacity, reset
+    # to the voice's prompt): each costs its new tokens only, in fixed shapes (CUDA graphs:
+    # voice_out.fast.flow_step's state slots).
+    cache = flow.allocate_stream_cache(capacity)
+    flow.reset_stream_cache(cache, prompt)
+    mu, spk, cond, x0, at = flow.state_inputs(cache, token[:, offset : offset + hop + 3])
+    mel = flow.state_core(mu, spk, cond, x0, at, cache)           # [1, 80, 2 (tokens since the last boundary)]
+
+A state chunk's tokens are the tokens not yet given as new, then ``pre_lookahead`` (3)
+look-ahead tokens, given again at the start of the next call. It must end on a chunk boundary
+counted from the first prompt token (prompt + tokens so far a multiple of 25), as upstream's
+schedule 25+pad, 50, 100... guarantees. Its mel equals the matching slice of ``inference(token[:,
+:offset + hop + 3], ..., streaming=True, finalize=False)``. The final chunk is the re-run's
+full-attention pass (every frame attends to every other there: nothing earlier can be reused).
 
 Memory: a stream cache holds every layer's keys/values for every Euler step and CFG row (4.6 MB
 per token of capacity for CosyVoice2-0.5B in bfloat16; ``cache.nbytes``). ``FlowPrompt.to("cpu")``
@@ -68,7 +71,6 @@ from voice_out.model.transfer import to_device
 
 #: Fixed by upstream code, in no config file (with the encoder's, see flow_encoder).
 NOISE_SEED = 0
-DEFAULT_STREAM_TOKENS = 500  # default cache room after the prompt: 20 s of 25 Hz tokens
 
 
 class StateKey(NamedTuple):
@@ -96,7 +98,8 @@ def fixed_noise(n_mels: int, n_frames: int) -> Tensor:
 
 
 class Flow(nn.Module):
-    """``CausalMaskedDiffWithXvec`` inference (batch 1), reference and cached streaming paths.
+    """``CausalMaskedDiffWithXvec`` inference: the reference path, batched and final passes, a
+    first chunk from a prompt prefix, and later chunks extending a stream's state.
 
     Weights and activations use the module dtype (float32 for parity; bfloat16/float16 for
     speed); the Euler state is float32 in every mode. Call under ``torch.no_grad()`` /
@@ -545,7 +548,7 @@ class Flow(nn.Module):
         mu = self._streaming_mu(ids)[:, :, f0:]
         return mu, spk, cond.to(self.device, self.dtype), f0
 
-    # -- cached streaming path ---------------------------------------------------------------
+    # -- a stream's own state: the prompt prefix, then each chunk extends it -------------------
 
     def allocate_stream_cache(self, capacity: int) -> FlowStreamCache:
         """An empty :class:`FlowStreamCache` for ``capacity`` tokens (prompt included)."""
@@ -631,82 +634,6 @@ class Flow(nn.Module):
         cache.finished = False
         cache.prompt = prompt
 
-    def new_stream_cache(self, prompt: FlowPrompt, capacity: int | None = None) -> FlowStreamCache:
-        """A request cache for ``capacity`` tokens (default: the prompt + 20 s), reset to ``prompt``."""
-        default = prompt.n_prompt + DEFAULT_STREAM_TOKENS
-        cache = self.allocate_stream_cache(capacity if capacity is not None else default)
-        self.reset_stream_cache(cache, prompt)
-        return cache
-
-    def _grow(self, cache: FlowStreamCache, n_tokens: int) -> None:
-        """Make room for ``n_tokens`` tokens: reallocate (x2 at least) and copy the state."""
-        d = self.dims
-        if n_tokens <= cache.capacity:
-            return
-        if n_tokens > d.max_tokens:
-            raise ValueError(
-                f"{n_tokens} tokens (prompt included) exceed the flow's limit of {d.max_tokens} "
-                f"({d.noise_frames} mel frames of fixed noise)"
-            )
-        bigger = self.allocate_stream_cache(max(n_tokens, 2 * cache.capacity))
-        bigger.copy_prefix_(cache, cache.n_done, d.token_mel_ratio)
-        bigger.tokens[: cache.n_tokens] = cache.tokens[: cache.n_tokens]
-        names = ("tokens", "enc_k", "enc_v", "la_ctx", "up_ctx", "up_k", "up_v", "est_k", "est_v", "est_ctx")
-        for name in (*names, "enc_pos", "up_pos"):
-            setattr(cache, name, getattr(bigger, name))
-
-    def stream_chunk(
-        self,
-        cache: FlowStreamCache,
-        tokens: Tensor,
-        finalize: bool,
-        *,
-        full_attention_final: bool = True,
-    ) -> Tensor:
-        """Mel of the next chunk of a stream: float32 ``[1, n_mels, ratio n_new]``.
-
-        ``tokens`` ``[1, n_new + lookahead]`` (not finalize: new tokens then the look-ahead
-        tokens, given again next time) or ``[1, n_new]`` (finalize). A non-final call must end
-        on a chunk boundary (prompt + tokens so far a multiple of the 25-token chunk); its cost
-        is that of its new tokens (plus attention over the cached keys).
-
-        The final call with ``full_attention_final`` (default, upstream-exact) re-runs the whole
-        utterance once with full attention, as upstream's last pass: every frame attends to
-        every other there, so nothing earlier can be reused. Its cost is one reference pass
-        over prompt + all tokens. With ``full_attention_final=False`` the final chunk stays
-        chunk-causal (look-ahead = zeros) and incremental: the output then equals the slice
-        of one streaming pass (``inference(..., streaming=True, finalize=True)``).
-        """
-        d = self.dims
-        prompt = cache.prompt
-        if prompt is None:
-            raise ValueError("stream cache has no prompt: use new_stream_cache / reset_stream_cache")
-        if cache.finished:
-            raise ValueError("stream already finalized: reset the cache for a new request")
-        if tokens.dim() != 2 or tokens.shape[0] != 1:
-            raise ValueError(f"tokens must be [1, n], got {tuple(tokens.shape)}")
-        tokens = tokens.to(self.device).long()
-        if finalize:
-            new, context = tokens, None
-        else:
-            new, context = self._split_chunk(cache, tokens)
-        n_new = new.shape[1]
-        stop = cache.n_tokens + n_new
-        self._grow(cache, stop)
-        cache.tokens[cache.n_tokens : stop] = new[0]
-        cache.n_tokens = stop
-        ratio = d.token_mel_ratio
-        if finalize:
-            cache.finished = True
-            if n_new == 0:
-                return torch.zeros(1, d.n_mels, 0, device=self.device)
-            if full_attention_final:
-                generated = cache.tokens[prompt.n_prompt : stop].unsqueeze(0)
-                mel = self.inference(generated, prompt.prompt_token, prompt.prompt_feat, prompt.embedding, False, True)
-                return mel[:, :, mel.shape[2] - ratio * n_new :]
-        mel = self._advance(cache, context, prompt.spk, prompt.prompt_feat)
-        return mel[:, :, mel.shape[2] - ratio * n_new :]
-
     def _split_chunk(self, cache: FlowStreamCache, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """A non-final chunk's ``tokens`` ``[1, n_new + lookahead]`` as (new, look-ahead), checked:
         the new tokens must end on a chunk boundary counted from the prompt start."""
@@ -732,7 +659,7 @@ class Flow(nn.Module):
         """Host side and encoder of :meth:`state_core`: the next non-final chunk of the stream
         whose state is ``cache`` (reset to its prompt, :meth:`reset_stream_cache`).
 
-        ``tokens`` ``[1, n_new + lookahead]`` as :meth:`stream_chunk` takes them (the new
+        ``tokens`` ``[1, n_new + lookahead]``: the tokens not given yet, then the look-ahead (the new
         tokens must end on a chunk boundary). The cache is never grown (a graph holds its
         buffers): ValueError when they do not fit its capacity. Appends the new tokens, runs
         the encoder over them (its state extended) and counts them as done, so
@@ -788,7 +715,7 @@ class Flow(nn.Module):
     ) -> Tensor:
         """The 10 estimator calls of a stream's next non-final chunk (:meth:`state_inputs` made
         its arguments), extending the estimator state of ``cache`` at frame ``at``: float32
-        ``[1, n_mels, L]``, the chunk's mel (as :meth:`stream_chunk` makes it).
+        ``[1, n_mels, L]``, the chunk's mel (the matching slice of the re-run's).
 
         The plain estimator reads the start on the host (a sync): the same result as the fast
         path's fused calls, which read it on the device and so are capturable

@@ -171,11 +171,11 @@ class FlowDims:
 @dataclass
 class FlowStreamCache:
     """Incremental flow state of one request (or of a voice's prompt prefix). Preallocated for
-    ``capacity`` tokens (prompt included), grown by :meth:`Flow.stream_chunk` when exceeded.
+    ``capacity`` tokens (prompt included), never grown (a CUDA graph may hold its buffers).
 
     Shapes (Tc = capacity tokens, Fc = ratio x Tc frames, S = Euler steps, dtype = the flow's):
 
-    * ``tokens`` ``[Tc]`` int64: prompt + new tokens received (for the exact final re-run).
+    * ``tokens`` ``[Tc]`` int64: prompt + new tokens received.
     * ``enc_k`` / ``enc_v`` ``[enc_blocks, 1, H, Tc, D]``: keys/values of the first conformer stage.
     * ``la_ctx`` ``[1, 512, 2]``: last two pre-lookahead conv1 outputs (conv2's left context).
     * ``up_ctx`` ``[1, 512, 2 ratio]``: last upsampled frames (the upsampling conv's left context).

@@ -24,9 +24,12 @@ Per chunk (non-final chunks hold back their last 160 ms)::
 
 ``w`` is the symmetric Hamming window of 7680 points (its halves sum to ~1.08, as upstream).
 
-Two flow paths, chosen per stream: ``"rerun"`` calls ``flow.inference`` over the prompt and
-every token so far on each chunk (upstream's way); ``"cached"`` uses the flow's incremental API,
-so each chunk costs only its new tokens. Both give the same waveform.
+The flow of a chunk: upstream's re-run (``flow.inference`` over the prompt and every token so
+far, chunk-causal; the final chunk with full attention), or, for a first chunk of a voice with
+a prompt prefix (:meth:`Token2Wav.prepare_prefix`), ``Flow.prefix_core`` from that prefix: the
+same frames without the prefix's in the estimator calls. The one incremental path, later
+chunks extending a flow state of the stream's own, is the fast token2wav's (state slots);
+every path gives the re-run's waveform.
 
 Batched chunks (:meth:`Token2Wav.run_chunks`): an engine step with chunks of several streams
 computes the flow of its non-final re-run-path chunks in ONE ``flow.inference_batch`` call, rows
@@ -45,7 +48,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +65,6 @@ CHUNK_TOKENS = 25
 LOOKAHEAD_TOKENS = 3
 MEL_FRAMES_PER_TOKEN = 2  # token_mel_ratio: 25 Hz tokens, 50 Hz mel
 HIFT_CACHE_FRAMES = 8  # vocoder overlap between chunks (160 ms)
-
-FlowPath = Literal["rerun", "cached"]
 
 
 class Chunk(Protocol):
@@ -174,8 +175,7 @@ class Token2WavStream:
     """All per-request token2wav state. Owned and called by one thread (the GPU worker).
 
     ``prompt_token`` [1, P] int, ``prompt_feat`` [1, 2P, 80] float32, ``embedding`` [1, spk_dim]:
-    the voice. ``flow_prompt`` (the voice's precomputed flow state, shareable between requests)
-    and ``flow_cache`` (this request's incremental flow state) are used by the cached path only.
+    the voice.
     """
 
     model: Token2Wav
@@ -183,12 +183,9 @@ class Token2WavStream:
     prompt_feat: Tensor
     embedding: Tensor
     hift_cache: HiFTCache
-    flow_path: FlowPath = "rerun"
     noise: torch.Generator | None = None
-    flow_prompt: Any = None
-    flow_cache: Any = None
-    #: The voice's prompt prefix for a first chunk from it (``Token2Wav.prepare_prefix``;
-    #: re-run path only), or None: the first chunk re-runs the whole prompt.
+    #: The voice's prompt prefix for a first chunk from it (``Token2Wav.prepare_prefix``), or
+    #: None: the first chunk re-runs the whole prompt.
     first_prefix: Any = None
     #: The flow state this stream's later chunks extend, lent by the fast token2wav
     #: (``voice_out.fast.flow_step``: a state slot), or None: they re-run the prompt and every
@@ -206,10 +203,6 @@ class Token2WavStream:
     finished: bool = False
     samples_emitted: int = 0
     chunk_log: list[Chunk] = field(default_factory=list)
-    #: Cached path: the first chunk's mel came from a re-run (graphed, or a fast first chunk that
-    #: ends off a chunk boundary), so the flow cache has not taken in any speech token yet; the
-    #: next chunk feeds it everything from the prompt's end (ending on a boundary again).
-    flow_cache_behind: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -248,9 +241,7 @@ class Token2WavStream:
         prompt_feat: Tensor,
         embedding: Tensor,
         *,
-        flow_path: FlowPath | None = None,
         noise: torch.Generator | None = None,
-        flow_prompt: Any = None,
         first_prefix: Any = None,
         speed: float = 1.0,
         whole: bool | None = None,
@@ -260,9 +251,8 @@ class Token2WavStream:
         ``speed``: token2wav speed (> 0; != 1 makes the audio in one final chunk, spec 5.6).
         ``whole``: one final chunk over every token (None: when ``speed`` != 1).
 
-        ``flow_prompt``: the voice's ``Token2Wav.prepare_voice`` result (cached path), made on
-        demand when None. ``first_prefix``: the voice's ``Token2Wav.prepare_prefix`` result
-        (the first chunk from the prompt prefix), or None.
+        ``first_prefix``: the voice's ``Token2Wav.prepare_prefix`` result (the first chunk from
+        the prompt prefix), or None.
         """
         dev = self.model.device
         self.prompt_token, self.prompt_feat = prompt_token.to(dev), prompt_feat.to(dev)
@@ -273,14 +263,10 @@ class Token2WavStream:
         self.chunks_done = self.token_offset = 0
         self.finished = False
         self.hift_cache.reset()
-        if flow_path is not None:
-            self.flow_path = flow_path
         self.noise = noise
-        self.flow_prompt = flow_prompt
         self.first_prefix = first_prefix
         self.samples_emitted = 0
         self.chunk_log.clear()
-        self.flow_cache_behind = False
         self.model.release_state(self)
         self.model.prepare_flow(self)
 
@@ -308,7 +294,7 @@ class Token2Wav:
         """:attr:`full_flow`, or TypeError for a stand-in."""
         flow = self.full_flow
         if flow is None:
-            raise TypeError(f"{type(self.flow).__name__} has only the one-shot flow.inference: use flow_path='rerun'")
+            raise TypeError(f"{type(self.flow).__name__} has only the one-shot flow.inference")
         return flow
 
     def release_state(self, stream: Token2WavStream) -> None:
@@ -338,17 +324,15 @@ class Token2Wav:
         prompt_feat: Tensor,
         embedding: Tensor,
         *,
-        flow_path: FlowPath = "rerun",
         noise: torch.Generator | None = None,
-        flow_prompt: Any = None,
         first_prefix: Any = None,
         speed: float = 1.0,
         whole: bool | None = None,
     ) -> Token2WavStream:
         """A new per-request state.
 
-        ``noise`` None = deterministic vocoder source; ``flow_prompt`` and ``first_prefix`` as
-        in :meth:`Token2WavStream.reset`; ``speed`` and ``whole`` likewise.
+        ``noise`` None = deterministic vocoder source; ``first_prefix``, ``speed`` and ``whole``
+        as in :meth:`Token2WavStream.reset`.
         """
         whole = speed != 1.0 if whole is None else whole
         _check_speed(speed, whole)
@@ -362,18 +346,11 @@ class Token2Wav:
             hift_cache=HiFTCache.allocate(
                 self.hift.dims.in_channels, self.cache_frames, self.samples_per_frame, self.device
             ),
-            flow_path=flow_path,
             noise=noise,
-            flow_prompt=flow_prompt,
             first_prefix=first_prefix,
         )
         self.prepare_flow(stream)
         return stream
-
-    @torch.inference_mode()
-    def prepare_voice(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> Any:
-        """The flow state of a voice's prompt for the cached path; share it between requests."""
-        return self._full_flow().prepare_prompt(prompt_token, prompt_feat, embedding)
 
     @property
     def has_prefix_path(self) -> bool:
@@ -391,22 +368,9 @@ class Token2Wav:
         prompt = self._full_flow().prepare_prompt(prompt_token, prompt_feat, embedding)
         return prompt if prompt.n_prefix > 0 else None
 
-    @torch.inference_mode()
     def prepare_flow(self, stream: Token2WavStream) -> None:
-        """Set up the flow side of a (re)started stream: the cached path's per-request cache,
-        reset in place when the stream already has one."""
-        if stream.flow_path == "rerun":
-            return
-        flow = self._full_flow()
-        if stream.flow_prompt is None:
-            stream.flow_prompt = flow.prepare_prompt(stream.prompt_token, stream.prompt_feat, stream.embedding)
-        if stream.flow_cache is not None:
-            try:
-                flow.reset_stream_cache(stream.flow_cache, stream.flow_prompt)
-                return
-            except ValueError:  # the new voice's prompt does not fit: allocate a bigger cache
-                stream.flow_cache = None
-        stream.flow_cache = flow.new_stream_cache(stream.flow_prompt)
+        """Set up the flow side of a (re)started stream. The eager token2wav keeps no flow
+        state for a stream (its chunks re-run); ``FastToken2Wav`` lends it a state slot."""
 
     # -- one chunk -----------------------------------------------------------------------------
 
@@ -417,21 +381,9 @@ class Token2Wav:
         first = plan.index == 0 and not plan.finalize
         if first and self._from_prefix(stream, plan):
             return self._prefix_chunk(stream, plan, token)
-        if not plan.finalize and (stream.flow_path == "rerun" or (first and self._rerun_first(stream, plan, token))):
-            mel = self._rerun_chunk(stream, plan, token)
-            # a cached-path stream whose first chunk came from a re-run: its flow cache has taken
-            # in no speech token yet (the next chunk catches it up)
-            stream.flow_cache_behind = first and stream.flow_path == "cached"
-            return mel
-        if stream.flow_path == "rerun":  # the final chunk: full attention over every token
-            return self._final_chunk(stream, plan, token)
-        flow = self._full_flow()
-        if stream.flow_cache_behind:  # take in the first chunk's tokens too, then drop its frames
-            stream.flow_cache_behind = False
-            mel = flow.stream_chunk(stream.flow_cache, token[:, : plan.token_len], plan.finalize)
-            return mel[:, :, MEL_FRAMES_PER_TOKEN * plan.token_offset :].float()
-        new = token[:, plan.token_offset : plan.token_len]  # new tokens (+ look-ahead unless final)
-        return flow.stream_chunk(stream.flow_cache, new, plan.finalize).float()
+        if not plan.finalize:
+            return self._rerun_chunk(stream, plan, token)
+        return self._final_chunk(stream, plan, token)  # full attention over every token
 
     def _rerun_chunk(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> Tensor:
         """A non-final chunk by upstream's re-run (prompt + tokens so far, chunk-causal): the new
@@ -440,21 +392,12 @@ class Token2Wav:
         start = MEL_FRAMES_PER_TOKEN * plan.token_offset
         return self.flow.inference(*args, streaming=True, finalize=False)[:, :, start:].float()
 
-    def _rerun_first(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> bool:
-        """Whether a cached-path stream's first chunk re-runs: one that ends off a chunk
-        boundary (a fast first chunk), which the flow cache cannot take in."""
-        return stream.flow_end(plan) % CHUNK_TOKENS != 0
-
     @staticmethod
     def _from_prefix(stream: Token2WavStream, plan: Chunk) -> bool:
         """Whether ``plan`` (a non-final first chunk) is computed from the voice's prompt
-        prefix: the stream has one (re-run path) and the chunk ends on a flow chunk boundary
-        (not a fast first chunk)."""
-        return (
-            stream.first_prefix is not None
-            and stream.flow_path == "rerun"
-            and stream.flow_end(plan) % CHUNK_TOKENS == 0
-        )
+        prefix: the stream has one and the chunk ends on a flow chunk boundary (not a fast
+        first chunk)."""
+        return stream.first_prefix is not None and stream.flow_end(plan) % CHUNK_TOKENS == 0
 
     def _prefix_chunk(self, stream: Token2WavStream, plan: Chunk, token: Tensor) -> Tensor:
         """A non-final first chunk from the voice's prompt prefix (``Flow.prefix_core``): its
@@ -504,9 +447,9 @@ class Token2Wav:
 
     def batchable(self, stream: Token2WavStream, plan: Chunk) -> bool:
         """Whether :meth:`run_chunks` may compute this chunk's flow in a batched pass: a
-        non-final chunk of a re-run-path stream that ends on a flow chunk boundary (so right
+        non-final chunk that ends on a flow chunk boundary (so right
         padding never reaches its frames), with the real flow (``Flow.inference_batch``)."""
-        if plan.finalize or plan.hop_tokens == 0 or stream.flow_path != "rerun":
+        if plan.finalize or plan.hop_tokens == 0:
             return False
         if self.full_flow is None:
             return False
