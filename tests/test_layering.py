@@ -244,3 +244,10 @@ def test_voice_out_is_read_whole() -> None:
 def test_voice_out_has_no_import_cycle() -> None:
     """No circle among voice_out's modules, function-level and TYPE_CHECKING imports counted."""
     assert cycles(scan(REPO_ROOT, PACKAGE).internal) == []
+
+
+def test_model_imports_no_kernel_and_nothing_above_it() -> None:
+    """model/ is plain eager PyTorch: it reaches no module of voice_out outside model/ and
+    errors.py, and no Triton, threads, logging, asyncio, contextvars or environment."""
+    imports = scan(REPO_ROOT, PACKAGE)
+    assert layer_violations(imports, "voice_out.model", MODEL_MAY_IMPORT, MODEL_FORBIDDEN_EXTERNAL) == []
