@@ -1,10 +1,11 @@
 """The layering of voice_out, read from the source (parsed with ``ast``, nothing imported).
 
-Arrows point down only: server -> engine -> fast -> model. model/ is plain eager PyTorch: it
-imports no Triton, nothing of the fast path, the engine, the server, the text or voice layers,
-and no threads, logging, asyncio, contextvars or environment switches, directly or through
-another voice_out module. Every import counts: module level, inside a function, under
-``if TYPE_CHECKING:``; a circle through any of them is a circle a reader has to untangle.
+Arrows point down only: server -> engine -> fast -> model; fast/ reaches nothing of the engine
+or the server. model/ is plain eager PyTorch: it imports no Triton, nothing of the fast path,
+the engine, the server, the text or voice layers, and no threads, logging, asyncio,
+contextvars or environment switches, directly or through another voice_out module. Every
+import counts: module level, inside a function, under ``if TYPE_CHECKING:``; a circle through
+any of them is a circle a reader has to untangle.
 
 The checker is tested on a small synthetic package first, so that a rule that could never fail
 would show.
@@ -22,6 +23,8 @@ PACKAGE = "voice_out"
 
 #: What model/ may import of voice_out besides itself.
 MODEL_MAY_IMPORT = ("voice_out.model", "voice_out.errors")
+#: What fast/ may import of voice_out besides itself: the model it is applied to.
+FAST_MAY_IMPORT = ("voice_out.fast", "voice_out.model", "voice_out.errors")
 #: Standard or third-party modules that model/ (and whatever voice_out module it imports) may
 #: not import: kernels, concurrency, logging and environment switches belong above it.
 MODEL_FORBIDDEN_EXTERNAL = frozenset({"triton", "threading", "logging", "asyncio", "contextvars", "concurrent", "os"})
@@ -251,3 +254,11 @@ def test_model_imports_no_kernel_and_nothing_above_it() -> None:
     errors.py, and no Triton, threads, logging, asyncio, contextvars or environment."""
     imports = scan(REPO_ROOT, PACKAGE)
     assert layer_violations(imports, "voice_out.model", MODEL_MAY_IMPORT, MODEL_FORBIDDEN_EXTERNAL) == []
+
+
+def test_fast_imports_nothing_of_the_engine_or_the_server() -> None:
+    """fast/ is applied to a built model by the engine, never the other way round: it reaches
+    model/, errors.py and itself only (the engine passes in what it needs, e.g. the runner
+    whose kernels start-up compiles)."""
+    imports = scan(REPO_ROOT, PACKAGE)
+    assert layer_violations(imports, "voice_out.fast", FAST_MAY_IMPORT, frozenset()) == []

@@ -27,21 +27,59 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from voice_out.engine.request import FlowVoice
-from voice_out.engine.runner import Runner
 from voice_out.fast import fused_flow
+from voice_out.fast.flow_step import FastToken2Wav
 from voice_out.fast.kernels import decode as decode_kernels
 from voice_out.fast.kernels import flow as flow_kernels
 from voice_out.fast.kernels import vocoder as hift_kernels
 from voice_out.fast.kernels.launch import Launch, recording
+from voice_out.fast.llm_step import GraphedLLM
 from voice_out.model.flow import Flow
 
 log = logging.getLogger(__name__)
+
+
+class DryRunVoice(Protocol):
+    """A voice's token2wav conditioning as the dry runs read it (the engine's ``FlowVoice``):
+    ``prompt_token`` int [P], ``prompt_feat`` float [2P, 80], ``embedding`` float [D]."""
+
+    @property
+    def prompt_token(self) -> Tensor: ...
+    @property
+    def prompt_feat(self) -> Tensor: ...
+    @property
+    def embedding(self) -> Tensor: ...
+
+
+class DryRunHops(Protocol):
+    """The hop policy's longest hops (the engine's ``HopPolicy``), in tokens."""
+
+    @property
+    def max_hop(self) -> int: ...
+    @property
+    def state_max_hop(self) -> int: ...
+
+
+class DryRunner(Protocol):
+    """What the dry runs read of the engine's runner (``voice_out.engine.runner.Runner``): it
+    is passed in, so this package imports nothing of the engine above it."""
+
+    @property
+    def t2w(self) -> FastToken2Wav: ...
+    @property
+    def graphed(self) -> GraphedLLM: ...
+    @property
+    def hops(self) -> DryRunHops: ...
+    @property
+    def prefix_voices(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+
 
 #: Threads compiling at once: one per CPU core, at most 16 (each compile is mostly LLVM and
 #: ptxas, off the GIL; a start compiles ~25 kernels of ~1.3 s each).
@@ -154,7 +192,7 @@ def dry_run_ends(flow: Flow, n_prompt: int) -> list[int]:
     return ends
 
 
-def dry_run_launches(runner: Runner, voice: FlowVoice, *, state_chunks: bool = True) -> list[Launch]:
+def dry_run_launches(runner: DryRunner, voice: DryRunVoice, *, state_chunks: bool = True) -> list[Launch]:
     """The Triton launches of a re-run chunk, a batched chunk and a final chunk (graphed and
     eager) of the flow for ``voice``'s prompt length, each at the chunk ends of
     :func:`dry_run_ends`, of a first chunk from a prompt prefix and of later chunks on a
@@ -235,8 +273,8 @@ def dry_run_launches(runner: Runner, voice: FlowVoice, *, state_chunks: bool = T
 
 
 def precompile(
-    runner: Runner,
-    voice: FlowVoice,
+    runner: DryRunner,
+    voice: DryRunVoice,
     workers: int = COMPILE_WORKERS,
     *,
     meanwhile: Callable[[], None] | None = None,
