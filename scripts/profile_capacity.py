@@ -114,7 +114,7 @@ def main() -> None:
     timer(Flow, "inference", lambda self, *a, **k: f"eager flow (finalize={k.get('finalize')})")
     timer(Flow, "inference_batch", lambda self, items: f"eager flow batch of {len(items)}")
     timer(FastToken2Wav, "_batched_mels", lambda self, chunks, rows: f"batched chunk groups, {len(rows)} rows")
-    timer(FastToken2Wav, "_vocoder", lambda self, mel, src, noise, final: f"vocoder (final={final})")
+    timer(FastToken2Wav, "_vocoder", lambda self, mel, src, noise, plan: f"vocoder (final={plan.finalize})")
     timer(Runner, "_llm_step", lambda self, work, res: f"LLM step, {len(work) // 8 * 8}-{len(work) // 8 * 8 + 7} rows")
     timer(Runner, "_launch_vocode", lambda self, vocode, res: f"pipelined launch, {len(vocode)} chunks")
     timer(Runner, "_collect_vocode", lambda self, res, block: f"pipelined collect (block={block})")

@@ -717,21 +717,21 @@ class FastToken2Wav(Token2Wav):
         return mels
 
     def _vocoder(
-        self, mel: Tensor, source: Tensor | None, noise: torch.Generator | None, final: bool, first_lane: bool = False
+        self, mel: Tensor, source: Tensor | None, noise: torch.Generator | None, plan: Chunk
     ) -> tuple[Tensor, Tensor]:
         """HiFT, from a graph per mel length for deterministic calls (a final call only at a
         length start-up captured, ``capture_final_vocoder``; a first-chunk lane call from that
         lane's graphs). The speech is a tensor of its own; from a graph the source is its output
         buffer, valid until the next call: read at once."""
         graph = self._graph_hift if source is None else self._graph_hift_cached
-        if first_lane and self._first_lane is not None:  # a first chunk: no overlap cache
+        if self.in_first_lane(plan) and self._first_lane is not None:  # a first chunk: no overlap cache
             graph = self._first_lane.hift
         if graph is None or noise is not None or not mel.is_cuda:
-            return super()._vocoder(mel, source, noise, final)
+            return super()._vocoder(mel, source, noise, plan)
         key = int(mel.shape[2])
-        if final and not (self._capturing or graph.has(key)):
+        if plan.finalize and not (self._capturing or graph.has(key)):
             # a final length start-up did not capture: capturing now would stall every stream
-            return super()._vocoder(mel, source, noise, final)
+            return super()._vocoder(mel, source, noise, plan)
         args = (mel.contiguous(),) if source is None else (mel.contiguous(), source)
         speech, src = graph(key, *args)
         return speech.clone(), src  # the caller copies the source's tail into its cache now

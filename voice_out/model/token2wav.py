@@ -302,17 +302,6 @@ class Token2Wav:
         The eager token2wav lends none; ``FastToken2Wav`` lends state slots."""
 
     @property
-    def has_first_lane(self) -> bool:
-        """Whether first chunks replay graphs of their own (never, eagerly; ``FastToken2Wav``)."""
-        return False
-
-    def in_first_lane(self, plan: Chunk) -> bool:
-        """Whether ``plan`` runs in the first-chunk lane (never, eagerly; ``FastToken2Wav``). A
-        caller running two :meth:`run_chunks` calls at once (on two CUDA streams) must keep
-        these chunks and the others apart."""
-        return False
-
-    @property
     def samples_per_token(self) -> int:
         return MEL_FRAMES_PER_TOKEN * self.samples_per_frame
 
@@ -524,7 +513,7 @@ class Token2Wav:
             elif plan.finalize and stream.speed != 1.0:  # only a whole utterance has a speed (spec 5.6)
                 mel = F.interpolate(mel, size=int(mel.shape[2] / stream.speed), mode="linear")
             source_in = cache.source if cache.valid else None
-            speech_b, source = self._vocoder(mel, source_in, stream.noise, plan.finalize, self.in_first_lane(plan))
+            speech_b, source = self._vocoder(mel, source_in, stream.noise, plan)
             speech = speech_b[0]  # [S F]
             n = self.cache_samples
             if cache.valid:
@@ -545,11 +534,11 @@ class Token2Wav:
         return speech
 
     def _vocoder(
-        self, mel: Tensor, source: Tensor | None, noise: torch.Generator | None, final: bool, first_lane: bool = False
+        self, mel: Tensor, source: Tensor | None, noise: torch.Generator | None, plan: Chunk
     ) -> tuple[Tensor, Tensor]:
-        """HiFT over ``mel`` [1, 80, F] with the overlap ``source`` (None: no cache): (speech
-        [1, n], source). ``final`` and ``first_lane`` say which call it is, for the fast
-        token2wav's graphs; the eager one calls the vocoder alike for every chunk."""
+        """HiFT over ``mel`` [1, 80, F] of ``plan`` with the overlap ``source`` (None: no
+        cache): (speech [1, n], source). The eager token2wav calls the vocoder alike for every
+        chunk; the fast one picks a graph by the chunk (final, first-chunk lane)."""
         return self.hift(mel, source, noise)
 
     # -- conveniences --------------------------------------------------------------------------
