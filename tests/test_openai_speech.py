@@ -502,3 +502,24 @@ async def test_waiting_requests_share_one_disconnect_timer() -> None:
         for p in posts:
             p.cancel()
         await until(lambda: not fake.active, "every stream ends")
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+async def test_the_first_chunk_reaches_the_client_before_the_second_is_made(stream_format: str) -> None:
+    """Nothing holds the first chunk back (response buffering, chunked-transfer batching, SSE
+    framing): the client has its bytes while the engine is still 5 s from the second chunk."""
+    fake = FakeEngine(voices=("alice",), script=FakeScript(first_chunk_delay_s=0.05, chunk_delay_s=5.0))
+    body = {"model": "tts-1", "input": "hello there, two chunks", "voice": "alice", "response_format": "pcm"}
+    async with contextlib.asynccontextmanager(_serve)(fake, Config(server=ServerConfig(auth_token=TOKEN))) as served:
+        t0 = time.perf_counter()
+        resp = await served.post({**body, "stream_format": stream_format})
+        assert resp.status == 200
+        first = await asyncio.wait_for(resp.content.readany(), 2.0)
+        elapsed = time.perf_counter() - t0
+        (stream,) = fake.opened
+        assert first and stream.n_chunks == 1, (first[:40], stream.n_chunks)
+        assert elapsed < 2.0
+        if stream_format == "sse":
+            assert first.startswith(b'data: {"type":"speech.audio.delta"')
+        resp.close()
+        await until(lambda: not fake.active, "the stream is cancelled")
