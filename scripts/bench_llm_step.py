@@ -45,7 +45,7 @@ from voice_out.fast.kernels import decode as decode_kernels  # noqa: E402
 from voice_out.fast.kernels.launch import dependent_launch_available  # noqa: E402
 from voice_out.fast.llm_step import GraphedLLM, pack_decode_rows  # noqa: E402
 from voice_out.model.checkpoint import random_llm  # noqa: E402
-from voice_out.model.qwen2 import KVCache, SpeechLM  # noqa: E402
+from voice_out.model.llm import KVCache, SpeechLM  # noqa: E402
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, new_history, ras_sample_batch  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -16,7 +16,7 @@ for s in $steps; do
   case $s in
     info) run info 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"' ;;
     tests) run tests 240 python3 -m pytest -q -m requires_cuda -p no:cacheprovider \
-             tests/test_transfer.py tests/test_graphs.py tests/test_qwen2.py tests/test_llm_step.py tests/test_decode_kernels.py \
+             tests/test_transfer.py tests/test_graphs.py tests/test_llm.py tests/test_llm_step.py tests/test_decode_kernels.py \
              tests/test_flow_streaming.py tests/test_flow_estimator.py tests/test_flow_final.py tests/test_flow_kernels.py \
              tests/test_token2wav_graphs.py tests/test_engine.py ;;
     llm) run llm 120 python3 scripts/bench_llm_step.py --device cuda --dtype bfloat16 --batches 1,8,32 ;;

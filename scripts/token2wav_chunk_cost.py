@@ -44,7 +44,7 @@ from voice_out.engine.runner import stream_shapes  # noqa: E402
 from voice_out.fast import fused_flow  # noqa: E402
 from voice_out.fast.flow_step import FastToken2Wav  # noqa: E402
 from voice_out.model.checkpoint import random_flow, random_hift  # noqa: E402
-from voice_out.model.hift import HiFT  # noqa: E402
+from voice_out.model.vocoder import HiFT  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SAMPLE_RATE = 24000

@@ -341,7 +341,7 @@ def test_whole_text_request_stops_at_max_len() -> None:
 def test_row_kinds_are_the_numbers_of_the_models_embedding_tables() -> None:
     """A row travels as ``(RowKind, id)`` from the feed to ``SpeechLM.embed_rows``, which reads
     the kind as the number of its embedding table: the two numberings are one."""
-    from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT
+    from voice_out.model.llm import KIND_LLM, KIND_SPEECH, KIND_TEXT
 
     assert [RowKind.LLM, RowKind.TEXT, RowKind.SPEECH] == [KIND_LLM, KIND_TEXT, KIND_SPEECH]
     assert sorted(int(k) for k in RowKind) == [KIND_LLM, KIND_TEXT, KIND_SPEECH]

@@ -15,7 +15,7 @@ from voice_out.fast.kernels import decode as decode_kernels
 from voice_out.fast.kernels.launch import dependent_launch_available, pdl_options
 from voice_out.fast.llm_step import GraphedLLM, pack_decode_rows, unpack_decode_rows
 from voice_out.model.checkpoint import random_llm
-from voice_out.model.qwen2 import KVCache, SpeechLM, apply_rope, rope_cos_sin, rope_inv_freq
+from voice_out.model.llm import KVCache, SpeechLM, apply_rope, rope_cos_sin, rope_inv_freq
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, mask_eos_, ras_sample_batch
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"

@@ -10,7 +10,7 @@ from voice_out.fast import fused_vocoder
 from voice_out.fast.fused_vocoder import FusedSnake
 from voice_out.fast.kernels import vocoder as hift_kernels
 from voice_out.model.checkpoint import random_hift
-from voice_out.model.hift import SNAKE_EPS, Snake
+from voice_out.model.vocoder import SNAKE_EPS, Snake
 
 FULL = REPO_ROOT / "configs" / "models" / "cosyvoice2-0.5b"
 TINY = REPO_ROOT / "configs" / "models" / "tiny"

@@ -22,7 +22,7 @@ from voice_out.fast.llm_step import (
     unpack_decode_rows,
 )
 from voice_out.model.checkpoint import random_llm
-from voice_out.model.qwen2 import KIND_LLM, KIND_SPEECH, KIND_TEXT, KVCache, SpeechLM
+from voice_out.model.llm import KIND_LLM, KIND_SPEECH, KIND_TEXT, KVCache, SpeechLM
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, mask_eos_, ras_sample_batch
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"

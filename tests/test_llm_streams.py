@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import REPO_ROOT
 from voice_out.model.checkpoint import random_llm
-from voice_out.model.qwen2 import KVCache, SpeechLM
+from voice_out.model.llm import KVCache, SpeechLM
 from voice_out.model.sampling import (
     SamplingParams,
     draw_uniforms,

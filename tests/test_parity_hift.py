@@ -22,7 +22,7 @@ from voice_out.model.checkpoint import (
     random_hift,
     section,
 )
-from voice_out.model.hift import HiFT, HiFTDims
+from voice_out.model.vocoder import HiFT, HiFTDims
 
 F0_TOL_HZ = 1e-2
 SPEECH_TOL = 2e-3

@@ -20,7 +20,7 @@ import torch
 
 from tests.conftest import parity_dir_path
 from voice_out.model.checkpoint import load_llm
-from voice_out.model.qwen2 import KVCache, SpeechLM
+from voice_out.model.llm import KVCache, SpeechLM
 from voice_out.text import bistream as bs
 from voice_out.text import rows as llm_rows
 

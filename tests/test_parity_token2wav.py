@@ -23,8 +23,8 @@ from tests.conftest import chunk_plans, load_case
 from voice_out.engine.chunk_schedule import ChunkPlan, ChunkSchedule, HopPolicy, plan_all
 from voice_out.fast.flow_step import FastToken2Wav
 from voice_out.model.checkpoint import load_hift
-from voice_out.model.hift import HiFT
 from voice_out.model.token2wav import Token2Wav, hamming
+from voice_out.model.vocoder import HiFT
 
 WAVE_TOL = 2e-3
 WAVE_MIN_SNR_DB = 60.0

@@ -35,8 +35,8 @@ from voice_out.engine.scheduler import ForcedTokens
 from voice_out.engine.textfeed import BistreamFeed
 from voice_out.engine.voicebook import END_OF_PROMPT, MAX_INSTRUCTION_CHARS, instruct_prompt
 from voice_out.model.checkpoint import load_hift
-from voice_out.model.hift import HiFT
 from voice_out.model.token2wav import Token2Wav
+from voice_out.model.vocoder import HiFT
 from voice_out.text.rows import SOS, TASK_ID, Row, RowKind, instruct_rows, zero_shot_rows
 from voice_out.text.tokenizer import load_tokenizer
 

@@ -49,7 +49,7 @@ from voice_out.hub import ModelSource, resolve_model
 if TYPE_CHECKING:
     from voice_out.fast.flow_step import FastToken2Wav
     from voice_out.model.flow import FlowDims
-    from voice_out.model.qwen2 import LLMDims, SpeechLM
+    from voice_out.model.llm import LLMDims, SpeechLM
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from voice_out.engine.scheduler import Admit, LlmWork, Release, StepPlan, StepRe
 from voice_out.fast.flow_step import FastToken2Wav, StreamShapes
 from voice_out.fast.graphs import family_stream
 from voice_out.fast.llm_step import GraphedLLM, PendingIds, pack_decode_rows
-from voice_out.model.qwen2 import KVCache, SpeechLM
+from voice_out.model.llm import KVCache, SpeechLM
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, counter_uniforms, ras_sample_batch
 from voice_out.model.token2wav import ChunkBatchError, Token2WavStream
 from voice_out.model.transfer import to_device

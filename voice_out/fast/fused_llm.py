@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from voice_out.fast.kernels import decode as decode_kernels
-from voice_out.model.qwen2 import Block, KVCache, SpeechLM, rope_cos_sin
+from voice_out.model.llm import Block, KVCache, SpeechLM, rope_cos_sin
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """The vocoder's Snake activations as one Triton kernel each, swapped into a built HiFT.
 
-:class:`voice_out.model.hift.Snake` is the torch form (the reference). :func:`use_kernels`
+:class:`voice_out.model.vocoder.Snake` is the torch form (the reference). :func:`use_kernels`
 replaces every Snake of a HiFT with a :class:`FusedSnake` that shares its ``alpha`` and runs
 ``voice_out.fast.kernels.vocoder.snake`` on contiguous inputs (the torch form otherwise), and
 puts the plain Snakes back when turned off. The weights and their names do not change.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from voice_out.fast.kernels import vocoder as vocoder_kernels
-from voice_out.model.hift import SNAKE_EPS, HiFT, Snake
+from voice_out.model.vocoder import SNAKE_EPS, HiFT, Snake
 
 
 class FusedSnake(Snake):

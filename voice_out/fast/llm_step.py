@@ -56,7 +56,7 @@ from voice_out.fast import fused_llm
 from voice_out.fast.graphs import GraphedFn
 from voice_out.fast.kernels import decode as decode_kernels
 from voice_out.fast.kernels.launch import dependent_launch_available
-from voice_out.model.qwen2 import KIND_SPEECH, Block, KVCache, SpeechLM, attend, group_mask, rope_cos_sin, rope_inv_freq
+from voice_out.model.llm import KIND_SPEECH, Block, KVCache, SpeechLM, attend, group_mask, rope_cos_sin, rope_inv_freq
 from voice_out.model.sampling import NO_TOKEN, SamplingParams, mask_eos_, ras_sample_batch
 from voice_out.model.transfer import to_device
 

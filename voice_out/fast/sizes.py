@@ -13,8 +13,8 @@ from voice_out.fast import fused_flow
 from voice_out.fast.plan import ModelSizes
 from voice_out.model.flow import Flow
 from voice_out.model.flow_dims import FlowDims
-from voice_out.model.hift import HiFT, HiFTDims
-from voice_out.model.qwen2 import LLMDims, SpeechLM
+from voice_out.model.llm import LLMDims, SpeechLM
+from voice_out.model.vocoder import HiFT, HiFTDims
 
 
 def _bytes(module: torch.nn.Module, dtype_bytes: int) -> int:

@@ -28,8 +28,8 @@ import yaml
 from voice_out.errors import VoiceOutError
 from voice_out.model.flow import Flow
 from voice_out.model.flow_dims import FlowDims
-from voice_out.model.hift import HiFT, HiFTDims
-from voice_out.model.qwen2 import LLMDims, SpeechLM, init_random_
+from voice_out.model.llm import LLMDims, SpeechLM, init_random_
+from voice_out.model.vocoder import HiFT, HiFTDims
 
 
 class CheckpointError(VoiceOutError):

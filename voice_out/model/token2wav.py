@@ -55,8 +55,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from voice_out.model.flow import Flow
-from voice_out.model.hift import HiFT
 from voice_out.model.transfer import to_device
+from voice_out.model.vocoder import HiFT
 
 #: The flow's chunk (static_chunk_size of its encoder) and look-ahead, in speech tokens: a
 #: non-final chunk's audio ends on a chunk boundary counted from the prompt's start, with this

@@ -45,7 +45,7 @@ later), its launch hidden behind the kernel before it.
 
 All of them need Triton (it ships with PyTorch's CUDA builds); :func:`available` and
 :func:`sampler_available` say whether they can run for a given device, dtype, head layout,
-vocabulary and top-k. The plain-torch paths (``qwen2.py``, ``sampling.py``) stay the reference:
+vocabulary and top-k. The plain-torch paths (``model/llm.py``, ``model/sampling.py``) stay the reference:
 ``tests/test_decode_kernels.py`` checks each kernel against them on a GPU.
 """
 
@@ -617,7 +617,7 @@ def rope_append_attend(
 
     * ``qkv`` ``[B, (Hq + 2 Hkv) D]``: the layer's q | k | v projections (bias added), row b
       for KV slot ``slot[b]``; ``k_cache``/``v_cache`` ``[S, Hkv, L, D]``, D contiguous.
-    * ``cos``/``sin`` float32 ``[B, D]``: :func:`voice_out.model.qwen2.rope_cos_sin` of ``pos``.
+    * ``cos``/``sin`` float32 ``[B, D]``: :func:`voice_out.model.llm.rope_cos_sin` of ``pos``.
     * ``pos`` int64 ``[B]``: keys ``0 .. pos[b] - 1`` of slot ``slot[b]`` (int64 ``[B]``) are
       attended, then the new key; ``offset`` int64 ``[B]``: row b is the ``offset[b]``-th row
       after the first of a run of consecutive rows feeding the same slot at consecutive
@@ -734,7 +734,7 @@ class StepRows:
     (an inactive row's go to the scratch slot's position 0); bool ``[B]`` ``active``,
     ``masked``; float32 ``uniforms`` ``[B, 2]``; int64 ``history``
     ``[B, W]`` (a fed row's last id resolved); the embeddings ``embeds`` ``[B, H]``; float32
-    ``cos``/``sin`` ``[B, D]`` of ``pos`` (:func:`voice_out.model.qwen2.rope_cos_sin`)."""
+    ``cos``/``sin`` ``[B, D]`` of ``pos`` (:func:`voice_out.model.llm.rope_cos_sin`)."""
 
     tokens: Tensor
     slots: Tensor

@@ -1,4 +1,4 @@
-"""Fused CUDA kernel (Triton) for the HiFT vocoder's Snake activation (``hift.py``).
+"""Fused CUDA kernel (Triton) for the HiFT vocoder's Snake activation (``voice_out/model/vocoder.py``).
 
 A vocoder call of the first streaming chunk (56 mel frames) is ~1050 kernels on a GPU, and
 about half of them are its 72 Snake activations: ``x + sin(alpha x)^2 / (alpha + 1e-9)`` is

@@ -10,7 +10,7 @@ import torch
 
 from tests.conftest import REPO_ROOT
 from voice_out.model.checkpoint import CheckpointError, llm_dims, load_llm, load_state_dict, random_llm
-from voice_out.model.qwen2 import KVCache, LLMDims, SpeechLM, apply_rope, rope_cos_sin, rope_matrices
+from voice_out.model.llm import KVCache, LLMDims, SpeechLM, apply_rope, rope_cos_sin, rope_matrices
 
 TINY = REPO_ROOT / "configs" / "models" / "tiny"
 FULL = REPO_ROOT / "configs" / "models" / "cosyvoice2-0.5b"
