@@ -489,6 +489,8 @@ async def test_waiting_requests_share_one_disconnect_timer() -> None:
         for r in resps:
             assert r.status == 200
             r.close()
+        # the engine holds n streams at most: the next round waits until these have ended
+        await until(lambda: not fake.active, "the second round's streams end")
         # A hang-up among many waiting requests.
         fake.script.first_chunk_delay_s = 5.0
         posts = [asyncio.ensure_future(served.post(body)) for _ in range(n)]
