@@ -258,3 +258,12 @@ def test_the_budget_is_gib_a_share_of_the_card_or_most_of_what_is_free() -> None
     assert device_budget(None, free, total) == int(DEFAULT_FREE_SHARE * free)
     with pytest.raises(ConfigError, match="more than the card's 80.0 GiB"):
         device_budget(100, free, total)
+
+
+def test_a_pin_without_cuda_graphs_turns_token2wav_s_off_too(sizes: ModelSizes) -> None:
+    """token2wav's graphs exist only with CUDA graphs: the engine reads ``token2wav_graphs``
+    alone, so a plan never says the one without the other."""
+    plan = plan_for(sizes, 22, pins={"cuda_graphs": False})
+    assert not plan.cuda_graphs and not plan.token2wav_graphs
+    assert not cpu_plan(4, {"token2wav_graphs": True}).token2wav_graphs
+    assert plan_for(sizes, 22).token2wav_graphs

@@ -346,8 +346,7 @@ def plan_engine(
     except ValueError as e:
         raise ConfigError(f"engine.first_hop_tokens / max_hop_tokens / hop_growth / fast_first_tokens: {e}") from None
     # first chunks beside the others need their own token2wav graphs and a pipelined runner
-    t2w_graphs = plan.cuda_graphs and plan.token2wav_graphs
-    first_lane = t2w_graphs and device.type == "cuda" and plan.first_chunk_lane and plan.pipeline_vocode
+    first_lane = plan.token2wav_graphs and device.type == "cuda" and plan.first_chunk_lane and plan.pipeline_vocode
     plan = dataclasses.replace(plan, first_chunk_lane=first_lane)
     log.info("engine: %s", plan.summary())
     return plan
@@ -420,7 +419,7 @@ class RunnerRecipe:
         t2w = FastToken2Wav(flow, hift, device=device)
         # graphed first-chunk flow and vocoder (CUDA only; a no-op elsewhere); the first-chunk
         # lane's graphs apart when first chunks run beside the others (the plan's first_chunk_lane)
-        t2w.use_cuda_graphs(plan.cuda_graphs and plan.token2wav_graphs, first_lane=plan.first_chunk_lane)
+        t2w.use_cuda_graphs(plan.token2wav_graphs, first_lane=plan.first_chunk_lane)
         return llm, t2w, fused_flow.enabled(flow)
 
     def _runner(self, llm: SpeechLM, t2w: FastToken2Wav, flow_kernels: bool) -> Runner:
@@ -457,7 +456,7 @@ class RunnerRecipe:
         plan, fd = self.plan, self.files.flow_dims
         voice = FlowVoice(*_warm_voice(fd.n_mels, fd.spk_embed_dim))
         # the default voice's token2wav graphs are captured here
-        default_voice = _default_voice(self.book) if plan.cuda_graphs and plan.token2wav_graphs else None
+        default_voice = _default_voice(self.book) if plan.token2wav_graphs else None
         self._compile(runner, voice, default_voice)
         runner.warmup_token2wav(voice)
         _prepare_prefixes(runner, self.book, plan.first_chunk_prefix_voices)

@@ -310,7 +310,13 @@ def cpu_plan(max_streams: int, pins: Mapping[str, object] | None = None) -> Plan
     pins = dict(pins or {})
     _check_pins(pins)
     plan = Plan(device_type="cpu", max_streams=max_streams, max_chunks_per_step=4)
-    return dataclasses.replace(plan, **pins, pins=tuple(sorted(pins.items())))  # type: ignore[arg-type]
+    return _graphs_consistent(dataclasses.replace(plan, **pins, pins=tuple(sorted(pins.items()))))  # type: ignore[arg-type]
+
+
+def _graphs_consistent(plan: Plan) -> Plan:
+    """token2wav's graphs only with CUDA graphs at all (a pin ``cuda_graphs=False`` turns both
+    off), so that the engine reads ``token2wav_graphs`` alone."""
+    return plan if plan.cuda_graphs or not plan.token2wav_graphs else dataclasses.replace(plan, token2wav_graphs=False)
 
 
 def make_plan(
@@ -487,7 +493,7 @@ def make_plan(
 def estimate_parts(plan: Plan, sizes: ModelSizes, fixed: list[tuple[str, int]]) -> list[tuple[str, int]]:
     """The memory estimate of a plan's sizes, by part (the same model :func:`make_plan` fills)."""
     parts = list(fixed)
-    if plan.cuda_graphs and plan.token2wav_graphs:
+    if plan.token2wav_graphs:
         parts.append(("token2wav_base", TOKEN2WAV_BASE_BYTES))
         if plan.first_chunk_lane:
             parts.append(("first_chunk_lane", FIRST_LANE_BYTES))
@@ -506,7 +512,7 @@ def _apply_pins(
         raise PlanError(
             f"plan pin dependent_launch=True: needs a Hopper GPU (sm 9.0), this one is sm {plan.capability}"
         )
-    pinned = dataclasses.replace(plan, **pins, pins=tuple(sorted(pins.items())))  # type: ignore[arg-type]
+    pinned = _graphs_consistent(dataclasses.replace(plan, **pins, pins=tuple(sorted(pins.items()))))  # type: ignore[arg-type]
     if "graph_batch_buckets" not in pins:
         top = pinned.max_streams + pinned.batched_input_rows
         pinned = dataclasses.replace(pinned, graph_batch_buckets=tuple(b for b in GRAPH_BATCH_BUCKETS if b < top))
