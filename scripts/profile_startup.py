@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from voice_out.bench import engine_bench as eb  # noqa: E402
 from voice_out.bench.timing import save_out, time_method  # noqa: E402
 from voice_out.config import load_config, parse_overrides  # noqa: E402
+from voice_out.engine import build  # noqa: E402
 from voice_out.engine.runner import Runner  # noqa: E402
 from voice_out.fast.flow_step import FastToken2Wav  # noqa: E402
 from voice_out.fast.graphs import GraphedFn  # noqa: E402
@@ -62,10 +63,13 @@ def main() -> None:
     p.add_argument("--model", default="random:0.5b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--streams", type=int, default=48, help="KV slots, as a bench run whose largest count is this")
+    p.add_argument("--gpu-memory", help="the engine's memory budget (GiB or a share of the card)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args = p.parse_args()
     t_start = time.perf_counter()
     sets = [f"model.model={args.model}", f"model.device={args.device}", *args.set]
+    if args.gpu_memory:
+        sets.append(f"engine.gpu_memory={args.gpu_memory}")
     cfg = load_config(None, environ={}, overrides=parse_overrides(sets))
     opts = eb.EngineBenchOptions(streams=(args.streams,))
     cfg = eb.bench_config(cfg, opts)
@@ -82,6 +86,8 @@ def main() -> None:
             return out
 
         setattr(checkpoint, fn, timed)
+    timer(build.RunnerRecipe, "_models", "runner: the models on the device (weights, fused paths)")
+    timer(build, "enforce_budget", "runner: the memory cap")
     timer(Runner, "__init__", "runner: KV cache and graph buckets")
     timer(kernels, "dry_run_launches", "Triton kernels ahead: dry runs")
     timer(kernels, "compile_ahead", "Triton kernels ahead: compiles (with the LLM's and vocoder's part meanwhile)")
@@ -98,7 +104,11 @@ def main() -> None:
     timer(GraphedLLM, "capture_all", "    of which: LLM graph capture")
     timer(Runner, "precapture_vocoder", "  meanwhile: the final chunks' vocoder graphs")
     timer(Runner, "warmup_token2wav", "warm-up: a token2wav stream")
+    timer(Runner, "prepare_first_prefix", "prompt prefixes")
+    timer(Runner, "prepare_state_slots", "flow-state slots")
     timer(Runner, "precapture", "token2wav graph capture (default voice)")
+    timer(FastToken2Wav, "_capture_state_slots", "  of which: the flow-state slots' graphs")
+    timer(FastToken2Wav, "capture_final_vocoder", "  of which: the final chunks' vocoder graphs")
     timer(FastToken2Wav, "capture_stream_shapes", "  of which: capture_stream_shapes")
     timer(GraphedFn, "_capture", lambda self, *_: f"    graph captures: {self.name}")
     # inside each capture: cudaGraphInstantiate (the rest is running the function on the host)
