@@ -359,12 +359,15 @@ def random_hift(config: str | Path, device: str | torch.device = "cpu", seed: in
 
     For speed measurements at full size without the real weights: same shapes and compute. The
     init keeps activations in a plausible range (f0 of tens to hundreds of Hz, bounded output).
+    Drawn on ``device``: the values depend on the seed and the device type.
     """
     p = Path(config)
     cfg = load_yaml(p) if p.is_dir() else parse_yaml(p.read_text(encoding="utf-8"))
     dims = hift_dims(cfg)
-    gen = torch.Generator().manual_seed(seed)
-    model = HiFT(dims)
+    # built and drawn on ``device``: a full-size model drawn on the CPU took seconds of start-up
+    with torch.device(device):
+        model = HiFT(dims)
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, t in model.named_parameters():
             if name.endswith("alpha"):
@@ -373,7 +376,7 @@ def random_hift(config: str | Path, device: str | torch.device = "cpu", seed: in
                 t.zero_()
             else:
                 fan_in = t[0].numel() if t.dim() > 1 else t.numel()
-                t.copy_(torch.randn(t.shape, generator=gen) / math.sqrt(fan_in))
+                t.copy_(torch.randn(t.shape, generator=gen, device=t.device) / math.sqrt(fan_in))
         # f0 = |linear(...)|: offset it so the source is mostly voiced, as in real speech.
         model.f0_predictor.classifier.bias.fill_(150.0)
         # keep the iSTFT magnitudes (exp of the first n_fft/2 + 1 rows) small: no clipping
@@ -598,9 +601,11 @@ def init_random_flow_(model: Flow, seed: int = 0) -> Flow:
 
     Embedding ~ N(0, 1); weights ~ N(0, 1/fan_in) (residual-branch outputs further scaled by
     1/sqrt(2 n_blocks) per stack); norms 1; biases and the relative-position biases small.
-    Drawn in float32 on the CPU, so the values depend only on the seed.
+    Drawn in float32 on the model's device (a full-size flow drawn on the CPU took 6 to 17 s of
+    a GPU start-up), so the values depend on the seed and the device type.
     """
-    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     enc_scale = 1.0 / math.sqrt(2 * (model.dims.enc_blocks + model.dims.enc_up_blocks))
     est_scale = 1.0 / math.sqrt(2 * (model.dims.n_est_blocks + model.dims.est_mid_blocks + 2))
     with torch.no_grad():
@@ -610,11 +615,11 @@ def init_random_flow_(model: Flow, seed: int = 0) -> Flow:
                 p.copy_(torch.ones_like(p) if name.endswith("weight") else torch.zeros_like(p))
                 continue
             if name.endswith("bias") or "pos_bias" in name:
-                t = 0.02 * torch.randn(p.shape, generator=gen)
+                t = 0.02 * torch.randn(p.shape, generator=gen, device=device)
             elif name == "input_embedding.weight":
-                t = torch.randn(p.shape, generator=gen)
+                t = torch.randn(p.shape, generator=gen, device=device)
             else:
-                t = torch.randn(p.shape, generator=gen) / math.sqrt(p[0].numel())
+                t = torch.randn(p.shape, generator=gen, device=device) / math.sqrt(p[0].numel())
                 if name.endswith(("linear_out.weight", "w_2.weight")):
                     t *= enc_scale
                 elif name.endswith(("to_out.weight", "ff_out.weight", "block2.conv.weight")):
@@ -635,6 +640,7 @@ def random_flow(
     """
     p = Path(config)
     cfg = load_yaml(p) if p.is_dir() else parse_yaml(p.read_text(encoding="utf-8"))
-    model = init_random_flow_(Flow(flow_dims(cfg)), seed)
+    with torch.device(device):  # built and drawn on the device
+        model = init_random_flow_(Flow(flow_dims(cfg)), seed)
     model.fuse_()
     return model.to(device=device, dtype=dtype).eval()
