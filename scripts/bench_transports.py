@@ -1,30 +1,45 @@
 """First audio at the client, per transport, next to the engine's own time to first audio.
 
-One process: the engine (random weights, forced tokens, as ``voice-out bench``), the aiohttp
-app on loopback, and the clients. For N concurrent streams, all started together, each round
-measures, from the moment the client sends the whole text:
+The server process (this one) holds the engine (random weights, forced tokens, as
+``voice-out bench``) and the real aiohttp app on a loopback port, on the event loop
+``voice-out serve`` uses (uvloop where installed). The clients run in a child process of their
+own (this script with ``--client-of``), as an agent's would, so that their work shares neither
+the server's event loop nor its GIL. Modes:
 
-* ``engine``: ``open_stream`` + ``push_text`` + ``end_text`` -> the first PCM chunk (in process);
+* ``engine``: in the server process, no transport: ``open_stream`` + ``push_text`` +
+  ``end_text`` -> the first PCM chunk (the engine's own TTFA);
 * ``elevenlabs``: the multi-context WebSocket (``pcm_24000``; context open, text, flush and
-  close in one burst) -> the first message with audio;
-* ``openai``: ``POST /v1/audio/speech`` (``response_format=pcm``, ``stream_format=audio``) ->
-  the first body bytes, on a new connection (skipped when the server has no such route);
-* ``openai_warm``: the same on a connection opened before the clock starts (an agent's
-  pooled HTTP client; the WebSocket's handshake is outside its clock too).
+  close sent together) -> the first message with audio; the socket is opened before the round;
+* ``openai``: ``POST /v1/audio/speech`` (``response_format=pcm``, ``stream_format=audio``) on a
+  new connection, connect included -> the first body bytes;
+* ``openai_warm``: the same on a connection opened before the round (an agent's pooled HTTP
+  client).
 
-Each row also splits the time where the server sees it (the engine the app serves is wrapped
-to stamp each stream): ``arrive`` is from the round's start (the N requests are sent in one
-event-loop tick) to ``end_text`` on the engine stream (engine and ``openai`` only: the other
-clocks start after a connect), ``engine part`` from there to the engine's first chunk; the rest
-of a client's time is delivery. When a transport's ``engine part`` exceeds the engine mode's,
-the engine served that arrival pattern more slowly (e.g. requests that missed a step), which
-is not the transport's own per-request cost.
+A round of N streams starts stream i at ``i * ramp_s / N`` seconds (``--ramp-s``, default 1 s,
+as ``voice-out bench``'s capacity scenario), the same schedule for every mode, and reads every
+stream to its end (all N are open together while first audio is due; ``--cancel-at-first`` and
+``--ramp-s 0`` give the old burst whose streams were cancelled at their first audio). Each
+request carries a tag in its text (every text has the same length), so the server's stamps of
+its engine stream are matched to the client's: per request
 
-After its first audio each stream is cancelled (the WebSocket by a second ``close_context``,
-HTTP by closing the response), so every stream of a round competes with the same load. Rounds
-of the modes alternate. The transport's cost is its p50 minus the engine's p50.
+* ``client``: the client's clock, text sent -> first audio byte;
+* ``engine part``: the engine stream's ``end_text`` -> its first chunk (stamped in the server);
+* ``cost``: client minus engine part, the transport's own cost for that request, whatever
+  step of the engine its first chunk happened to catch;
+* ``arrive``: text sent -> ``end_text`` (perf_counter is CLOCK_MONOTONIC, one clock for both
+  processes on Linux).
 
-    python scripts/bench_transports.py --model random:0.5b --device cuda --streams 1,16 --reps 20
+Per mode and stream count: client p50/p95, engine part p50, cost p50/p95, arrive p50, and the
+client p50 minus the engine mode's client p50 of the same repeat. Rounds of the modes
+alternate (ABCD ABCD ...); ``--repeats K`` runs the whole set K times and reports each repeat
+and the median over repeats. ``--reps R`` counts rounds per mode and repeat at 1 stream; at N
+streams ``ceil(R / sqrt(N))`` rounds of N requests each (a round costs N utterances of GPU
+work). The server process needs what ``voice-out serve`` needs (the app imports aiortc, the PCM
+encoder PyAV); the client process imports none of the server's stack (torch, voice_out, aiortc,
+av: it says so at start and the run stops if it did).
+
+    python scripts/bench_transports.py --model random:0.5b --device cuda --streams 1,16 \\
+        --reps 10 --repeats 3 --out transports.json
 """
 
 from __future__ import annotations
@@ -33,61 +48,80 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from aiohttp import web
-
-from voice_out.bench.engine_bench import EngineBenchOptions, engine_from_args, text_of
-from voice_out.engine.engine import Engine
-from voice_out.server.app import create_app
 
 VOICE = "noise"
+MODES = ("engine", "elevenlabs", "openai", "openai_warm")
+#: What the client process must not import: it is an agent's process, not the server's.
+SERVER_ONLY = ("torch", "voice_out", "aiortc", "av")
+#: The longest a round may take before the run fails (a stream that never ends).
+ROUND_TIMEOUT_S = 300.0
+now = time.perf_counter
+
+
+def tagged_text(text: str, seq: int) -> str:
+    """``text`` with its start replaced by a tag for request ``seq``: the same length (so the
+    same number of text and forced speech tokens) for every request."""
+    tag = f"q{seq:06d} "
+    if len(text) <= len(tag):
+        raise ValueError(f"--chars must be more than {len(tag)}")
+    return tag + text[len(tag) :]
+
+
+def tag_of(text: str) -> str:
+    return text[:7]
+
+
+# --------------------------------------------------------------------------------------------
+# the server process: the engine, each stream stamped
 
 
 @dataclass
-class Stamps:
-    """Per stream opened: when its text ended (perf_counter s), and from then to its first
-    chunk (s)."""
+class Stamp:
+    """One engine stream: when its text ended, and when its first chunk came (perf_counter s)."""
 
-    ended: list[float] = field(default_factory=list)
-    engine: list[float] = field(default_factory=list)
+    ended: float = 0.0
+    first: float = 0.0
 
 
 class StampedStream:
-    def __init__(self, inner: Any, stamps: Stamps) -> None:
+    """An engine stream as the app sees it: ``end_text`` and the first chunk stamped, under the
+    tag at the start of its text (event loop only)."""
+
+    def __init__(self, inner: Any, stamps: dict[str, Stamp]) -> None:
         self.inner = inner
         self.stamps = stamps
-        self.ended = 0.0
+        self.stamp = Stamp()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def end_text(self) -> None:
         self.inner.end_text()
-        self.ended = time.perf_counter()
-        self.stamps.ended.append(self.ended)
+        self.stamp.ended = now()
+        self.stamps[tag_of(self.inner.text)] = self.stamp
 
     async def __aiter__(self) -> AsyncIterator[Any]:
-        first = True
         async for chunk in self.inner:
-            if first:
-                self.stamps.engine.append(time.perf_counter() - self.ended)
-                first = False
+            if not self.stamp.first:
+                self.stamp.first = now()
             yield chunk
 
 
 class StampedEngine:
-    """The engine as the app sees it, each stream stamped in :class:`Stamps` (event loop only)."""
+    """The engine as the app sees it, each stream stamped into :attr:`stamps` (event loop only)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.stamps = Stamps()
+        self.stamps: dict[str, Stamp] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -103,77 +137,268 @@ class StampedEngine:
         return StampedStream(self.engine.open_stream(*args, **kwargs), self.stamps)
 
 
-async def engine_first(engine: Engine | StampedEngine, text: str) -> float:
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
+async def engine_one(engine: StampedEngine, text: str, at: float, cancel_at_first: bool) -> dict[str, float]:
+    """One stream in the server process, started at perf_counter ``at``."""
+    await asyncio.sleep(max(0.0, at - now()))
+    t0 = now()
     stream = engine.open_stream(VOICE)
     stream.push_text(text)
     stream.end_text()
+    first = 0.0
+    samples = 0
     try:
-        async for _ in stream:
-            return loop.time() - t0
-        raise RuntimeError("the stream ended without audio")
+        async for chunk in stream:
+            first = first or now()
+            samples += len(chunk.pcm)
+            if cancel_at_first:
+                break
     finally:
         stream.cancel()
+    if not first:
+        raise RuntimeError("an engine stream ended without audio")
+    return {"t0": t0, "first": first, "end": now(), "bytes": 2 * samples}
 
 
-async def elevenlabs_first(http: aiohttp.ClientSession, base: str, text: str, n: int) -> float:
-    loop = asyncio.get_running_loop()
+# --------------------------------------------------------------------------------------------
+# the client process
+
+
+async def elevenlabs_connect(http: aiohttp.ClientSession, base: str) -> aiohttp.ClientWebSocketResponse:
     url = f"ws://{base}/v1/text-to-speech/{VOICE}/multi-stream-input?output_format=pcm_24000"
-    async with http.ws_connect(url) as ws:
-        ctx = f"c{n}"
-        t0 = loop.time()
-        await ws.send_str(json.dumps({"text": " ", "context_id": ctx}))
-        await ws.send_str(json.dumps({"text": text, "context_id": ctx}))
-        await ws.send_str(json.dumps({"flush": True, "context_id": ctx}))
-        await ws.send_str(json.dumps({"close_context": True, "context_id": ctx}))
-        async for msg in ws:
-            data = json.loads(msg.data)
-            if data.get("audio"):
-                dt = loop.time() - t0
-                break
-            if data.get("isFinal") or data.get("error"):
-                raise RuntimeError(f"no audio: {data}")
-        else:
-            raise RuntimeError("the socket closed without audio")
-        await ws.send_str(json.dumps({"close_context": True, "context_id": ctx}))  # interrupt
-        async for msg in ws:
-            if json.loads(msg.data).get("isFinal"):
-                break
-        return dt
+    return await http.ws_connect(url)
 
 
-async def openai_first(http: aiohttp.ClientSession, base: str, text: str, n: int, warm: bool = False) -> float:
-    loop = asyncio.get_running_loop()
+async def elevenlabs_one(
+    ws: aiohttp.ClientWebSocketResponse, text: str, at: float, cancel_at_first: bool
+) -> dict[str, float]:
+    import base64
+
+    await asyncio.sleep(max(0.0, at - now()))
+    ctx = "c"
+    t0 = now()
+    for msg in ({"text": " "}, {"text": text}, {"flush": True}, {"close_context": True}):
+        await ws.send_str(json.dumps({**msg, "context_id": ctx}))
+    first, size = 0.0, 0
+    async for m in ws:
+        data = json.loads(m.data)
+        if data.get("error"):
+            raise RuntimeError(f"elevenlabs: {data}")
+        if data.get("audio"):
+            if not first:
+                first = now()
+                if cancel_at_first:
+                    await ws.send_str(json.dumps({"close_context": True, "context_id": ctx}))  # interrupt
+            size += len(base64.b64decode(data["audio"]))
+        if data.get("isFinal"):
+            break
+    else:
+        raise RuntimeError("elevenlabs: the socket closed before the final message")
+    end = now()
+    await ws.close()
+    if not first:
+        raise RuntimeError("elevenlabs: no audio")
+    return {"t0": t0, "first": first, "end": end, "bytes": size}
+
+
+async def openai_one(
+    http: aiohttp.ClientSession, base: str, text: str, at: float, cancel_at_first: bool
+) -> dict[str, float]:
     body = {"model": "voice_out", "input": text, "voice": VOICE, "response_format": "pcm", "stream_format": "audio"}
-    if warm:  # one connection of its own, opened and kept alive before the clock starts
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as own:
-            async with own.get(f"http://{base}/healthz") as r:
-                await r.read()
-            await asyncio.sleep(0.2)  # every stream's connection is open before any clock starts
-            return await openai_first(own, base, text, n)
-    t0 = loop.time()
+    await asyncio.sleep(max(0.0, at - now()))
+    t0 = now()
     async with http.post(f"http://{base}/v1/audio/speech", json=body) as r:
         if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-        await r.content.readany()
-        dt = loop.time() - t0
-        r.close()  # hang up: the server cancels the stream
-    return dt
+            raise RuntimeError(f"openai: HTTP {r.status}: {(await r.text())[:200]}")
+        data = await r.content.readany()
+        first, size = now(), len(data)
+        if cancel_at_first:
+            r.close()  # hang up: the server cancels the stream
+        else:
+            while data := await r.content.readany():
+                size += len(data)
+    if not size:
+        raise RuntimeError("openai: an empty body")
+    return {"t0": t0, "first": first, "end": now(), "bytes": size}
 
 
-async def has_openai(http: aiohttp.ClientSession, base: str) -> bool:
-    async with http.post(f"http://{base}/v1/audio/speech", data=b"{}") as r:
-        return r.status not in (404, 405)
+async def warm_session(base: str) -> aiohttp.ClientSession:
+    """A client of one kept-alive connection, opened now (outside any clock)."""
+    own = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+    async with own.get(f"http://{base}/healthz") as r:
+        await r.read()
+    return own
 
 
-def quantile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if len(values) > 1 else values[0]
+async def client_round(base: str, cmd: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """One round in the client process: ``cmd`` names the mode, the texts and each one's start
+    (s after the round's clock, which starts once every pre-opened connection is up)."""
+    mode, texts, offsets, cancel = cmd["mode"], cmd["texts"], cmd["offsets"], cmd["cancel_at_first"]
+    async with contextlib.AsyncExitStack() as stack:
+        if mode == "elevenlabs":
+            http = await stack.enter_async_context(aiohttp.ClientSession())
+            sockets = await asyncio.gather(*(elevenlabs_connect(http, base) for _ in texts))
+            for ws in sockets:
+                stack.push_async_callback(ws.close)
+            t = now()
+            coros = [elevenlabs_one(ws, x, t + o, cancel) for ws, x, o in zip(sockets, texts, offsets, strict=True)]
+        elif mode == "openai":  # a new connection for every request, its connect inside the clock
+            http = await stack.enter_async_context(
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+            )
+            t = now()
+            coros = [openai_one(http, base, x, t + o, cancel) for x, o in zip(texts, offsets, strict=True)]
+        elif mode == "openai_warm":
+            own = await asyncio.gather(*(warm_session(base) for _ in texts))
+            for s in own:
+                stack.push_async_callback(s.close)
+            t = now()
+            coros = [openai_one(s, base, x, t + o, cancel) for s, x, o in zip(own, texts, offsets, strict=True)]
+        else:
+            raise ValueError(f"unknown client mode {mode!r}")
+        got = await asyncio.gather(*coros)
+    return {tag_of(x): g for x, g in zip(texts, got, strict=True)}
 
 
-async def main(args: argparse.Namespace) -> dict[str, Any]:
+async def client_main(base: str) -> None:
+    """The client process: one JSON command a line on stdin, one JSON reply a line on stdout."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    # an agent's process: none of the server's stack (say so, the server checks)
+    heavy = sorted({m.split(".")[0] for m in sys.modules} & set(SERVER_ONLY))
+    print(json.dumps({"ready": True, "server_modules": heavy}), flush=True)
+    while line := await reader.readline():
+        try:
+            reply: dict[str, Any] = {"requests": await client_round(base, json.loads(line))}
+        except Exception as e:  # the server reports it and stops the run
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(reply), flush=True)
+
+
+class ClientProcess:
+    """The child process that runs the clients (server process side, event loop only)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    @classmethod
+    async def start(cls, base: str) -> ClientProcess:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            __file__,
+            "--client-of",
+            base,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        client = cls(proc)
+        hello = await client.reply(60.0)
+        if hello.get("server_modules"):
+            await client.close()
+            raise RuntimeError(f"the client process imported the server's {', '.join(hello['server_modules'])}")
+        return client
+
+    async def reply(self, wait_s: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), wait_s)
+        if not line:
+            raise RuntimeError(f"the client process exited (status {await self.proc.wait()})")
+        return dict(json.loads(line))
+
+    async def round(self, cmd: dict[str, Any]) -> dict[str, dict[str, float]]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        await self.proc.stdin.drain()
+        got = await self.reply(ROUND_TIMEOUT_S)
+        if "error" in got:
+            raise RuntimeError(f"{cmd['mode']} round failed in the client process: {got['error']}")
+        return dict(got["requests"])
+
+    async def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 10.0)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+# --------------------------------------------------------------------------------------------
+# figures
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def rounds_at(reps: int, n: int) -> int:
+    """Rounds per mode and repeat at ``n`` streams: ``reps`` at 1 stream, fewer at more, as a
+    round of ``n`` gives ``n`` requests for ``n`` utterances of GPU work."""
+    return max(1, math.ceil(reps / math.sqrt(n)))
+
+
+def figures(requests: list[dict[str, float]]) -> dict[str, float]:
+    """The figures (ms) of one mode's requests at one stream count, in one repeat."""
+    client = [r["client"] for r in requests]
+    part = [r["engine_part"] for r in requests]
+    cost = [r["cost"] for r in requests]
+    arrive = [r["arrive"] for r in requests]
+    return {
+        "client_p50": quantile(client, 0.5),
+        "client_p95": quantile(client, 0.95),
+        "engine_part_p50": quantile(part, 0.5),
+        "cost_p50": quantile(cost, 0.5),
+        "cost_p95": quantile(cost, 0.95),
+        "arrive_p50": quantile(arrive, 0.5),
+        "audio_s": statistics.fmean(r["audio_s"] for r in requests),
+        "n": len(requests),
+    }
+
+
+def table(title: str, rows: dict[str, dict[str, dict[str, float]]]) -> str:
+    lines = [
+        title,
+        f"{'streams':>7} {'mode':<12} {'client p50':>10} {'p95':>7} {'engine part':>11} {'cost p50':>8} "
+        f"{'p95':>6} {'arrive':>6} {'over engine p50':>15} {'n':>4}",
+    ]
+    for n, modes in rows.items():
+        for mode, f in modes.items():
+            lines.append(
+                f"{n:>7} {mode:<12} {f['client_p50']:10.1f} {f['client_p95']:7.1f} {f['engine_part_p50']:11.1f} "
+                f"{f['cost_p50']:8.1f} {f['cost_p95']:6.1f} {f['arrive_p50']:6.1f} "
+                f"{f['over_engine_p50']:+15.1f} {int(f['n']):4d}"
+            )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# the run
+
+
+async def server_main(args: argparse.Namespace) -> dict[str, Any]:
+    from aiohttp import web
+
+    from voice_out.bench.engine_bench import EngineBenchOptions, engine_from_args, text_of
+    from voice_out.server.app import create_app
+
     streams = tuple(int(s) for s in args.streams.split(","))
-    opts = EngineBenchOptions(streams=streams, ttfa_chars=args.chars, capacity_chars=args.chars, long_chars=args.chars)
+    modes = tuple(args.modes.split(","))
+    if set(modes) - set(MODES) or "engine" not in modes:
+        raise SystemExit(f"--modes: choose from {', '.join(MODES)}, engine included")
+    opts = EngineBenchOptions(
+        streams=streams,
+        ttfa_chars=args.chars,
+        capacity_chars=args.chars,
+        long_chars=args.chars,
+        prompt_tokens=args.prompt_tokens,
+    )
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     engine = engine_from_args(args.model, args.device, args.set, opts)
     stamped = StampedEngine(engine)
     app = create_app(engine.config, stamped, None, web_dir=None)
@@ -183,78 +408,147 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     await site.start()
     base = f"127.0.0.1:{runner.addresses[0][1]}"
     text = text_of(args.chars)
-    results: dict[str, Any] = {"model": args.model, "device": args.device, "chars": args.chars, "rounds": {}}
+    plan = {n: rounds_at(args.reps, n) for n in streams}
+    out: dict[str, Any] = {
+        "model": args.model,
+        "device": args.device,
+        "chars": args.chars,
+        "ramp_s": args.ramp_s,
+        "cancel_at_first": args.cancel_at_first,
+        "modes": list(modes),
+        "rounds_per_repeat": {str(n): r for n, r in plan.items()},
+        "warmup_rounds": args.warmup,
+        "repeats": [],
+    }
+    seq = 0
+
+    async def one_round(mode: str, n: int) -> list[dict[str, float]]:
+        nonlocal seq
+        texts = [tagged_text(text, seq + i) for i in range(n)]
+        seq += n
+        offsets = [args.ramp_s * i / n for i in range(n)]
+        stamped.stamps = {}
+        if mode == "engine":
+            t = now()
+            got = await asyncio.wait_for(
+                asyncio.gather(
+                    *(engine_one(stamped, x, t + o, args.cancel_at_first) for x, o in zip(texts, offsets, strict=True))
+                ),
+                ROUND_TIMEOUT_S,
+            )
+            by_tag = {tag_of(x): g for x, g in zip(texts, got, strict=True)}
+        else:
+            cmd = {"mode": mode, "texts": texts, "offsets": offsets, "cancel_at_first": args.cancel_at_first}
+            by_tag = await client.round(cmd)
+        await engine.await_idle()
+        rows = []
+        for x in texts:
+            c, s = by_tag[tag_of(x)], stamped.stamps.get(tag_of(x))
+            if s is None or not s.first:
+                raise RuntimeError(f"{mode}: the server has no stamp of request {tag_of(x)}")
+            client_ms, part_ms = 1000 * (c["first"] - c["t0"]), 1000 * (s.first - s.ended)
+            rows.append(
+                {
+                    "client": client_ms,
+                    "engine_part": part_ms,
+                    "cost": client_ms - part_ms,
+                    "arrive": 1000 * (s.ended - c["t0"]),
+                    "audio_s": c["bytes"] / 2 / 24000,
+                }
+            )
+        return rows
+
+    t_run = now()
+    client = await ClientProcess.start(base)
     try:
-        conn = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=conn) as http:
-            modes: dict[str, Callable[[int], Awaitable[float]]] = {
-                "engine": lambda n: engine_first(stamped, text),
-                "elevenlabs": lambda n: elevenlabs_first(http, base, text, n),
-            }
-            if await has_openai(http, base):
-                modes["openai"] = lambda n: openai_first(http, base, text, n)
-                modes["openai_warm"] = lambda n: openai_first(http, base, text, n, warm=True)
-            else:
-                print("no POST /v1/audio/speech on this server: openai skipped", file=sys.stderr)
+        for n in streams:  # warm-up: every mode's first use (connections, code paths), not counted
+            for _ in range(args.warmup):
+                for mode in modes:
+                    await one_round(mode, n)
+        for k in range(args.repeats):
+            per: dict[str, dict[str, dict[str, float]]] = {}
             for n in streams:
-                samples: dict[str, list[float]] = {m: [] for m in modes}
-                split: dict[str, dict[str, list[float]]] = {m: {"arrive": [], "engine": []} for m in modes}
-                for rep in range(args.warmup + args.reps):
-                    for mode, first in modes.items():
-                        stamped.stamps = Stamps()
-                        t0 = time.perf_counter()
-                        got = await asyncio.gather(*(first(i) for i in range(n)))
-                        await engine.await_idle()
-                        if rep >= args.warmup:
-                            samples[mode] += [1000.0 * s for s in got]
-                            st = stamped.stamps
-                            if mode in ("engine", "openai"):  # the others' clocks start after a connect
-                                split[mode]["arrive"] += [1000.0 * (e - t0) for e in st.ended]
-                            split[mode]["engine"] += [1000.0 * e for e in st.engine]
-                row = {m: {"p50": quantile(v, 0.5), "p95": quantile(v, 0.95), "n": len(v)} for m, v in samples.items()}
-                for m in modes:
-                    if split[m]["arrive"]:
-                        row[m]["arrive_p50"] = quantile(split[m]["arrive"], 0.5)
-                        row[m]["arrive_max"] = max(split[m]["arrive"])
-                    if split[m]["engine"]:
-                        row[m]["engine_p50"] = quantile(split[m]["engine"], 0.5)
-                    if m != "engine":
-                        row[m]["over_engine_p50"] = row[m]["p50"] - row["engine"]["p50"]
-                results["rounds"][str(n)] = row
-                print(
-                    f"streams={n}: "
-                    + "  ".join(
-                        f"{m} p50 {r['p50']:.1f} p95 {r['p95']:.1f} ms"
-                        + (
-                            f" (arrive p50 {r['arrive_p50']:.1f} max {r['arrive_max']:.1f})"
-                            if "arrive_p50" in r
-                            else ""
-                        )
-                        + (f" (engine part p50 {r['engine_p50']:.1f})" if "engine_p50" in r else "")
-                        for m, r in row.items()
-                    )
-                )
+                got: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+                for _ in range(plan[n]):
+                    for mode in modes:
+                        got[mode] += await one_round(mode, n)
+                per[str(n)] = {m: figures(rows) for m, rows in got.items()}
+                print(f"repeat {k + 1}, {n} streams: done at {now() - t_run:.0f} s", file=sys.stderr, flush=True)
+                for f in per[str(n)].values():
+                    f["over_engine_p50"] = f["client_p50"] - per[str(n)]["engine"]["client_p50"]
+            out["repeats"].append(per)
+            print(table(f"repeat {k + 1} of {args.repeats} (ms)", per), flush=True)
     finally:
         with contextlib.suppress(Exception):
+            await client.close()
+        with contextlib.suppress(Exception):
             await runner.cleanup()
-    return results
+    med: dict[str, dict[str, dict[str, float]]] = {}
+    for key_n in map(str, streams):
+        med[key_n] = {
+            m: {key: statistics.median(r[key_n][m][key] for r in out["repeats"]) for key in out["repeats"][0][key_n][m]}
+            for m in modes
+        }
+    out["median"] = med
+    print(table(f"median over {args.repeats} repeats (ms)", med), flush=True)
+    return out
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """The event loop ``voice-out serve`` runs on: uvloop where installed."""
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--model", default="random:0.5b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--streams", default="1,16", help="stream counts, comma-separated")
+    ap.add_argument(
+        "--reps", type=int, default=10, help="rounds per mode and repeat at 1 stream; ceil(reps/sqrt(N)) at N streams"
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="times the whole interleaved set runs")
+    ap.add_argument(
+        "--warmup", type=int, default=1, help="warm-up rounds per mode and stream count, before the repeats"
+    )
+    ap.add_argument("--ramp-s", type=float, default=1.0, help="stream i of N starts at i * ramp / N s")
+    ap.add_argument("--cancel-at-first", action="store_true", help="cancel each stream at its first audio")
+    ap.add_argument("--chars", type=int, default=100, help="characters of each utterance")
+    ap.add_argument("--prompt-tokens", type=int, default=150, help="speech tokens of the random voice's prompt")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, engine included")
+    ap.add_argument("--set", action="append", default=[], help="SECTION.FIELD=VALUE")
+    ap.add_argument("--out", "--json", dest="out", help="write the figures here (JSON)")
+    ap.add_argument("--client-of", help=argparse.SUPPRESS)  # the client process: the server's host:port
+    a = ap.parse_args(argv)
+    if a.client_of is None:
+        if a.reps < 1 or a.repeats < 1 or a.warmup < 0:
+            ap.error("--reps and --repeats must be >= 1, --warmup >= 0")
+        if a.ramp_s < 0:
+            ap.error("--ramp-s must be >= 0")
+        if a.chars <= 8:
+            ap.error("--chars must be more than 8 (each text starts with an 8-character tag)")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    a = parse_args(argv)
+    if a.client_of is not None:
+        asyncio.run(client_main(a.client_of))
+        return
+    t_start = time.time()
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        out = runner.run(server_main(a))
+    out["wall_s"] = round(time.time() - t_start, 1)
+    print(f"wall {out['wall_s']} s", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="random:0.5b")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--streams", default="1,16")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--chars", type=int, default=100)
-    ap.add_argument("--set", action="append", default=[], help="SECTION.FIELD=VALUE")
-    ap.add_argument("--json", help="write the figures here")
-    a = ap.parse_args()
-    t_start = time.time()
-    out = asyncio.run(main(a))
-    out["wall_s"] = round(time.time() - t_start, 1)
-    print(json.dumps(out, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    main()
