@@ -32,11 +32,13 @@ its engine stream are matched to the client's: per request
 Per mode and stream count: client p50/p95, engine part p50, cost p50/p95, arrive p50, and the
 client p50 minus the engine mode's client p50 of the same repeat. Rounds of the modes
 alternate (ABCD ABCD ...); ``--repeats K`` runs the whole set K times and reports each repeat
-and the median over repeats. ``--reps R`` counts rounds per mode and repeat at 1 stream; at N
-streams ``ceil(R / sqrt(N))`` rounds of N requests each (a round costs N utterances of GPU
-work). The server process needs what ``voice-out serve`` needs (the app imports aiortc, the PCM
-encoder PyAV); the client process imports none of the server's stack (torch, voice_out, aiortc,
-av: it says so at start and the run stops if it did).
+and the median over repeats; ``--out`` writes them as JSON after every repeat (``complete``
+false until the end), with each request's own figures (``requests``). ``--reps R`` counts
+rounds per mode and repeat at 1 stream; at N streams ``ceil(R / sqrt(N))`` rounds of N
+requests each (a round costs N utterances of GPU work). The server process needs what
+``voice-out serve`` needs (the app imports aiortc, the PCM encoder PyAV); the client process
+imports none of the server's stack (torch, voice_out, aiortc, av: it says so at start and the
+run stops if it did).
 
     python scripts/bench_transports.py --model random:0.5b --device cuda --streams 1,16 \\
         --reps 10 --repeats 3 --out transports.json
@@ -62,6 +64,9 @@ VOICE = "noise"
 MODES = ("engine", "elevenlabs", "openai", "openai_warm")
 #: What the client process must not import: it is an agent's process, not the server's.
 SERVER_ONLY = ("torch", "voice_out", "aiortc", "av")
+#: Each request's raw figures in the JSON (``requests``), in this order: its stream's index
+#: in the round (its place in the ramp), and ms.
+RAW_FIELDS = ("index", "client", "engine_part", "arrive")
 #: The longest a round may take before the run fails (a stream that never ends).
 ROUND_TIMEOUT_S = 300.0
 now = time.perf_counter
@@ -358,6 +363,15 @@ def figures(requests: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
+def median_over(repeats: list[dict[str, dict[str, dict[str, float]]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Each figure's median over the repeats, per stream count and mode."""
+    first = repeats[0]
+    return {
+        n: {m: {key: statistics.median(r[n][m][key] for r in repeats) for key in f} for m, f in modes.items()}
+        for n, modes in first.items()
+    }
+
+
 def table(title: str, rows: dict[str, dict[str, dict[str, float]]]) -> str:
     lines = [
         title,
@@ -379,6 +393,7 @@ def table(title: str, rows: dict[str, dict[str, dict[str, float]]]) -> str:
 
 
 async def server_main(args: argparse.Namespace) -> dict[str, Any]:
+    t_start = now()
     from aiohttp import web
 
     from voice_out.bench.engine_bench import EngineBenchOptions, engine_from_args, text_of
@@ -418,9 +433,20 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
         "modes": list(modes),
         "rounds_per_repeat": {str(n): r for n, r in plan.items()},
         "warmup_rounds": args.warmup,
+        "ready_s": round(now() - t_start, 1),
+        "complete": False,
         "repeats": [],
+        "requests": [],
     }
     seq = 0
+
+    def save() -> None:
+        """The figures so far into ``--out`` (after every repeat: a run cut short keeps them)."""
+        if out["repeats"]:
+            out["median"] = median_over(out["repeats"])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
 
     async def one_round(mode: str, n: int) -> list[dict[str, float]]:
         nonlocal seq
@@ -442,7 +468,7 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
             by_tag = await client.round(cmd)
         await engine.await_idle()
         rows = []
-        for x in texts:
+        for i, x in enumerate(texts):
             c, s = by_tag[tag_of(x)], stamped.stamps.get(tag_of(x))
             if s is None or not s.first:
                 raise RuntimeError(f"{mode}: the server has no stamp of request {tag_of(x)}")
@@ -454,6 +480,7 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
                     "cost": client_ms - part_ms,
                     "arrive": 1000 * (s.ended - c["t0"]),
                     "audio_s": c["bytes"] / 2 / 24000,
+                    "index": i,
                 }
             )
         return rows
@@ -467,30 +494,31 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
                     await one_round(mode, n)
         for k in range(args.repeats):
             per: dict[str, dict[str, dict[str, float]]] = {}
+            raw: dict[str, dict[str, list[list[float]]]] = {}
             for n in streams:
                 got: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
                 for _ in range(plan[n]):
                     for mode in modes:
                         got[mode] += await one_round(mode, n)
                 per[str(n)] = {m: figures(rows) for m, rows in got.items()}
+                raw[str(n)] = {m: [[r[k] for k in RAW_FIELDS] for r in rows] for m, rows in got.items()}
                 print(f"repeat {k + 1}, {n} streams: done at {now() - t_run:.0f} s", file=sys.stderr, flush=True)
                 for f in per[str(n)].values():
                     f["over_engine_p50"] = f["client_p50"] - per[str(n)]["engine"]["client_p50"]
             out["repeats"].append(per)
+            out["requests"].append(raw)
+            save()
             print(table(f"repeat {k + 1} of {args.repeats} (ms)", per), flush=True)
     finally:
         with contextlib.suppress(Exception):
             await client.close()
         with contextlib.suppress(Exception):
             await runner.cleanup()
-    med: dict[str, dict[str, dict[str, float]]] = {}
-    for key_n in map(str, streams):
-        med[key_n] = {
-            m: {key: statistics.median(r[key_n][m][key] for r in out["repeats"]) for key in out["repeats"][0][key_n][m]}
-            for m in modes
-        }
-    out["median"] = med
-    print(table(f"median over {args.repeats} repeats (ms)", med), flush=True)
+    out["complete"] = True
+    out["wall_s"] = round(now() - t_start, 1)
+    save()
+    print(table(f"median over {args.repeats} repeats (ms)", out["median"]), flush=True)
+    print(f"wall {out['wall_s']} s (engine and app ready after {out['ready_s']} s)", flush=True)
     return out
 
 
@@ -540,14 +568,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.client_of is not None:
         asyncio.run(client_main(a.client_of))
         return
-    t_start = time.time()
     with asyncio.Runner(loop_factory=new_loop) as runner:
-        out = runner.run(server_main(a))
-    out["wall_s"] = round(time.time() - t_start, 1)
-    print(f"wall {out['wall_s']} s", flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+        runner.run(server_main(a))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,12 @@ def test_bench_transports_smoke(tmp_path: Path) -> None:
 
     doc = json.loads(out.read_text())
     assert doc["rounds_per_repeat"] == {"2": 1} and doc["ramp_s"] == 0.05 and doc["cancel_at_first"] is False
-    assert len(doc["repeats"]) == 2
+    assert doc["complete"] is True and len(doc["repeats"]) == 2 and len(doc["requests"]) == 2
+    for raw, per in zip(doc["requests"], doc["repeats"], strict=True):
+        for mode in MODES:  # each request's own figures: its place in the ramp, client, engine part, arrive
+            rows = raw["2"][mode]
+            assert sorted(r[0] for r in rows) == [0, 1]
+            assert max(r[1] for r in rows) >= per["2"][mode]["client_p50"] >= min(r[1] for r in rows)
     audio = set()
     for per in [*doc["repeats"], doc["median"]]:
         assert set(per) == {"2"} and set(per["2"]) == set(MODES)
