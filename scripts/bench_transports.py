@@ -33,9 +33,10 @@ Per mode and stream count: client p50/p95, engine part p50, cost p50/p95, arrive
 client p50 minus the engine mode's client p50 of the same repeat. Rounds of the modes
 alternate (ABCD ABCD ...); ``--repeats K`` runs the whole set K times and reports each repeat
 and the median over repeats; ``--out`` writes them as JSON after every repeat (``complete``
-false until the end), with each request's own figures (``requests``). ``--reps R`` counts
-rounds per mode and repeat at 1 stream; at N streams ``ceil(R / sqrt(N))`` rounds of N
-requests each (a round costs N utterances of GPU work). The server process needs what
+false until the end), with each request's own figures (``requests``); ``--budget-s`` starts
+no repeat that would end past it (judged by the one before), for a run under a time limit.
+``--reps R`` counts rounds per mode and repeat at 1 stream; at N streams ``ceil(R / sqrt(N))``
+rounds of N requests each (a round costs N utterances of GPU work). The server process needs what
 ``voice-out serve`` needs (the app imports aiortc, the PCM encoder PyAV); the client process
 imports none of the server's stack (torch, voice_out, aiortc, av: it says so at start and the
 run stops if it did).
@@ -485,7 +486,7 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
             )
         return rows
 
-    t_run = now()
+    t_run, last_repeat_s = now(), 0.0
     client = await ClientProcess.start(base)
     try:
         for n in streams:  # warm-up: every mode's first use (connections, code paths), not counted
@@ -493,6 +494,10 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
                 for mode in modes:
                     await one_round(mode, n)
         for k in range(args.repeats):
+            t_repeat = now()
+            if k and args.budget_s and t_repeat - t_start + last_repeat_s > args.budget_s:
+                print(f"--budget-s {args.budget_s:g}: stopping after {k} repeats", file=sys.stderr, flush=True)
+                break
             per: dict[str, dict[str, dict[str, float]]] = {}
             raw: dict[str, dict[str, list[list[float]]]] = {}
             for n in streams:
@@ -508,6 +513,7 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
             out["repeats"].append(per)
             out["requests"].append(raw)
             save()
+            last_repeat_s = now() - t_repeat
             print(table(f"repeat {k + 1} of {args.repeats} (ms)", per), flush=True)
     finally:
         with contextlib.suppress(Exception):
@@ -517,7 +523,7 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
     out["complete"] = True
     out["wall_s"] = round(now() - t_start, 1)
     save()
-    print(table(f"median over {args.repeats} repeats (ms)", out["median"]), flush=True)
+    print(table(f"median over {len(out['repeats'])} repeats (ms)", out["median"]), flush=True)
     print(f"wall {out['wall_s']} s (engine and app ready after {out['ready_s']} s)", flush=True)
     return out
 
@@ -543,6 +549,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--warmup", type=int, default=1, help="warm-up rounds per mode and stream count, before the repeats"
     )
+    ap.add_argument(
+        "--budget-s", type=float, default=0.0, help="start no repeat that would end later than this (s from start)"
+    )
     ap.add_argument("--ramp-s", type=float, default=1.0, help="stream i of N starts at i * ramp / N s")
     ap.add_argument("--cancel-at-first", action="store_true", help="cancel each stream at its first audio")
     ap.add_argument("--chars", type=int, default=100, help="characters of each utterance")
@@ -556,6 +565,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if a.client_of is None:
         if a.reps < 1 or a.repeats < 1 or a.warmup < 0:
             ap.error("--reps and --repeats must be >= 1, --warmup >= 0")
+        if a.budget_s < 0:
+            ap.error("--budget-s must be >= 0 (0: no limit)")
         if a.ramp_s < 0:
             ap.error("--ramp-s must be >= 0")
         if a.chars <= 8:
