@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -201,6 +202,53 @@ def engine_runner(engine: Engine) -> Runner:
     worker = engine._worker
     assert worker is not None and isinstance(worker.runner, Runner)
     return worker.runner
+
+
+def wait_not_warming(engine: Engine, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.warming:
+        assert time.monotonic() < deadline, "the deferred start-up work did not end"
+        time.sleep(0.01)
+
+
+def test_start_up_work_after_ready_runs_only_while_no_stream_is_live(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``Runner.defer``: the worker advances start-up's deferred work (on a GPU, the graph
+    captures past the first chunks) one piece at a time, and only while no request is live; a
+    stream opened meanwhile is served between two pieces and speaks as it does alone;
+    ``Engine.warming`` says whether work is left; a failing piece ends the work (logged) and
+    the engine goes on."""
+    runner = engine_runner(engine)
+    worker = engine._worker
+    assert worker is not None
+    reference = signature(solo(engine, 7, ["Hello there."]))
+    assert engine.wait_idle(60) and not engine.warming
+    live_seen: list[int] = []  # requests the scheduler held when each piece ran
+
+    def work() -> Iterator[None]:
+        for _ in range(40):
+            live_seen.append(len(worker.scheduler.requests))
+            time.sleep(0.01)
+            yield
+
+    runner.defer(work())  # the worker is idle, blocked on its inbox: a message wakes it
+    assert engine.wait_idle(60)
+    assert engine.warming  # published before the first piece, which the barrier does not wait for
+    assert signature(solo(engine, 7, ["Hello there."])) == reference
+    wait_not_warming(engine)
+    assert len(live_seen) == 40 and set(live_seen) == {0}
+
+    def failing() -> Iterator[None]:
+        yield
+        raise RuntimeError("injected")
+
+    runner.defer(failing())
+    assert engine.wait_idle(60)
+    wait_not_warming(engine)
+    assert "start-up work after ready failed" in caplog.text
+    assert signature(solo(engine, 7, ["Hello there."])) == reference
+    assert_clean(engine)
 
 
 class BatchSpy:
@@ -908,15 +956,16 @@ def test_a_start_captures_every_voice_s_prompt_length(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, voice_tokens: int, text: str
 ) -> None:
     """A voice whose prompt length differs from the default voice's has its token2wav graphs
-    captured at start-up (the plan's ``capture_voice_tokens``; its first chunk's whatever the
-    setting), so its first utterance captures none (the capture was 0.5 to 0.9 s of that
-    utterance's first audio on an H200)."""
+    captured at start-up (the plan's ``capture_voice_tokens``; its first chunk's before ready
+    whatever the setting, the rest after ready), so its first utterance captures none (the
+    capture was 0.5 to 0.9 s of that utterance's first audio on an H200)."""
     from voice_out.fast.graphs import GraphedFn
 
     ec = EngineConfig(max_streams=2)
     pins = {"capture_tokens": 100, "capture_batch_tokens": 60, "capture_voice_tokens": voice_tokens}
     eng = engine_with_voices(tmp_path, ec, "cuda", 50, (25, 75), pins)
     eng.start(timeout=600)
+    wait_not_warming(eng, 300)
     try:
         captured: list[object] = []
         real = GraphedFn._capture
@@ -947,6 +996,55 @@ def test_a_start_captures_every_voice_s_prompt_length(
         eng.close()
 
 
+@pytest.mark.requires_cuda
+def test_the_captures_after_ready_complete_the_planned_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a GPU, start-up captures the first chunks' token2wav graphs before ready and the rest
+    of the plan's range after (``Runner.defer``), while no stream is live: once it is done, a
+    start-up capturing the whole range at once would capture nothing more, and a stream speaks
+    as one served while it ran (chunks not captured yet run eagerly: the same within float
+    rounding)."""
+    import logging
+
+    from voice_out.fast.graphs import GraphedFn
+
+    caplog.set_level(logging.INFO, logger="voice_out.engine.build")
+    ec = EngineConfig(max_streams=4)
+    pins = {"capture_tokens": 300, "capture_batch_tokens": 100}
+    eng = engine_with_voices(tmp_path, ec, "cuda", 50, (75,), pins)
+    eng.start(timeout=600)
+    try:
+        text = "Hello there, and a bit more to say than that."
+        early = np.concatenate([c.pcm for c in solo(eng, 5, [text])])
+        wait_not_warming(eng, 300)
+        assert "captured for the first 50 speech tokens" in caplog.text
+        assert "start-up finished after ready: token2wav graphs of the first 300 speech tokens" in caplog.text
+        late = np.concatenate([c.pcm for c in solo(eng, 5, [text])])
+        assert early.shape == late.shape
+        np.testing.assert_allclose(early, late, atol=2e-3, rtol=0)
+        captured: list[object] = []
+        real = GraphedFn._capture
+        monkeypatch.setattr(
+            GraphedFn,
+            "_capture",
+            lambda self, key, *a, **kw: captured.append(key) or real(self, key, *a, **kw),  # type: ignore[func-returns-value]
+        )
+        assert eng.wait_idle(60)
+        runner = engine_runner(eng)  # the worker is idle: its runner, from this thread
+        plan = eng.plan
+        default = eng.voices.resolve(None).flow
+        other = eng.voices.resolve("n75").flow
+        assert default is not None and other is not None
+        per_step = plan.max_chunks_per_step
+        runner.precapture(default, plan.capture_tokens, max_batch=per_step, batch_tokens=plan.capture_batch_tokens)
+        n_voice = max(50, min(plan.capture_voice_tokens, plan.capture_tokens))
+        runner.precapture(other, n_voice, max_batch=per_step, batch_tokens=50)
+        assert captured == []
+    finally:
+        eng.close()
+
+
 # --------------------------------------------------------------------------------------------
 # Batched token2wav at the runner: plans built by hand, so which chunks share a step is exact
 
@@ -956,8 +1054,9 @@ VOICE_PROMPTS = (0, 10, 37, 25)  # flow prompt tokens: none, a pad of 15, a long
 
 def hand_runner(engine: Engine, hook: Hook | None = None) -> Runner:
     """A second runner over the engine's (stateless, shared) models; used from the test thread
-    while the engine's worker is idle."""
+    while the engine's worker is idle (its start-up work after ready done too)."""
     assert engine.wait_idle(60)
+    wait_not_warming(engine, 300)
     shared = engine_runner(engine)
     return Runner(shared.llm, shared.t2w, n_slots=len(VOICE_PROMPTS), max_len=64, fault_hook=hook)
 

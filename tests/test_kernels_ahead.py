@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -118,7 +119,7 @@ def test_compiles_run_on_several_threads_and_a_failure_is_only_logged(caplog: py
 def test_the_work_meanwhile_runs_once_the_llm_s_and_vocoder_s_kernels_are_compiled() -> None:
     """``compile_ahead(meanwhile=)``: the early kernels (the decode step's and the vocoder's
     modules) compile first, and the calling thread runs ``meanwhile`` once they are done, while
-    the others go on; everything is compiled when it returns."""
+    the others go on, told whether they still are; everything is compiled when it returns."""
     early = [FakeKernel(compile_s=0.05) for _ in range(2)]
     late = [FakeKernel(compile_s=0.2) for _ in range(3)]
     for k, module in zip(early, ("voice_out.fast.kernels.decode", "voice_out.fast.kernels.vocoder"), strict=True):
@@ -127,15 +128,22 @@ def test_the_work_meanwhile_runs_once_the_llm_s_and_vocoder_s_kernels_are_compil
         k.fn = SimpleNamespace(__module__="voice_out.fast.kernels.flow")  # type: ignore[attr-defined]
     launches = [Launch(k, (1,), (torch.zeros(4),), {}) for k in late + early]  # the late ones listed first
     seen: list[tuple[int, int]] = []
+    compiling: list[bool] = []
 
-    def meanwhile() -> None:
+    def meanwhile(still: Callable[[], bool]) -> None:
         seen.append((sum(len(k.compiled) for k in early), threading.get_ident()))
+        compiling.append(still())  # the late ones take 0.2 s: still compiling
+        while still():
+            time.sleep(0.01)
+        compiling.append(still())
+        compiling.append(all(len(k.compiled) == 1 for k in late))
 
     assert compile_ahead(launches, workers=2, meanwhile=meanwhile) == 5
     assert seen == [(2, threading.get_ident())]  # once, on this thread, the early ones done
+    assert compiling == [True, False, True]
     assert all(len(k.compiled) == 1 for k in early + late)
-    calls: list[int] = []
-    assert compile_ahead([], meanwhile=lambda: calls.append(1)) == 0 and calls == [1]
+    calls: list[bool] = []
+    assert compile_ahead([], meanwhile=lambda still: calls.append(still())) == 0 and calls == [False]
 
 
 def test_the_dry_runs_reach_every_tile_tier_the_noise_buffer_allows(monkeypatch: pytest.MonkeyPatch) -> None:

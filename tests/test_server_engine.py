@@ -68,6 +68,7 @@ async def test_real_engine_session() -> None:
                 # the engine's plan: a CPU engine's (no budget, no graphs), its streams
                 assert health["plan"]["device_type"] == "cpu" and health["plan"]["max_streams"] == 64
                 assert health["plan"]["cuda_graphs"] is False and health["plan"]["left_out"] == {}
+                assert health["warming"] is False  # a CPU engine defers no start-up work
             async with http.get(url + "/voices") as r:
                 assert await r.json() == {"voices": [{"name": "noise", "builtin": True}], "default_voice": "noise"}
 

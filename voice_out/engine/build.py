@@ -12,10 +12,11 @@ thread), and whose ``warm`` compiles and captures there before the first stream.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -451,13 +452,19 @@ class RunnerRecipe:
 
     def warm(self, runner: StepRunner) -> None:
         """Compile the kernels, warm the LLM and token2wav up, prepare the voices' prefixes and
-        flow states, and capture the graphs of the default voice and the other prompt lengths."""
+        flow states, and capture the token2wav graphs of every prompt length's first chunks.
+        The rest of the planned captures (the final chunks' vocoder lengths, the default
+        voice's range past its first chunks, the other voices' ranges) waits for after ready
+        (``Runner.defer``): the worker runs it while no stream is live, and a chunk whose graph
+        is not captured yet runs eagerly meanwhile."""
         assert isinstance(runner, Runner)
         plan, fd = self.plan, self.files.flow_dims
         voice = FlowVoice(*_warm_voice(fd.n_mels, fd.spk_embed_dim))
         # the default voice's token2wav graphs are captured here
         default_voice = _default_voice(self.book) if plan.token2wav_graphs else None
-        self._compile(runner, voice, default_voice)
+        if default_voice is not None:  # while the flow's kernels compile; what is left, after ready
+            runner.defer(runner.iter_precapture_vocoder(default_voice[1]))
+        self._compile(runner, voice)
         runner.warmup_token2wav(voice)
         _prepare_prefixes(runner, self.book, plan.first_chunk_prefix_voices)
         # (prefix_voices is 0 on a GPU without the fused kernels: nor does a stream need a state)
@@ -472,18 +479,19 @@ class RunnerRecipe:
         if default_voice is not None:  # the token2wav graphs of its prompt length, before any stream
             self._capture(runner, *default_voice)
 
-    def _compile(self, runner: Runner, voice: FlowVoice, default_voice: tuple[str, FlowVoice] | None) -> None:
+    def _compile(self, runner: Runner, voice: FlowVoice) -> None:
         """The fused kernels, compiled several at a time rather than on first use (with graphs),
         and meanwhile what needs none of the flow's kernels."""
 
-        def meanwhile() -> None:
-            """The LLM's warm-up and graphs, and the final chunks' vocoder graphs of the default voice."""
+        def meanwhile(compiling: Callable[[], bool]) -> None:
+            """The LLM's warm-up and graphs, then the deferred vocoder captures while kernels
+            still compile."""
             runner.warmup_llm()
-            if default_voice is not None:
-                runner.precapture_vocoder(default_voice[1])
+            while compiling() and runner.background_step():
+                pass
 
         if not self.plan.cuda_graphs:
-            meanwhile()
+            runner.warmup_llm()
             return
         n, seconds = precompile(runner, voice, meanwhile=meanwhile, state_chunks=self.plan.flow_state_streams > 0)
         if n:
@@ -494,27 +502,56 @@ class RunnerRecipe:
             )
 
     def _capture(self, runner: Runner, name: str, flow_voice: FlowVoice) -> None:
-        """The token2wav graphs of the default voice's prompt length, then of the first chunks
-        of the other voices' prompt lengths."""
+        """The token2wav graphs of the first chunks of the default voice's prompt length and of
+        the other voices' (now), and of the rest of their planned ranges (after ready)."""
         plan = self.plan
-        chunks_per_step = plan.max_chunks_per_step
+        per_step = plan.max_chunks_per_step
+        first = min(2 * self.cfg.engine.first_hop_tokens, plan.capture_tokens)  # the first chunks' shapes
         t0 = time.perf_counter()
-        n = runner.precapture(
-            flow_voice,
-            plan.capture_tokens,
-            max_batch=chunks_per_step,
-            batch_tokens=plan.capture_batch_tokens,
-        )
+        # (the final chunks' vocoder lengths: beside the compiles and after ready)
+        n = runner.precapture(flow_voice, first, max_batch=per_step, batch_tokens=first, final_vocoder=False)
         log.info(
-            "engine: %d token2wav graphs captured for voice %r (batched chunks up to %d) in %.1f s",
+            "engine: %d token2wav graphs captured for the first %d speech tokens of voice %r in %.1f s",
             n,
+            first,
             name,
-            chunks_per_step,
             time.perf_counter() - t0,
         )
-        first = 2 * self.cfg.engine.first_hop_tokens  # the first chunk's shapes, whatever the setting
+        others = _other_prompt_lengths(self.book, flow_voice)
+        if others:
+            t0 = time.perf_counter()
+            for _, voice in others:
+                runner.precapture(voice, first, max_batch=per_step, batch_tokens=first, final_vocoder=False)
+            log.info(
+                "engine: graphs of the first %d tokens captured for %d more prompt lengths (voices %s) in %.1f s",
+                first,
+                len(others),
+                ", ".join(repr(n) for n, _ in others),
+                time.perf_counter() - t0,
+            )
         n_voice = max(first, min(plan.capture_voice_tokens, plan.capture_tokens))
-        _capture_other_voices(runner, self.book, flow_voice, n_voice, first, chunks_per_step)
+        rest = itertools.chain(
+            runner.iter_precapture(
+                flow_voice, plan.capture_tokens, max_batch=per_step, batch_tokens=plan.capture_batch_tokens
+            ),
+            *(runner.iter_precapture(v, n_voice, max_batch=per_step, batch_tokens=first) for _, v in others),
+        )
+        what = f"the first {plan.capture_tokens} speech tokens of voice {name!r}"
+        if others:
+            what += f" and {n_voice} of {len(others)} more prompt lengths"
+        runner.defer(_logged_after_ready(rest, runner, what))
+
+
+def _logged_after_ready(work: Iterator[None], runner: Runner, what: str) -> Iterator[None]:
+    """``work``, then one log line: the start-up captures finished after ready."""
+    t0 = time.perf_counter()
+    yield from work
+    log.info(
+        "engine: start-up finished after ready: token2wav graphs of %s captured (%d held), %.1f s after start-up's end",
+        what,
+        runner.t2w.graphs_held(),
+        time.perf_counter() - t0,
+    )
 
 
 def _warm_voice(n_mels: int, spk_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -558,18 +595,13 @@ def _prepare_prefixes(runner: Runner, book: VoiceBook, limit: int) -> None:
         )
 
 
-def _capture_other_voices(
-    runner: Runner, book: VoiceBook, default: FlowVoice, n_tokens: int, batch_tokens: int, max_batch: int
-) -> None:
-    """Capture (start-up) the token2wav graphs of the first ``n_tokens`` speech tokens (the
-    batched ones within ``batch_tokens``) for the prompt length of every other voice the
-    engine knows, one capture per distinct length (the plan's ``capture_voice_tokens``): token2wav
-    graphs are shaped by the prompt's length, and a voice of a length start-up did not
-    capture paid its first chunk's capture in its first utterance (0.5 to 0.9 s of first
-    audio on an H200) and ran its later chunks eagerly."""
+def _other_prompt_lengths(book: VoiceBook, default: FlowVoice) -> list[tuple[str, FlowVoice]]:
+    """One voice (name, conditioning) of every other prompt length the engine knows: token2wav
+    graphs are shaped by the prompt's length, and a voice of a length start-up did not capture
+    paid its first chunk's capture in its first utterance (0.5 to 0.9 s of first audio on an
+    H200) and ran its later chunks eagerly."""
     lengths = {int(default.prompt_token.numel())}
-    t0 = time.perf_counter()
-    captured: list[str] = []
+    voices: list[tuple[str, FlowVoice]] = []
     for name in book.names():
         try:
             voice = book.resolve(name)
@@ -579,16 +611,8 @@ def _capture_other_voices(
         if flow is None or int(flow.prompt_token.numel()) in lengths:
             continue
         lengths.add(int(flow.prompt_token.numel()))
-        runner.precapture(flow, n_tokens, max_batch=max_batch, batch_tokens=batch_tokens)
-        captured.append(name)
-    if captured:
-        log.info(
-            "engine: token2wav graphs of the first %d tokens captured for %d more prompt lengths (voices %s) in %.1f s",
-            n_tokens,
-            len(captured),
-            ", ".join(repr(n) for n in captured),
-            time.perf_counter() - t0,
-        )
+        voices.append((name, flow))
+    return voices
 
 
 def _prompt_tokens(book: VoiceBook) -> int:

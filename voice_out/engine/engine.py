@@ -97,6 +97,9 @@ class EngineStats:
     #: The latest streams' first-audio traces, oldest first, and how many were ever recorded.
     first_audio: tuple[FirstAudioTrace, ...] = ()
     first_audio_count: int = 0
+    #: Start-up work is still running after ready (the graph captures past the first chunks:
+    #: until they end, the chunks they are for run eagerly).
+    warming: bool = False
 
 
 class Engine:
@@ -376,6 +379,14 @@ class Engine:
 
     # ---- accounting (tests, metrics) ----------------------------------------------------------
 
+    @property
+    def warming(self) -> bool:
+        """Whether start-up work is still running after ready: the token2wav graph captures
+        past the first chunks, which the worker does while no stream is live (until they end,
+        the chunks they are for run eagerly). Any thread."""
+        worker = self._worker
+        return worker is not None and worker.stats.warming
+
     def stats(self) -> EngineStats:
         worker = self._worker
         ws = worker.stats if worker is not None else WorkerStats()
@@ -395,6 +406,7 @@ class Engine:
             chunks=ws.chunks,
             first_audio=ws.first_audio,
             first_audio_count=ws.first_audio_count,
+            warming=ws.warming,
         )
 
     def wait_idle(self, timeout: float | None = 30.0) -> bool:

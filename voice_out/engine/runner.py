@@ -18,11 +18,12 @@ GPU worker thread only: every method, the constructor excepted.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -57,6 +58,8 @@ MAIN_STREAM_FAMILY = "steps"
 KV_WINDOW_STEP = 256
 #: The uniforms of a row whose draw is not used (a run's inner rows).
 _IDLE_UNIFORMS = np.full(2, 0.5)
+#: ``next``'s default for deferred work that has ended.
+_DONE = object()
 
 
 class FaultHook(Protocol):
@@ -240,6 +243,8 @@ class Runner:
         #: Token2wav streams of dropped requests, for the next admissions, each with the event
         #: of the last launch that used it (None: nothing of it is in flight).
         self._t2w_pool: list[tuple[Token2WavStream, torch.cuda.Event | None]] = []
+        #: Start-up work left for after ready (:meth:`defer`), or None.
+        self._deferred: Iterator[None] | None = None
         #: CUDA: the event of the latest launch that used each live token2wav stream (by id):
         #: a stream reused after its request is dropped waits for that one launch alone.
         self._last_launch: dict[int, torch.cuda.Event] = {}
@@ -554,26 +559,43 @@ class Runner:
             torch.cuda.synchronize(self.device)
 
     @_on_main_stream
-    def precapture_vocoder(self, voice: FlowVoice) -> None:
-        """Capture the vocoder graphs of the final chunks of ``voice``'s prompt length
-        (``FastToken2Wav.capture_final_vocoder``; :meth:`precapture` would capture them too): the
-        flow's kernels are not needed, so start-up captures them while those compile."""
-        n_prompt = int(voice.prompt_token.reshape(-1).shape[0])
-        self.t2w.capture_final_vocoder(stream_shapes(self.hops, n_prompt, self.fast_first))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @_on_main_stream
     def precapture(
-        self, voice: FlowVoice, n_tokens: int = 500, *, max_batch: int = 1, batch_tokens: int | None = None
+        self,
+        voice: FlowVoice,
+        n_tokens: int = 500,
+        *,
+        max_batch: int = 1,
+        batch_tokens: int | None = None,
+        final_vocoder: bool = True,
     ) -> int:
         """Capture the token2wav graphs of ``voice``'s prompt length for its first ``n_tokens``
         speech tokens (start-up, so no stream stalls on a capture later), with the batched-chunk
         graphs for steps of up to ``max_batch`` chunks (the engine passes its
-        ``max_chunks_per_step``) within the first ``batch_tokens`` (None: ``n_tokens``).
-        Returns graphs held."""
+        ``max_chunks_per_step``) within the first ``batch_tokens`` (None: ``n_tokens``), and
+        with ``final_vocoder`` the vocoder graphs of every final chunk length. Returns graphs
+        held."""
+        work = self.iter_precapture(
+            voice, n_tokens, max_batch=max_batch, batch_tokens=batch_tokens, final_vocoder=final_vocoder
+        )
+        for _ in work:
+            pass
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self.t2w.graphs_held()
+
+    def iter_precapture(
+        self,
+        voice: FlowVoice,
+        n_tokens: int,
+        *,
+        max_batch: int = 1,
+        batch_tokens: int | None = None,
+        final_vocoder: bool = True,
+    ) -> Iterator[None]:
+        """:meth:`precapture` one capture at a time (``FastToken2Wav.iter_capture_stream_shapes``):
+        for :meth:`defer`, or run to its end on the runner's stream."""
         token, feat, emb = self._voice(voice)
-        n = self.t2w.capture_stream_shapes(
+        yield from self.t2w.iter_capture_stream_shapes(
             token,
             feat,
             emb,
@@ -582,10 +604,63 @@ class Runner:
             max_batch=max_batch,
             batch_tokens=batch_tokens,
             first_prefix=self._first_prefix(voice),
+            final_vocoder=final_vocoder,
         )
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return n
+
+    def iter_precapture_vocoder(self, voice: FlowVoice) -> Iterator[None]:
+        """Capture the vocoder graphs of the final chunks of ``voice``'s prompt length
+        (``FastToken2Wav.iter_capture_final_vocoder``; :meth:`precapture` captures them too),
+        one at a time, for :meth:`defer`: they need none of the flow's kernels, so start-up
+        captures them while those compile, and the rest after ready."""
+        n_prompt = int(voice.prompt_token.reshape(-1).shape[0])
+        yield from self.t2w.iter_capture_final_vocoder(stream_shapes(self.hops, n_prompt, self.fast_first))
+
+    # ---- start-up work after ready -------------------------------------------------------------
+
+    def defer(self, work: Iterator[None]) -> None:
+        """Start-up work to finish after the engine is ready (the graph captures past the
+        first chunks), after any deferred before: the worker advances it one piece at a time
+        (:meth:`background_step`) while no stream is live. Until it is done, a chunk whose
+        graph is missing runs eagerly."""
+        self._deferred = work if self._deferred is None else itertools.chain(self._deferred, work)
+
+    def drop_deferred(self) -> None:
+        """End the deferred start-up work here and now (shutdown): what it holds (a state slot
+        lent to its placeholder stream) is given back on this thread."""
+        work, self._deferred = self._deferred, None
+        close = getattr(work, "close", None)
+        if close is not None:
+            close()
+
+    @property
+    def warming(self) -> bool:
+        """Whether deferred start-up work is left (:meth:`defer`)."""
+        return self._deferred is not None
+
+    def background_step(self) -> bool:
+        """Advance the deferred start-up work by one piece (one capture or placeholder chunk,
+        ~30 to 300 ms at full size) on the runner's stream, and wait for it; the worker calls
+        this only while no stream is live, so a stream that opens meanwhile waits for one piece
+        at most. Returns whether work is left. A failure ends the deferred work (logged): the
+        engine goes on, running the shapes not captured eagerly."""
+        work = self._deferred
+        if work is None:
+            return False
+        try:
+            if self.device.type == "cuda":
+                # a cancelled stream's last chunk may still replay a graph the piece replays too
+                torch.cuda.synchronize(self.device)
+            main = self._main_stream
+            with torch.cuda.stream(main) if main is not None else contextlib.nullcontext():
+                done = next(work, _DONE) is _DONE
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - the graphs are a speed-up: serve without the rest
+            log.exception("start-up work after ready failed; the shapes not captured run eagerly")
+            done = True
+        if done:
+            self._deferred = None
+        return not done
 
     # ---- LLM ---------------------------------------------------------------------------------
 

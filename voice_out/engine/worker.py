@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from voice_out.engine.api import EngineError, EngineFailedError, PcmChunk, StreamFailedError
 from voice_out.engine.request import RequestStatus, VoicePrompt
@@ -144,6 +144,21 @@ class WorkerStats:
     #: were ever traced.
     first_audio: tuple[FirstAudioTrace, ...] = ()
     first_audio_count: int = 0
+    #: The runner has start-up work left (:class:`DeferredWork`).
+    warming: bool = False
+
+
+@runtime_checkable
+class DeferredWork(Protocol):
+    """A runner with start-up work left for after ready (``Runner.defer``), which the worker
+    advances one piece at a time while no request is live."""
+
+    @property
+    def warming(self) -> bool: ...
+
+    def background_step(self) -> bool: ...
+
+    def drop_deferred(self) -> None: ...
 
 
 class Worker:
@@ -260,6 +275,8 @@ class Worker:
             if stop:
                 sched.finish(list(sched.requests), RequestStatus.ABORTED)
                 self._deliver(sched.take_outputs())
+                if isinstance(runner, DeferredWork):
+                    runner.drop_deferred()
                 runner.release_all()
                 for b in barriers:
                     _safe_notify(b)
@@ -276,6 +293,12 @@ class Worker:
                 for b in barriers:
                     _safe_notify(b)
                 barriers.clear()
+                # with no request at all, a piece of start-up's deferred work (~30 to 300 ms):
+                # a stream that opens meanwhile waits for that one piece at most
+                if not sched.requests and isinstance(runner, DeferredWork) and runner.background_step():
+                    busy = True  # look at the inbox, then the next piece
+                elif not busy and self.stats.warming:
+                    self._publish()  # the deferred work has ended
                 continue
             busy = True
             self._deliver(self._step(runner, plan))
@@ -385,6 +408,7 @@ class Worker:
             chunks=self._chunks,
             first_audio=traces,
             first_audio_count=sched.first_audio_count,
+            warming=isinstance(runner, DeferredWork) and runner.warming,
         )
 
 

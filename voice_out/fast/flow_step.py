@@ -36,7 +36,7 @@ GPU worker thread only, as the eager token2wav.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -372,7 +372,6 @@ class FastToken2Wav(Token2Wav):
         """The smallest batch bucket that holds ``n`` rows (``n`` <= the largest bucket)."""
         return next(b for b in self.batch_buckets if b >= n)
 
-    @torch.inference_mode()
     def capture_stream_shapes(
         self,
         prompt_token: Tensor,
@@ -384,30 +383,64 @@ class FastToken2Wav(Token2Wav):
         max_batch: int = 1,
         batch_tokens: int | None = None,
         first_prefix: Any = None,
+        final_vocoder: bool = True,
     ) -> int:
         """Capture now (start-up) the graphs a stream of this prompt length meets in its first
-        ``n_tokens`` speech tokens (its chunks: ``shapes``), instead of mid-stream: its single-chunk flow graphs (with
-        ``first_prefix``, a voice's :meth:`prepare_prefix`: the first chunk's from it too), final
-        chunk graphs (:meth:`final_total`) and vocoder graphs, and (``max_batch`` >= 2, grouped
-        batching on) the batched-chunk graphs of :meth:`batch_keys` for groups of up to
-        ``max_batch`` chunks within the first ``batch_tokens`` (None: ``n_tokens``; a batched
-        key depends on T only, so it serves every prompt length whose chunks end at the same
-        T; the long ones are the costliest to capture: B rows of a whole utterance each).
-        Returns the number of graphs held."""
+        ``n_tokens`` speech tokens (:meth:`iter_capture_stream_shapes`, run to its end). Returns
+        the number of graphs held."""
+        for _ in self.iter_capture_stream_shapes(
+            prompt_token,
+            prompt_feat,
+            embedding,
+            n_tokens,
+            shapes,
+            max_batch=max_batch,
+            batch_tokens=batch_tokens,
+            first_prefix=first_prefix,
+            final_vocoder=final_vocoder,
+        ):
+            pass
+        return self.graphs_held()
+
+    @torch.inference_mode()
+    def iter_capture_stream_shapes(
+        self,
+        prompt_token: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        n_tokens: int,
+        shapes: StreamShapes,
+        *,
+        max_batch: int = 1,
+        batch_tokens: int | None = None,
+        first_prefix: Any = None,
+        final_vocoder: bool = True,
+    ) -> Iterator[None]:
+        """Capture the graphs a stream of this prompt length meets in its first ``n_tokens``
+        speech tokens (its chunks: ``shapes``), instead of mid-stream: its single-chunk flow
+        graphs (with ``first_prefix``, a voice's :meth:`prepare_prefix`: the first chunk's from
+        it too), the state slots' graphs, final chunk graphs (:meth:`final_total`) and vocoder
+        graphs, and (``max_batch`` >= 2, grouped batching on) the batched-chunk graphs of
+        :meth:`batch_keys` for groups of up to ``max_batch`` chunks within the first
+        ``batch_tokens`` (None: ``n_tokens``; a batched key depends on T only, so it serves
+        every prompt length whose chunks end at the same T; the long ones are the costliest to
+        capture: B rows of a whole utterance each), and with ``final_vocoder`` the vocoder of
+        every final chunk length (:meth:`iter_capture_final_vocoder`; the engine captures those
+        beside the kernel compiles and after ready). What is captured already is skipped.
+
+        Yields after each placeholder chunk and each capture (~30 to 300 ms of work at full
+        size), with no capture pending: the engine's worker serves streams between two steps
+        (start-up's captures past the first chunks go on after the engine is ready). A stream
+        that meets a shape not captured yet runs it eagerly. Worker thread only."""
         if self._graph_flow is None:
-            return 0
-        self._capturing = True
+            return
         stream = self.open_stream(prompt_token, prompt_feat, embedding, first_prefix=first_prefix)
         self.release_state(stream)  # the re-run path's chunks here; the state slots' below
         # placeholder speech ids; the extra chunk's worth covers a final chunk rounded up
         dummy = [(7 * i + 1) % 6561 for i in range(n_tokens + CHUNK_TOKENS)]
         n_run = min(n_tokens, STREAM_CAPTURE_TOKENS)
-        try:
-            for _ in self.stream_all(stream, dummy[:n_run], shapes.plans(n_run, False)):
-                pass
-        finally:
-            self._capturing = False
-        self._capture_state_slots(stream, dummy[:n_tokens], shapes.plans(n_tokens, True))
+        yield from self._run_capturing(stream, dummy[:n_run], shapes.plans(n_run, False))
+        yield from self._capture_state_slots(stream, dummy[:n_tokens], shapes.plans(n_tokens, True))
         prompt_token, prompt_feat = prompt_token.to(self.device), prompt_feat.to(self.device)
         embedding = embedding.to(self.device)
         n_prompt = int(prompt_token.shape[1])
@@ -418,24 +451,35 @@ class FastToken2Wav(Token2Wav):
                 continue
             token = self._as_tokens(dummy[: plan.token_len])
             single.capture(key, token, prompt_token, prompt_feat, embedding, warmup=0)
+            yield
         n_batched = n_tokens if batch_tokens is None else min(n_tokens, batch_tokens)
         keys = self.batch_keys(shapes.plans(n_batched, False), n_prompt, max_batch)
         for first, bucket, total in keys:
             graph = self._batch_graph(first)
             assert graph is not None
+            if graph.has((bucket, total)):
+                continue
             token = self._as_tokens(dummy[: total - n_prompt + LOOKAHEAD_TOKENS])
             ids, emb, cond, _ = self._full_flow().batch_inputs([(token, prompt_token, prompt_feat, embedding)] * bucket)
             graph.capture((bucket, total), ids, emb, cond)
+            yield
         final = self._graph_flow_final
         if final is not None:  # the final chunk of an utterance ending anywhere in n_tokens
             totals = sorted({self.final_total(n_prompt + n) for n in range(1, n_tokens + 1)})
             for total in totals:
+                if final.has(total):
+                    continue
                 token = self._as_tokens(dummy[: total - n_prompt])
                 ids, n_valid, emb, cond, _ = self._full_flow().final_inputs(
                     [(token, prompt_token, prompt_feat, embedding)], total
                 )
                 final.capture(total, ids, n_valid, emb, cond)
-        self.capture_final_vocoder(shapes)
+                yield
+        if final_vocoder:
+            yield from self.iter_capture_final_vocoder(shapes)
+
+    def graphs_held(self) -> int:
+        """The token2wav graphs captured so far, of every family."""
         graphs = [
             self._graph_flow,
             self._graph_flow_batch,
@@ -449,13 +493,31 @@ class FastToken2Wav(Token2Wav):
         graphs += [slot.graph for slot in self._state_slots]
         return sum(len(g.captured_keys) for g in graphs if g is not None)
 
-    def _capture_state_slots(self, like: Token2WavStream, dummy: Sequence[int], plans: Sequence[Chunk]) -> None:
-        """Capture (start-up) every state slot's graphs of the chunks ``plans`` that a stream
-        like ``like`` (its voice) makes on a slot over ``dummy``'s tokens (the hops of a stream on
-        a slot: ``HopPolicy.on_state``): the estimator's per chunk length, the
-        encoder's per chunk position, by running a placeholder stream through each
-        slot that has not run them. The slots' contents are placeholders after this: a stream's
-        first chunk on a slot sets it up afresh."""
+    def _run_capturing(self, stream: Token2WavStream, tokens: Sequence[int], plans: Sequence[Chunk]) -> Iterator[None]:
+        """Run ``plans`` of the placeholder ``stream``, capturing every non-final shape it meets;
+        yields after each chunk, with capturing off (a real stream served meanwhile captures
+        nothing on its own)."""
+        chunks = self.stream_all(stream, tokens, plans)
+        while True:
+            self._capturing = True
+            try:
+                done = next(chunks, None) is None
+            finally:
+                self._capturing = False
+            if done:
+                return
+            yield
+
+    def _capture_state_slots(
+        self, like: Token2WavStream, dummy: Sequence[int], plans: Sequence[Chunk]
+    ) -> Iterator[None]:
+        """Capture every state slot's graphs of the chunks ``plans`` that a stream like
+        ``like`` (its voice) makes on a slot over ``dummy``'s tokens (the hops of a stream on a
+        slot: ``HopPolicy.on_state``): the estimator's per chunk length, the encoder's per chunk
+        position, by running a placeholder stream through each slot that has not run them
+        (yielding after each chunk; the slot is the placeholder's until it ends, so streams
+        served meanwhile re-run instead). The slots' contents are placeholders after this: a
+        stream's first chunk on a slot sets it up afresh."""
         prompt = like.first_prefix
         if prompt is None or not self._state_slots:
             return
@@ -466,12 +528,9 @@ class FastToken2Wav(Token2Wav):
             stream = self.open_stream(like.prompt_token, like.prompt_feat, like.embedding, first_prefix=prompt)
             self.release_state(stream)
             self._acquire_state(stream, slot)
-            self._capturing = True
             try:
-                for _ in self.stream_all(stream, dummy, plans):
-                    pass
+                yield from self._run_capturing(stream, dummy, plans)
             finally:
-                self._capturing = False
                 self.release_state(stream)
             slot.captured.add(done)
 
@@ -487,6 +546,13 @@ class FastToken2Wav(Token2Wav):
         cached frames), or, for an utterance shorter than its first chunk, 1 ..
         ``shapes.first_tokens`` - 1 tokens and no cache. HiFT's convolutions look ahead, so a padded
         length would change the tail: one graph per length (eager was ~40 ms of launches)."""
+        for _ in self.iter_capture_final_vocoder(shapes):
+            pass
+
+    @torch.inference_mode()
+    def iter_capture_final_vocoder(self, shapes: StreamShapes) -> Iterator[None]:
+        """:meth:`capture_final_vocoder`, yielding after each capture (~70 ms at full size: a
+        length's cuDNN and cuFFT set-up); what is captured already is skipped."""
         fresh, cached = self._graph_hift, self._graph_hift_cached
         if fresh is None or cached is None:
             return
@@ -494,10 +560,14 @@ class FastToken2Wav(Token2Wav):
         mels = self.hift.dims.in_channels
         source = torch.zeros(1, 1, self.cache_samples, device=self.device)  # HiFTCache.source
         for k in range(1, shapes.first_tokens):
-            fresh.capture(per * k, torch.zeros(1, mels, per * k, device=self.device))
+            if not fresh.has(per * k):
+                fresh.capture(per * k, torch.zeros(1, mels, per * k, device=self.device))
+                yield
         for k in range(shapes.final_tokens):
             n = self.cache_frames + per * k
-            cached.capture(n, torch.zeros(1, mels, n, device=self.device), source)
+            if not cached.has(n):
+                cached.capture(n, torch.zeros(1, mels, n, device=self.device), source)
+                yield
 
     @torch.inference_mode()
     def prepare_flow(self, stream: Token2WavStream) -> None:

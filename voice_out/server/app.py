@@ -444,6 +444,9 @@ async def healthz(request: web.Request) -> web.Response:
     plan = getattr(engine, "plan", None)  # the engine's fast-path plan (voice_out.fast.plan); fakes have none
     if plan is not None:
         body["plan"] = plan.as_dict()
+    warming = getattr(engine, "warming", None)  # an in-process engine's start-up work after ready
+    if warming is not None:
+        body["warming"] = bool(warming)
     reports = getattr(engine, "reports", None)
     if callable(reports):  # a placement or Ray's replicas: each engine (docs/scale-out.md)
         items = [report.to_json() for report in reports()]

@@ -134,22 +134,27 @@ def early(ln: Launch) -> bool:
     return getattr(getattr(ln.kernel, "fn", None), "__module__", "") in EARLY_MODULES
 
 
+def _nothing_compiles() -> bool:
+    return False
+
+
 def compile_ahead(
     launches: list[Launch],
     workers: int = COMPILE_WORKERS,
     *,
-    meanwhile: Callable[[], None] | None = None,
+    meanwhile: Callable[[Callable[[], bool]], None] | None = None,
     device: torch.device | None = None,
 ) -> int:
     """Compile the kernels of ``launches`` (distinct ones) on ``workers`` threads; returns how
     many compiled (or were already in Triton's caches). With ``meanwhile``: the :func:`early`
-    kernels are compiled first, and once they are, the calling thread runs ``meanwhile()``
-    while the others compile (it must launch none of them). ``device``: the CUDA device the
+    kernels are compiled first, and once they are, the calling thread runs
+    ``meanwhile(compiling)`` while the others compile (it must launch none of them;
+    ``compiling()`` says whether any still is, so it may stop what can wait). ``device``: the CUDA device the
     threads compile for (Triton keeps a kernel per current device: the engine's, not cuda:0)."""
     todo = sorted(distinct_launches(launches), key=lambda ln: not early(ln))  # stable: early first
     if not todo:
         if meanwhile is not None:
-            meanwhile()
+            meanwhile(_nothing_compiles)
         return 0
 
     def compile_one(ln: Launch) -> bool:
@@ -170,7 +175,7 @@ def compile_ahead(
         futures = [pool.submit(compile_one, ln) for ln in todo]  # started in this order
         if meanwhile is not None:
             wait([f for f, ln in zip(futures, todo, strict=True) if early(ln)])
-            meanwhile()
+            meanwhile(lambda: not all(f.done() for f in futures))
         return sum(f.result() for f in futures)
 
 
@@ -277,14 +282,14 @@ def precompile(
     voice: DryRunVoice,
     workers: int = COMPILE_WORKERS,
     *,
-    meanwhile: Callable[[], None] | None = None,
+    meanwhile: Callable[[Callable[[], bool]], None] | None = None,
     state_chunks: bool = True,
 ) -> tuple[int, float]:
     """:func:`dry_run_launches`, then :func:`compile_ahead`: (kernels compiled, seconds, the
     ``meanwhile`` work included). Off CUDA nothing compiles and ``meanwhile`` just runs."""
     if runner.device.type != "cuda":
         if meanwhile is not None:
-            meanwhile()
+            meanwhile(_nothing_compiles)
         return 0, 0.0
     t0 = time.perf_counter()
     n = compile_ahead(
