@@ -177,10 +177,10 @@ def test_engine_implements_the_api(engine: Engine) -> None:
 
 def test_chunks_per_step_default_follows_token2wav_graphs(tmp_path: Path) -> None:
     """The plan's ``max_chunks_per_step`` is 4 off CUDA (token2wav graphs are CUDA only,
-    whatever the LLM does); a pin overrides it, and the scheduler takes the plan's."""
+    whatever the LLM does); a pin overrides it, and the worker's launch policy takes the plan's."""
     assert make_engine(tmp_path).plan.max_chunks_per_step == 4
     eng = make_engine(tmp_path, max_chunks_per_step=6)
-    assert eng.plan.max_chunks_per_step == 6 and eng._new_worker().scheduler.launch.max_chunks_per_step == 6
+    assert eng.plan.max_chunks_per_step == 6 and eng._new_worker().launch.max_chunks_per_step == 6
     plain = Config(server=eng.config.server)
     graphed = Engine.load(plain, model="random:tiny", device="cpu", options=BuildOptions(pins={"cuda_graphs": True}))
     assert graphed.plan.max_chunks_per_step == 4 and graphed.plan.cuda_graphs
@@ -1338,9 +1338,9 @@ def test_cuda_engine_overlapping_token2wav_with_the_llm_changes_nothing(tmp_path
             return pcm + [np.concatenate([c.pcm for c in s]) for s in streams[1:]]
 
         assert runner._side_stream is not None and runner.pipeline_vocode and runner.t2w.has_first_lane
-        assert eng._worker is not None and eng._worker.scheduler.launch.first_chunk_lane
-        sched = eng._worker.scheduler
-        sched.launch = dataclasses.replace(sched.launch, first_chunk_wait_rows=0)  # no first chunk waited for either
+        assert eng._worker is not None and eng._worker.launch.first_chunk_lane
+        worker = eng._worker
+        worker.launch = dataclasses.replace(worker.launch, first_chunk_wait_rows=0)  # no first chunk waited for either
         pipelined = run_all()  # chunks come back in later steps while LLM steps go on
         assert not runner._inflight and runner._first_stream is not None  # the first-chunk lane ran
         runner.pipeline_vocode = False

@@ -7,7 +7,7 @@ clock ticks, steps) against a fake pipelined runner whose chunks come back 0 to 
 and which fails a row now and then. Every plan and every output of the sequence is written down
 canonically and hashed; ``tests/data/launch_golden.json`` holds the hash of each seed, recorded
 on the code as it was before the launch decisions moved from the scheduler to the runner side
-(the scheduler then consulted its own ``LaunchPolicy``). The test requires the same hashes: for
+(the scheduler then consulted a ``LaunchPolicy`` of its own). The test requires the same hashes: for
 each of these sequences the engine plans exactly what it planned then.
 
 The counts beside each hash (steps, LLM rows, chunks, waits, guesses) and the policy's decisions
@@ -113,8 +113,10 @@ class Settings:
 
 
 def compose(s: Settings, clock: Clock) -> tuple[Scheduler, Callable[[], StepPlan]]:
-    """A scheduler and the function that plans one worker step with it, as the engine joins
-    them. The one part of this file that follows the code's shape."""
+    """A scheduler and the function that plans one worker step with it, as the worker joins
+    them (its launch policy choosing from the scheduler's offer). The one part of this file
+    that follows the code's shape: when recorded, the scheduler held the policy and
+    ``sched.plan`` consulted it."""
     pins = {
         "max_chunks_per_step": s.max_chunks_per_step,
         "first_chunk_lane": s.first_chunk_lane,
@@ -138,9 +140,8 @@ def compose(s: Settings, clock: Clock) -> tuple[Scheduler, Callable[[], StepPlan
         clock=clock,
         forced=ForcedTokens(3) if s.forced else None,
         plan=plan,
-        launch=policy,
     )
-    return sched, sched.plan
+    return sched, lambda: policy.plan(sched)
 
 
 class FakeRunner:

@@ -262,3 +262,15 @@ def test_fast_imports_nothing_of_the_engine_or_the_server() -> None:
     whose kernels start-up compiles)."""
     imports = scan(REPO_ROOT, PACKAGE)
     assert layer_violations(imports, "voice_out.fast", FAST_MAY_IMPORT, frozenset()) == []
+
+
+def test_the_scheduler_leaves_launches_to_the_runner_side() -> None:
+    """The scheduler plans requests; what goes to the device in one step is the launch policy's,
+    which the worker owns and joins to it: the scheduler reaches no launch policy, runner or
+    worker, directly or through another module."""
+    imports = scan(REPO_ROOT, PACKAGE)
+    reached = set(reachable(imports.internal, "voice_out.engine.scheduler"))
+    assert reached & {"voice_out.engine.launch", "voice_out.engine.runner", "voice_out.engine.worker"} == set()
+    # the other way round is the design (and shows the scan reads these modules)
+    assert "voice_out.engine.scheduler" in imports.internal["voice_out.engine.launch"]
+    assert "voice_out.engine.launch" in imports.internal["voice_out.engine.worker"]

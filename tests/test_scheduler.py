@@ -6,6 +6,7 @@ import dataclasses
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from voice_out.config import EngineConfig
 from voice_out.engine.api import SAMPLE_RATE, StreamFailedError, TextTooLongError
 from voice_out.engine.chunk_schedule import ChunkPlan
+from voice_out.engine.launch import LaunchPolicy
 from voice_out.engine.request import (
     EOS_TOKEN,
     FILL_TOKEN,
@@ -48,6 +50,19 @@ class FakeClock:
         return self.t
 
 
+class LaunchedScheduler(Scheduler):
+    """The scheduler joined to a launch policy as the worker joins them: ``plan()`` is one
+    worker step's ``LaunchPolicy.plan`` over this scheduler, ``launch`` the policy (the
+    plan's, as the engine builds it; a test may replace it)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.launch = LaunchPolicy.of(self.fast_plan)
+
+    def plan(self) -> StepPlan:
+        return self.launch.plan(self)
+
+
 def create_scheduler(
     *,
     max_streams: int = 4,
@@ -57,13 +72,14 @@ def create_scheduler(
     clock: FakeClock | None = None,
     first_chunk_lane: bool = False,
     **engine: object,
-) -> Scheduler:
+) -> LaunchedScheduler:
     """A scheduler over ``engine`` settings; plan choices among them (``step_ahead_rows``,
-    ``first_audio_priority``, ...) are pinned in its plan, as the engine's planner would."""
+    ``first_audio_priority``, ...) are pinned in its plan, as the engine's planner would; its
+    ``plan()`` asks the plan's launch policy, as the worker does."""
     pins = {k: engine.pop(k) for k in list(engine) if k in PINNABLE}
     pins.update(max_chunks_per_step=max_chunks_per_step, first_chunk_lane=first_chunk_lane)
     cfg = EngineConfig(max_streams=max_streams, max_ahead_s=max_ahead_s, **engine)  # type: ignore[arg-type]
-    return Scheduler(
+    return LaunchedScheduler(
         cfg,
         CharPipeline,
         clock=clock or FakeClock(),
@@ -104,19 +120,19 @@ def fake_result(plan: StepPlan, *, token: Callable[[str], int] | None = None, fa
     return res
 
 
-def unplan_vocode(sched: Scheduler, plan: StepPlan) -> StepPlan:
+def unplan_vocode(sched: LaunchedScheduler, plan: StepPlan) -> StepPlan:
     """The plan without its chunks, as if the scheduler had never planned them."""
     for w in plan.vocode:
         sched.requests[w.request_id].vocode_inflight = None
     return dataclasses.replace(plan, vocode=())
 
 
-def step(sched: Scheduler, **kw: object) -> tuple[StepPlan, list[Output]]:
+def step(sched: LaunchedScheduler, **kw: object) -> tuple[StepPlan, list[Output]]:
     plan = sched.plan()
     return plan, sched.update(plan, fake_result(plan, **kw))  # type: ignore[arg-type]
 
 
-def run_until_idle(sched: Scheduler, max_steps: int = 10_000) -> list[Output]:
+def run_until_idle(sched: LaunchedScheduler, max_steps: int = 10_000) -> list[Output]:
     outs: list[Output] = []
     for _ in range(max_steps):
         plan, o = step(sched)
@@ -402,7 +418,7 @@ def test_a_stream_on_a_flow_state_takes_the_state_s_hops() -> None:
         assert sum(hops) == 750 and ended(outs, rid).status is RequestStatus.FINISHED
 
 
-def run_until_idle_with_consumer(sched: Scheduler, rid: str) -> list[Output]:
+def run_until_idle_with_consumer(sched: LaunchedScheduler, rid: str) -> list[Output]:
     outs: list[Output] = []
     for _ in range(10_000):
         plan, o = step(sched)
@@ -525,7 +541,7 @@ def test_a_text_pipeline_error_fails_only_its_stream() -> None:
                 raise UnicodeError("bad input")
             return super().push(delta)
 
-    sched = Scheduler(EngineConfig(max_streams=2), Broken, clock=FakeClock(), forced=ForcedTokens(3))
+    sched = LaunchedScheduler(EngineConfig(max_streams=2), Broken, clock=FakeClock(), forced=ForcedTokens(3))
     a, b = create_requests(sched, 2, text=None)
     sched.push_text(a, "boom!")
     sched.push_text(b, "fine")
@@ -713,7 +729,7 @@ class PipelinedRunner:
 
 
 def drive(
-    sched: Scheduler,
+    sched: LaunchedScheduler,
     runner: PipelinedRunner,
     *,
     check: Callable[[StepPlan], None] | None = None,
@@ -942,7 +958,7 @@ def test_while_a_stream_waits_for_first_audio_only_first_and_urgent_chunks_go(pr
 
 
 def test_a_first_chunk_is_waited_for_only_when_no_other_first_audio_needs_the_llm() -> None:
-    def waits_at_first_chunk(sched: Scheduler, rid: str) -> bool:
+    def waits_at_first_chunk(sched: LaunchedScheduler, rid: str) -> bool:
         while True:
             plan = sched.plan()
             if any(w.request_id == rid and w.chunk.index == 0 for w in plan.vocode):
@@ -1062,7 +1078,7 @@ def test_the_plan_guesses_each_stream_s_next_step() -> None:
         assert [w.guess is not None for w in busy.plan().llm] == [guessed] * 5
 
 
-def first_chunk_plans(sched: Scheduler, max_steps: int = 500) -> list[tuple[StepPlan, StepPlan, StepPlan]]:
+def first_chunk_plans(sched: LaunchedScheduler, max_steps: int = 500) -> list[tuple[StepPlan, StepPlan, StepPlan]]:
     """Step until idle; (the plan before, the plan, the plan after) for each plan that chose a
     first chunk."""
     plans: list[StepPlan] = []

@@ -48,6 +48,7 @@ from voice_out.engine.api import (
     StreamClosedError,
     check_speed,
 )
+from voice_out.engine.launch import LaunchPolicy
 from voice_out.engine.request import TextPipeline
 from voice_out.engine.scheduler import FirstAudioTrace, ForcedTokens, Scheduler
 from voice_out.engine.stream import EngineStream
@@ -293,6 +294,7 @@ class Engine:
             scheduler,
             self._runner_factory,
             self._inbox,
+            launch=LaunchPolicy.of(self.plan),
             warmup=self._warmup,
             on_ready=lambda: self._wake(self._ready_waiters),
             on_exit=lambda: self._wake(self._exit_waiters),

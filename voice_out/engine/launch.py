@@ -1,9 +1,12 @@
 """When token2wav chunks and LLM steps are launched on the device: CUDA lanes, launches in
 flight, step-ahead guesses and waits. No torch: a small policy over plain records.
 
-The scheduler decides which requests have work (their ready chunks in priority order, their
-LLM steps); :class:`LaunchPolicy` decides which of it goes to the device in one step, given
-what the runner still has in flight:
+The runner side owns it: the worker holds the engine's :class:`LaunchPolicy` and plans each
+step with :meth:`LaunchPolicy.plan`. The scheduler offers what its requests have ready (their
+chunks in priority order, the chunks in flight, the LLM rows that may step); the policy chooses
+what goes to the device in this step; the scheduler commits what was chosen, so that a
+request's state advances only for launched work (``voice_out.engine.scheduler``, which does
+not import this module):
 
 * Lanes. There is one token2wav lane, or two with the plan's ``first_chunk_lane`` (the runner
   then has the first-chunk lane's graphs and pipelines token2wav on CUDA streams): the
@@ -19,7 +22,7 @@ what the runner still has in flight:
 * Step ahead. With at most ``step_ahead_rows`` rows the runner launches each row's guessed
   next step (``LlmWork.guess``) before this step's token is known.
 
-Worker thread only (the scheduler consults it while it plans).
+Worker thread only.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from voice_out.engine.chunk_schedule import ChunkPlan
+from voice_out.engine.scheduler import LlmWork, Scheduler, StepPlan, TakenStep
 from voice_out.fast.plan import Plan
 
 K = TypeVar("K")
@@ -67,6 +71,33 @@ class LaunchPolicy:
             step_ahead_rows=plan.step_ahead_rows,
             first_chunk_wait_rows=first_chunk_wait_rows,
         )
+
+    def plan(self, scheduler: Scheduler) -> StepPlan:
+        """One worker step's plan: ``scheduler`` offers what its requests have ready, this
+        policy chooses what launches beside what is in flight, and ``scheduler`` commits the
+        choice (its chunks, then its LLM steps). Worker thread only."""
+        offer = scheduler.offer()
+        in_flight = bool(offer.in_flight)
+        chosen = self.pick_chunks(offer.chunks, offer.in_flight, offer.playing)
+        vocode = scheduler.launch_chunks(offer, chosen)
+        firsts = {rid for rid, chunk in chosen if chunk.index == 0}
+        decoding = scheduler.decoding(offer)
+        steps: tuple[TakenStep, ...] = ()
+        llm: tuple[LlmWork, ...] = ()
+        if not self.hold_llm(in_flight=in_flight, firsts=firsts, decoding=decoding):
+            steps = scheduler.take_steps(decoding)
+            ahead = self.step_ahead(
+                len(steps), in_flight=in_flight, readies_first_chunks=lambda: scheduler.readies_first_chunks(steps)
+            )
+            llm = scheduler.llm_work(offer, steps, guess=ahead)
+        wait = self.wait_vocode(
+            in_flight=in_flight,
+            other_work=bool(offer.release or offer.admit or llm),
+            firsts=bool(firsts),
+            rows=len(llm),
+            first_audio_rows=any(s.awaits_first_audio and s.request_id not in firsts for s in steps),
+        )
+        return StepPlan(offer.release, offer.admit, llm, vocode, wait_vocode=wait)
 
     def lane(self, chunk: ChunkPlan) -> bool:
         """The chunk's token2wav lane: True = the first-chunk lane (when there is one)."""

@@ -1,28 +1,37 @@
-"""Scheduling policy of the GPU worker. No torch: it exchanges plain records with the runner.
+"""Scheduling policy of the GPU worker: requests, not launches. No torch: it exchanges plain
+records with the runner side.
 
-Each worker iteration is ``plan = scheduler.plan()``, ``result = runner.execute(plan)``,
-``scheduler.update(plan, result)``. A plan holds, in the order the runner executes them:
+The scheduler owns the requests: their KV slots, text feeds, chunk schedules, back-pressure
+and the priority of their work. It does not decide what goes to the device in one step beside
+the work still in flight (CUDA lanes, launches in flight, first-chunk holds and waits,
+step-ahead guesses): that is the runner side's :class:`~voice_out.engine.launch.LaunchPolicy`,
+which the worker owns and which this module does not import. One worker step is planned in
+turns (``LaunchPolicy.plan`` walks them):
 
-1. ``release``: KV slots to reset and per-request GPU state to drop (finished, cancelled or
-   failed requests, and requests whose LLM part is done);
-2. ``admit``: waiting requests given a free KV slot, first come first served, at most
-   ``max_streams`` holding slots;
-3. ``llm``: ONE batched LLM forward for every admitted request that can decode now: it has
-   input (text or its last speech token) and is not too far ahead of its consumer. A request
-   waiting for text (the model asked for FILL) is simply left out, holding nobody up;
-4. ``vocode``: token2wav chunks, first chunks first, then by playout deadline (earliest
-   first), except that a stream whose listener runs dry within ``urgent_s`` goes before the
-   first chunks; at most ``max_chunks_per_step``; a request whose delivered audio exceeds
-   ``max_ahead_s`` ahead of its consumer is not vocoded (back-pressure). While an admitted
-   stream still waits for its first audio (the plan's ``first_audio_priority``), only first chunks
-   and urgent ones are planned: the rest wait until then or until they become urgent.
+1. ``offer()``: releases (KV slots to reset, GPU state to drop: finished, cancelled or failed
+   requests, and requests whose LLM part is done) and admissions (waiting requests given a
+   free KV slot, first come first served, at most ``max_streams`` holding slots), both final;
+   and the :class:`Offer` of what is ready: every request's next token2wav chunk, most
+   pressing first (a stream whose listener runs dry within ``urgent_s``, then first chunks in
+   arrival order, then by playout deadline; while an admitted stream still waits for its first
+   audio, the plan's ``first_audio_priority``, only first chunks and urgent ones), with the
+   chunks in flight. A request whose delivered audio exceeds ``max_ahead_s`` ahead of its
+   consumer offers no chunk (back-pressure).
+2. ``launch_chunks(offer, chosen)``: the chunks the policy launches are committed (in flight).
+3. ``decoding(offer)``: the requests whose LLM may step beside them: admitted, with input
+   (text or its last speech token) and not too far ahead of their consumer.
+4. ``take_steps(decoding)``: unless the policy holds them, each one's step is handed out (a
+   request waiting for text is left out, holding nobody up); ``llm_work(offer, steps,
+   guess=...)`` writes them as ONE batched LLM forward, with the guesses of the next steps
+   when the policy launches them ahead.
+
+So a request's state advances only for work that is launched. Then ``result =
+runner.execute(plan)`` and ``scheduler.update(plan, result)``.
 
 Pipelined token2wav: a runner may return a chunk's audio in a later step than the one that
 planned it (on CUDA the runner launches token2wav on a second stream and goes on with LLM steps
 while it runs). It lists such requests in ``StepResult.inflight``; no other chunk of such a
-request is planned meanwhile. Which of the ready chunks and LLM steps go to the device in one
-step, beside the chunks in flight (lanes, launches in flight, step-ahead guesses, waits), is
-the :class:`~voice_out.engine.launch.LaunchPolicy`'s business, which ``plan`` consults.
+request is offered meanwhile.
 
 Cancellation is ``finish(ids, ABORTED)``: the request leaves at once and its slot is released
 in the next plan. Every method is called from the worker thread only.
@@ -48,7 +57,6 @@ from voice_out.engine.api import (
     TextTooLongError,
 )
 from voice_out.engine.chunk_schedule import ChunkPlan, HopPolicy
-from voice_out.engine.launch import LaunchPolicy
 from voice_out.engine.request import (
     EOS_TOKEN,
     FILL_TOKEN,
@@ -154,6 +162,38 @@ class StepPlan:
         ids.update(w.request_id for w in self.llm)
         ids.update(w.request_id for w in self.vocode)
         return ids
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What the requests have ready for one worker step (``Scheduler.offer``), for the launch
+    policy of the runner side to choose from (``voice_out.engine.launch``)."""
+
+    #: Decided by the scheduler; they go into the step as they are.
+    release: tuple[Release, ...]
+    admit: tuple[Admit, ...]
+    #: Every request's next chunk that may be vocoded now, by request id, most pressing first:
+    #: streams about to run dry, then first chunks in arrival order, then by playout deadline.
+    chunks: tuple[tuple[str, ChunkPlan], ...]
+    #: The live requests' chunks launched in earlier steps whose audio is not back yet.
+    in_flight: tuple[ChunkPlan, ...]
+    #: Streams that have had first audio and are not finished.
+    playing: int
+    #: An admitted stream with text still waits for its first audio (then no stream past its
+    #: back-pressure limit decodes beside its chunk in flight).
+    first_audio_due: bool
+    #: The scheduler's clock when the offer was made (seconds).
+    time: float
+
+
+@dataclass(frozen=True)
+class TakenStep:
+    """A request's LLM step handed out for this plan (``Scheduler.take_steps``);
+    ``awaits_first_audio``: the request has had no audio yet."""
+
+    request_id: str
+    step: LlmStep
+    awaits_first_audio: bool
 
 
 @dataclass
@@ -272,14 +312,10 @@ class Scheduler:
         forced: ForcedTokens | None = None,
         plan: Plan | None = None,
         urgent_s: float = 0.5,
-        launch: LaunchPolicy | None = None,
     ) -> None:
-        """``plan``: the engine's fast-path plan (its KV slots, chunks per step and policies;
-        None: a CPU engine's for ``config.max_streams``). ``launch``: what goes to the device
-        in one step (default: the plan's :class:`LaunchPolicy`)."""
+        """``plan``: the engine's fast-path plan (its KV slots and policies; None: a CPU
+        engine's for ``config.max_streams``)."""
         plan = plan if plan is not None else cpu_plan(config.max_streams)
-        #: Lanes, launches in flight, step-ahead guesses and waits (voice_out.engine.launch).
-        self.launch = launch if launch is not None else LaunchPolicy.of(plan)
         self.config = config
         self.fast_plan = plan
         self.hops = hop_policy(config, plan)
@@ -450,11 +486,14 @@ class Scheduler:
             return None
         return req.schedule.ready(len(req.speech_tokens), req.llm_done)
 
-    def plan(self) -> StepPlan:
+    def offer(self) -> Offer:
+        """Begin a step: what the requests have ready (see :class:`Offer`). Releases and
+        admissions are decided here and final; nothing else changes until the launch policy's
+        choice is committed (:meth:`launch_chunks`, :meth:`take_steps`)."""
         releases, self._releases = tuple(self._releases), []
         admits = self._admit()
         now = self.clock()
-        in_flight = [r.vocode_inflight for r in self.requests.values() if r.vocode_inflight is not None]
+        in_flight = tuple(r.vocode_inflight for r in self.requests.values() if r.vocode_inflight is not None)
         # streams admitted, with text, and still without audio: while there are any, only first
         # chunks and streams about to run dry get the GPU (the plan's first_audio_priority), and
         # no stream past its back-pressure limit decodes beside its chunk in flight. A stream
@@ -464,24 +503,62 @@ class Scheduler:
             r.first_audio_time is None and r.first_text_time is not None and r.status is not RequestStatus.WAITING
             for r in self.requests.values()
         )
-        chosen = self.launch.pick_chunks(self._ready_chunks(now, awaiting), in_flight, self._n_playing())
-        for req, chunk in chosen:
+        chunks = tuple((r.request_id, c) for r, c in self._ready_chunks(now, awaiting))
+        return Offer(releases, admits, chunks, in_flight, self._n_playing(), awaiting, now)
+
+    def launch_chunks(self, offer: Offer, chosen: Sequence[tuple[str, ChunkPlan]]) -> tuple[VocodeWork, ...]:
+        """Commit the chunks of ``offer`` the launch policy launches now: each is in flight
+        until its audio comes back (:meth:`update`). Returns their work, in the given order."""
+        vocode = []
+        for rid, chunk in chosen:
+            req = self.requests[rid]
             req.vocode_inflight = chunk
             if chunk.index == 0:
-                req.first_chunk_plan_time = now
-        firsts = {r.request_id for r, c in chosen if c.index == 0}
-        llm = self._llm_work(firsts, in_flight=bool(in_flight), awaiting=awaiting)
-        vocode = tuple(VocodeWork(r.request_id, c, r.speech_tokens) for r, c in chosen)
-        wait = self.launch.wait_vocode(
-            in_flight=bool(in_flight),
-            other_work=bool(releases or admits or llm),
-            firsts=bool(firsts),
-            rows=len(llm),
-            first_audio_rows=any(
-                self.requests[w.request_id].first_audio_time is None and w.request_id not in firsts for w in llm
-            ),
+                req.first_chunk_plan_time = offer.time
+            vocode.append(VocodeWork(rid, chunk, req.speech_tokens))
+        return tuple(vocode)
+
+    def decoding(self, offer: Offer) -> tuple[str, ...]:
+        """The requests whose LLM may step now, in arrival order, with the chunks launched
+        (:meth:`launch_chunks`): admitted, not done, and not held by back-pressure (see
+        ``_can_decode``). Some may still wait for text (:meth:`take_steps` leaves them out)."""
+        return tuple(
+            r.request_id
+            for r in self._ordered(r for r in self.requests.values() if r.status.holds_slot)
+            if not r.llm_done and self._can_decode(r, beside=not offer.first_audio_due)
         )
-        return StepPlan(releases, admits, llm, vocode, wait_vocode=wait)
+
+    def take_steps(self, decoding: Sequence[str]) -> tuple[TakenStep, ...]:
+        """Commit the LLM rows of ``decoding`` the launch policy runs now: each request's next
+        step is handed out (the feed hands a step out once; its token comes with
+        :meth:`update`). A request waiting for text is left out, holding nobody up."""
+        taken = []
+        for rid in decoding:
+            req = self.requests[rid]
+            step = req.feed.next_step()
+            if step is None:
+                continue  # waiting for text: the others go on
+            if self.forced is not None and step.force is None:
+                step = self._force(req, step)
+            taken.append(TakenStep(rid, step, req.first_audio_time is None))
+        return tuple(taken)
+
+    def readies_first_chunks(self, steps: Sequence[TakenStep]) -> bool:
+        """Whether every one of ``steps`` draws the token that completes its request's first
+        chunk (not launched yet): the plan after it may hold their steps for those chunks."""
+        return all(self._readies_first_chunk(self.requests[s.request_id], s.step) for s in steps)
+
+    def llm_work(self, offer: Offer, steps: Sequence[TakenStep], *, guess: bool) -> tuple[LlmWork, ...]:
+        """The work of the ``steps`` taken, with each one's likely next step when the launch
+        policy launches ``guess``es ahead (``LlmWork.guess``)."""
+        win = self.config.ras_win_size
+        llm: list[LlmWork] = []
+        for s in steps:
+            req = self.requests[s.request_id]
+            assert req.slot is not None
+            ahead = self._guess(req, s.step, beside=not offer.first_audio_due) if guess else None
+            llm.append(LlmWork(s.request_id, req.slot, s.step, tuple(req.history[-win:]), ahead))
+        return tuple(llm)
 
     def _admit(self) -> tuple[Admit, ...]:
         """Waiting requests given a free KV slot, first come first served."""
@@ -526,37 +603,6 @@ class Scheduler:
     def _n_playing(self) -> int:
         """Streams that have had first audio and are not finished."""
         return sum(1 for r in self.requests.values() if r.first_audio_time is not None and not r.status.terminal)
-
-    def _llm_work(self, firsts: set[str], *, in_flight: bool, awaiting: bool) -> tuple[LlmWork, ...]:
-        """One LLM row per request that can decode now and has a step (not waiting for text),
-        unless the launch policy holds them for their first chunks (``firsts``)."""
-        decoding = [
-            r
-            for r in self._ordered(r for r in self.requests.values() if r.status.holds_slot)
-            if not r.llm_done and self._can_decode(r, beside=not awaiting)
-        ]
-        if self.launch.hold_llm(in_flight=in_flight, firsts=firsts, decoding=[r.request_id for r in decoding]):
-            return ()
-        steps: list[tuple[Request, LlmStep]] = []
-        for req in decoding:
-            step = req.feed.next_step()
-            if step is None:
-                continue  # waiting for text: the others go on
-            if self.forced is not None and step.force is None:
-                step = self._force(req, step)
-            steps.append((req, step))
-        ahead = self.launch.step_ahead(
-            len(steps),
-            in_flight=in_flight,
-            readies_first_chunks=lambda: all(self._readies_first_chunk(r, st) for r, st in steps),
-        )
-        win = self.config.ras_win_size
-        llm: list[LlmWork] = []
-        for req, step in steps:
-            assert req.slot is not None
-            guess = self._guess(req, step, beside=not awaiting) if ahead else None
-            llm.append(LlmWork(req.request_id, req.slot, step, tuple(req.history[-win:]), guess))
-        return tuple(llm)
 
     def _readies_first_chunk(self, req: Request, step: LlmStep) -> bool:
         """Whether the speech token ``step`` draws completes the tokens of ``req``'s first chunk

@@ -1,4 +1,5 @@
-"""The GPU worker: ONE thread per device that owns CUDA, the model, the caches and the policy.
+"""The GPU worker: ONE thread per device that owns CUDA, the model, the caches and the policies:
+the scheduler's (requests) and the launch policy (what goes to the device in one step).
 
 Everything reaches it as a typed message on one ``queue.Queue`` (the thread boundary):
 
@@ -9,7 +10,9 @@ Everything reaches it as a typed message on one ``queue.Queue`` (the thread boun
   pressure), :class:`Barrier` (tests: answered when the worker has nothing to do) and
   :class:`Stop` are ordinary messages, applied in arrival order.
 
-Then one step: ``plan -> runner.execute -> update``, and the outputs go to each stream's
+Then one step: ``plan -> runner.execute -> update``, where ``plan`` is the worker's
+:class:`~voice_out.engine.launch.LaunchPolicy` choosing from the scheduler's offer
+(``LaunchPolicy.plan``), and the outputs go to each stream's
 :class:`Sink` (``deliver`` is thread-safe; the engine's sinks hop onto the event loop with
 ``loop.call_soon_threadsafe``). The stream's last item is always an :class:`EndOfStream`.
 With nothing to do, the worker blocks on the queue.
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from voice_out.engine.api import EngineError, EngineFailedError, PcmChunk, StreamFailedError
+from voice_out.engine.launch import LaunchPolicy
 from voice_out.engine.request import RequestStatus, VoicePrompt
 from voice_out.engine.scheduler import Emitted, Ended, FirstAudioTrace, Output, Scheduler, StepPlan, StepResult
 
@@ -164,7 +168,8 @@ class DeferredWork(Protocol):
 class Worker:
     """The busy loop (see the module docstring). ``start`` from any thread; the loop runs on
     its own thread, which builds the runner with ``runner_factory`` (CUDA is initialised there),
-    calls ``warmup(runner)`` and then sets :attr:`ready`.
+    calls ``warmup(runner)`` and then sets :attr:`ready`. ``launch``: what goes to the device
+    in each step, beside what the runner has in flight (the engine's plan's policy).
     """
 
     def __init__(
@@ -173,12 +178,15 @@ class Worker:
         runner_factory: Callable[[], StepRunner],
         inbox: queue.Queue[Message],
         *,
+        launch: LaunchPolicy,
         warmup: Callable[[StepRunner], None] | None = None,
         on_ready: Callable[[], None] | None = None,
         on_exit: Callable[[], None] | None = None,
         name: str = "voice_out-gpu",
     ) -> None:
         self.scheduler = scheduler
+        #: Lanes, launches in flight, step-ahead guesses and waits (voice_out.engine.launch).
+        self.launch = launch
         self.inbox = inbox
         self._runner_factory = runner_factory
         self._warmup = warmup
@@ -282,7 +290,7 @@ class Worker:
                     _safe_notify(b)
                 return
             try:
-                plan = sched.plan()
+                plan = self.launch.plan(sched)
             except Exception:  # noqa: BLE001 - a scheduler bug: fail what is live, keep serving
                 log.exception("planning failed; failing every live stream")
                 self._fail_all("the engine's scheduler failed")
