@@ -186,8 +186,8 @@ class Runner:
         self.prefix_voices = prefix_voices
         #: CUDA: launch a step's token2wav chunks on the side stream and return their audio in
         #: a later step, once done (``StepResult.inflight`` meanwhile), so LLM steps go on while
-        #: the flow runs; the scheduler plans no new chunk until they are back
-        #: (the plan's ``pipeline_vocode``). False: every step waits for its own chunks (they still
+        #: the flow runs; the worker's launch policy launches no new chunk on their lane until
+        #: they are back (the plan's ``pipeline_vocode``). False: every step waits for its own chunks (they still
         #: overlap that step's LLM work on the side stream).
         self.pipeline_vocode = pipeline_vocode
         self.t2w = t2w
