@@ -1122,3 +1122,29 @@ def test_a_first_chunk_holds_no_steps_another_stream_or_the_config_needs(case: s
     expected = {"old0", "new0"} if case == "playing" else {"new0"}
     assert {w.request_id for w in plan.llm} >= expected
     assert any(w.guess is not None for w in before.llm)
+
+
+def test_a_request_advances_only_for_the_work_the_launch_policy_chose() -> None:
+    """The scheduler offers, the launch policy chooses, the scheduler commits: of two first
+    chunks offered with room for one, only the launched one is in flight and the other is
+    offered again; a row the policy does not take keeps its step for a later plan."""
+    sched = create_scheduler(max_chunks_per_step=1)
+    a, b = create_requests(sched, 2, text="a" * 40)
+    while len((offer := sched.offer()).chunks) < 2:  # decode, launching nothing, until both are ready
+        steps = sched.take_steps(sched.decoding(offer))
+        plan = StepPlan(offer.release, offer.admit, sched.llm_work(offer, steps, guess=False))
+        sched.update(plan, fake_result(plan))
+    assert [rid for rid, _ in offer.chunks] == [a, b] and not offer.in_flight
+    chosen = sched.launch.pick_chunks(offer.chunks, offer.in_flight, offer.playing)
+    assert [rid for rid, _ in chosen] == [a]
+    vocode = sched.launch_chunks(offer, chosen)
+    assert [(w.request_id, w.chunk) for w in vocode] == chosen
+    assert sched.inflight_ids() == {a} and sched.requests[b].first_chunk_plan_time is None
+    # the rows are not taken in this step: their feeds keep the steps
+    held = {rid: sched.requests[rid].llm_steps for rid in (a, b)}
+    nxt = sched.offer()
+    assert [rid for rid, _ in nxt.chunks] == [b] and nxt.in_flight == (chosen[0][1],)
+    taken = sched.take_steps(sched.decoding(nxt))
+    assert [s.request_id for s in taken] == [a, b]  # each feed hands its step out now, once
+    assert sched.take_steps(sched.decoding(nxt)) == ()
+    assert {rid: sched.requests[rid].llm_steps for rid in (a, b)} == held
