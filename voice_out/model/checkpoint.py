@@ -364,10 +364,10 @@ def random_hift(config: str | Path, device: str | torch.device = "cpu", seed: in
     p = Path(config)
     cfg = load_yaml(p) if p.is_dir() else parse_yaml(p.read_text(encoding="utf-8"))
     dims = hift_dims(cfg)
-    # built and drawn on ``device``: a full-size model drawn on the CPU took seconds of start-up
-    with torch.device(device):
-        model = HiFT(dims)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    # built on the CPU (its fixed buffers come from CPU generators), drawn on ``device``: a
+    # full-size model drawn on the CPU took seconds of start-up
+    model = HiFT(dims).to(device)
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, t in model.named_parameters():
             if name.endswith("alpha"):
@@ -640,7 +640,7 @@ def random_flow(
     """
     p = Path(config)
     cfg = load_yaml(p) if p.is_dir() else parse_yaml(p.read_text(encoding="utf-8"))
-    with torch.device(device):  # built and drawn on the device
-        model = init_random_flow_(Flow(flow_dims(cfg)), seed)
+    # built on the CPU (its fixed noise comes from a CPU generator), drawn on the device
+    model = init_random_flow_(Flow(flow_dims(cfg)).to(device), seed)
     model.fuse_()
     return model.to(device=device, dtype=dtype).eval()
