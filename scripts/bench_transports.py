@@ -397,7 +397,7 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
     t_start = now()
     from aiohttp import web
 
-    from voice_out.bench.engine_bench import EngineBenchOptions, engine_from_args, text_of
+    from voice_out.bench.engine_bench import EngineBenchOptions, engine_from_args, text_of, wait_warm
     from voice_out.server.app import create_app
 
     streams = tuple(int(s) for s in args.streams.split(","))
@@ -422,6 +422,9 @@ async def server_main(args: argparse.Namespace) -> dict[str, Any]:
     await runner.setup()  # enters the engine: worker started, warmed up
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
+    # start-up's graph captures after ready would take turns with the first rounds: measure
+    # the engine as it serves once they are done, as `voice-out bench` does
+    await asyncio.to_thread(wait_warm, engine, 900.0)
     base = f"127.0.0.1:{runner.addresses[0][1]}"
     text = text_of(args.chars)
     plan = {n: rounds_at(args.reps, n) for n in streams}

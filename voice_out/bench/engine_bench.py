@@ -183,11 +183,21 @@ def gpu_name(cfg: Config) -> str:
 # cold start: a fresh process
 
 
-def wait_warm(engine: Engine, timeout_s: float) -> float:
+def warming(engine: Any) -> bool:
+    """Whether ``engine`` (in process: ``Engine.warming``; in a process of its own: its
+    ``stats()``) still runs start-up work after ready."""
+    flag = getattr(engine, "warming", None)
+    if flag is not None:
+        return bool(flag)
+    stats = getattr(engine, "stats", None)
+    return bool(getattr(stats(), "warming", False)) if callable(stats) else False
+
+
+def wait_warm(engine: Any, timeout_s: float) -> float:
     """Block until the engine's start-up work after ready has ended (``EngineStats.warming``);
     seconds waited. Any thread (it polls the worker's published stats)."""
     t0 = time.perf_counter()
-    while engine.warming:
+    while warming(engine):
         if time.perf_counter() - t0 > timeout_s:
             raise TimeoutError(f"the engine's start-up work after ready did not end within {timeout_s:.0f} s")
         time.sleep(0.02)

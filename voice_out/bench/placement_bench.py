@@ -37,6 +37,7 @@ from voice_out.bench.engine_bench import (
     report_round,
     round_summary,
     text_of,
+    wait_warm,
 )
 from voice_out.bench.report import Report
 from voice_out.config import Config
@@ -273,6 +274,9 @@ def run_placement_bench(
                 del built[design]
             report.add("placement.startup_s", time.perf_counter() - t0, "s", 0)
             log(f"engines ready in {time.perf_counter() - t0:.1f} s")
+            for engines in built.values():  # measured once their start-up work after ready is done
+                for e in engines:
+                    await asyncio.to_thread(wait_warm, e, 900.0)
             capacity = planned_capacity(bench_config(cfg, opts))
             setups: list[_Setup] = []
             async with AsyncExitStack() as placements:

@@ -47,7 +47,14 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from voice_out.bench.chromium import Page, chromium, find_chromium
-from voice_out.bench.engine_bench import EngineBenchOptions, bench_config, gpu_name, load_engine, text_of
+from voice_out.bench.engine_bench import (
+    EngineBenchOptions,
+    bench_config,
+    gpu_name,
+    load_engine,
+    text_of,
+    wait_warm,
+)
 from voice_out.bench.report import Report
 from voice_out.client import ClientError, VoiceOutClient, connect
 from voice_out.config import Config
@@ -446,6 +453,7 @@ async def _run(
     app = create_app(bcfg, engine, None)
     runner = web.AppRunner(app)
     await runner.setup()  # enters the engine: worker started and warm
+    await asyncio.to_thread(wait_warm, engine, 900.0)  # and its start-up work after ready done
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
