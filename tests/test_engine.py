@@ -211,6 +211,32 @@ def wait_not_warming(engine: Engine, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def test_start_up_work_left_by_the_warm_up_begins_at_ready_without_a_message(tmp_path: Path) -> None:
+    """Work the warm-up defers (``Runner.defer``) is reported (``Engine.warming``) from the
+    moment the engine is ready, and the worker starts it then, with nothing sent to it."""
+    eng = make_engine(tmp_path)
+    pieces: list[int] = []
+
+    def work() -> Iterator[None]:
+        for i in range(20):
+            pieces.append(i)
+            time.sleep(0.01)
+            yield
+
+    def warm(runner: object) -> None:
+        assert isinstance(runner, Runner)
+        runner.defer(work())
+
+    eng._warmup = warm
+    eng.start(timeout=120)
+    try:
+        assert eng.warming or len(pieces) == 20
+        wait_not_warming(eng)
+        assert pieces == list(range(20))
+    finally:
+        eng.close()
+
+
 def test_start_up_work_after_ready_runs_only_while_no_stream_is_live(
     engine: Engine, caplog: pytest.LogCaptureFixture
 ) -> None:

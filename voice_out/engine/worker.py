@@ -228,6 +228,7 @@ class Worker:
                 self._signal_ready()
                 self._refuse_all()
                 return
+            self._publish()  # ``warming`` is true from ready on, if the warm-up left work
             self._signal_ready()
             try:
                 self._loop(self.runner)
@@ -274,7 +275,8 @@ class Worker:
 
     def _loop(self, runner: StepRunner) -> None:
         sched = self.scheduler
-        busy = False
+        # start-up's deferred work begins at once, not at the first message
+        busy = isinstance(runner, DeferredWork) and runner.warming
         barriers: list[Barrier] = []
         while True:
             msgs = self._drain(block=not busy and not barriers)
