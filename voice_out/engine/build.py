@@ -539,12 +539,12 @@ class RunnerRecipe:
         what = f"the first {plan.capture_tokens} speech tokens of voice {name!r}"
         if others:
             what += f" and {n_voice} of {len(others)} more prompt lengths"
-        runner.defer(_logged_after_ready(rest, runner, what))
+        runner.defer(_logged_after_ready(rest, runner, what, time.perf_counter()))
 
 
-def _logged_after_ready(work: Iterator[None], runner: Runner, what: str) -> Iterator[None]:
-    """``work``, then one log line: the start-up captures finished after ready."""
-    t0 = time.perf_counter()
+def _logged_after_ready(work: Iterator[None], runner: Runner, what: str, t0: float) -> Iterator[None]:
+    """``work``, then one log line: the start-up captures finished after ready (``t0``: the
+    warm-up's end, perf_counter seconds; the work deferred before this runs first)."""
     yield from work
     log.info(
         "engine: start-up finished after ready: token2wav graphs of %s captured (%d held), %.1f s after start-up's end",
