@@ -973,6 +973,21 @@ def test_later_chunks_extend_a_flow_state_of_the_stream_s_own(tmp_path: Path, mo
     assert 200 in {h for _, h in used} and first.shape == second.shape  # the same tokens either way
 
 
+def record_captures(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The keys of every CUDA graph captured from now on (``GraphedFn._capture``, restored by
+    ``monkeypatch``)."""
+    from voice_out.fast.graphs import GraphedFn
+
+    captured: list[object] = []
+    real = GraphedFn._capture
+    monkeypatch.setattr(
+        GraphedFn,
+        "_capture",
+        lambda self, key, *a, **kw: captured.append(key) or real(self, key, *a, **kw),  # type: ignore[func-returns-value]
+    )
+    return captured
+
+
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize(
     ("voice_tokens", "text"),
@@ -985,7 +1000,6 @@ def test_a_start_captures_every_voice_s_prompt_length(
     captured at start-up (the plan's ``capture_voice_tokens``; its first chunk's before ready
     whatever the setting, the rest after ready), so its first utterance captures none (the
     capture was 0.5 to 0.9 s of that utterance's first audio on an H200)."""
-    from voice_out.fast.graphs import GraphedFn
 
     ec = EngineConfig(max_streams=2)
     pins = {"capture_tokens": 100, "capture_batch_tokens": 60, "capture_voice_tokens": voice_tokens}
@@ -993,13 +1007,7 @@ def test_a_start_captures_every_voice_s_prompt_length(
     eng.start(timeout=600)
     wait_not_warming(eng, 300)
     try:
-        captured: list[object] = []
-        real = GraphedFn._capture
-        monkeypatch.setattr(
-            GraphedFn,
-            "_capture",
-            lambda self, key, *a, **kw: captured.append(key) or real(self, key, *a, **kw),  # type: ignore[func-returns-value]
-        )
+        captured = record_captures(monkeypatch)
         eager: list[int] = []  # non-final chunks with no graph (token2wav runs them eagerly)
         real_single = FastToken2Wav._single_graph
 
@@ -1033,8 +1041,6 @@ def test_the_captures_after_ready_complete_the_planned_range(
     rounding)."""
     import logging
 
-    from voice_out.fast.graphs import GraphedFn
-
     caplog.set_level(logging.INFO, logger="voice_out.engine.build")
     ec = EngineConfig(max_streams=4)
     pins = {"capture_tokens": 300, "capture_batch_tokens": 100}
@@ -1050,13 +1056,7 @@ def test_the_captures_after_ready_complete_the_planned_range(
         assert early.shape == late.shape
         # bf16; eager or graphed chunks, and the re-run path while the placeholder held the state
         assert float(np.linalg.norm(early - late) / np.linalg.norm(late)) < 0.1
-        captured: list[object] = []
-        real = GraphedFn._capture
-        monkeypatch.setattr(
-            GraphedFn,
-            "_capture",
-            lambda self, key, *a, **kw: captured.append(key) or real(self, key, *a, **kw),  # type: ignore[func-returns-value]
-        )
+        captured = record_captures(monkeypatch)
         assert eng.wait_idle(60)
         runner = engine_runner(eng)  # the worker is idle: its runner, from this thread
         plan = eng.plan
