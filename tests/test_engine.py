@@ -237,6 +237,35 @@ def test_start_up_work_left_by_the_warm_up_begins_at_ready_without_a_message(tmp
         eng.close()
 
 
+def test_start_up_work_left_at_close_ends_on_the_worker_thread(tmp_path: Path) -> None:
+    """Closing an engine whose start-up work after ready is not done ends that work on the
+    worker thread (what it holds, such as a state slot lent to a placeholder stream, is given
+    back there), and the close does not wait for the rest of it."""
+    eng = make_engine(tmp_path)
+    ended: list[str] = []
+
+    def work() -> Iterator[None]:
+        try:
+            for _ in range(10_000):  # 100 s of pieces
+                time.sleep(0.01)
+                yield
+        finally:
+            ended.append(threading.current_thread().name)
+
+    def warm(runner: object) -> None:
+        assert isinstance(runner, Runner)
+        runner.defer(work())
+        runner.defer(work())  # the second is never begun: nothing to end
+
+    eng._warmup = warm
+    eng.start(timeout=120)
+    assert eng.warming
+    t0 = time.monotonic()
+    eng.close()
+    assert time.monotonic() - t0 < 10
+    assert ended == ["voice_out-gpu"]
+
+
 def test_start_up_work_after_ready_runs_only_while_no_stream_is_live(
     engine: Engine, caplog: pytest.LogCaptureFixture
 ) -> None:

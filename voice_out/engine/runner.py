@@ -22,7 +22,7 @@ import contextlib
 import functools
 import itertools
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
@@ -243,8 +243,8 @@ class Runner:
         #: Token2wav streams of dropped requests, for the next admissions, each with the event
         #: of the last launch that used it (None: nothing of it is in flight).
         self._t2w_pool: list[tuple[Token2WavStream, torch.cuda.Event | None]] = []
-        #: Start-up work left for after ready (:meth:`defer`), or None.
-        self._deferred: Iterator[None] | None = None
+        #: Start-up work left for after ready (:meth:`defer`), oldest first.
+        self._deferred: deque[Iterator[None]] = deque()
         #: CUDA: the event of the latest launch that used each live token2wav stream (by id):
         #: a stream reused after its request is dropped waits for that one launch alone.
         self._last_launch: dict[int, torch.cuda.Event] = {}
@@ -622,20 +622,20 @@ class Runner:
         first chunks), after any deferred before: the worker advances it one piece at a time
         (:meth:`background_step`) while no stream is live. Until it is done, a chunk whose
         graph is missing runs eagerly."""
-        self._deferred = work if self._deferred is None else itertools.chain(self._deferred, work)
+        self._deferred.append(work)
 
     def drop_deferred(self) -> None:
         """End the deferred start-up work here and now (shutdown): what it holds (a state slot
         lent to its placeholder stream) is given back on this thread."""
-        work, self._deferred = self._deferred, None
-        close = getattr(work, "close", None)
-        if close is not None:
-            close()
+        while self._deferred:
+            close = getattr(self._deferred.popleft(), "close", None)
+            if close is not None:
+                close()
 
     @property
     def warming(self) -> bool:
         """Whether deferred start-up work is left (:meth:`defer`)."""
-        return self._deferred is not None
+        return bool(self._deferred)
 
     def background_step(self) -> bool:
         """Advance the deferred start-up work by one piece (one capture or placeholder chunk,
@@ -643,8 +643,7 @@ class Runner:
         this only while no stream is live, so a stream that opens meanwhile waits for one piece
         at most. Returns whether work is left. A failure ends the deferred work (logged): the
         engine goes on, running the shapes not captured eagerly."""
-        work = self._deferred
-        if work is None:
+        if not self._deferred:
             return False
         try:
             if self.device.type == "cuda":
@@ -652,15 +651,14 @@ class Runner:
                 torch.cuda.synchronize(self.device)
             main = self._main_stream
             with torch.cuda.stream(main) if main is not None else contextlib.nullcontext():
-                done = next(work, _DONE) is _DONE
+                while self._deferred and next(self._deferred[0], _DONE) is _DONE:
+                    self._deferred.popleft()  # that one is done: the next one's first piece
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception:  # noqa: BLE001 - the graphs are a speed-up: serve without the rest
             log.exception("start-up work after ready failed; the shapes not captured run eagerly")
-            done = True
-        if done:
-            self._deferred = None
-        return not done
+            self.drop_deferred()
+        return self.warming
 
     # ---- LLM ---------------------------------------------------------------------------------
 
