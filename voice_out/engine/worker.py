@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from voice_out.engine.api import EngineError, EngineFailedError, PcmChunk, StreamFailedError
 from voice_out.engine.launch import LaunchPolicy
@@ -129,6 +129,15 @@ class StepRunner(Protocol):
     @property
     def n_live(self) -> int: ...
 
+    # start-up work left for after ready (``Runner.defer``), advanced one piece at a time
+    # while no request is live
+    @property
+    def warming(self) -> bool: ...
+
+    def background_step(self) -> bool: ...
+
+    def drop_deferred(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class WorkerStats:
@@ -148,21 +157,8 @@ class WorkerStats:
     #: were ever traced.
     first_audio: tuple[FirstAudioTrace, ...] = ()
     first_audio_count: int = 0
-    #: The runner has start-up work left (:class:`DeferredWork`).
+    #: The runner has start-up work left (``StepRunner.warming``).
     warming: bool = False
-
-
-@runtime_checkable
-class DeferredWork(Protocol):
-    """A runner with start-up work left for after ready (``Runner.defer``), which the worker
-    advances one piece at a time while no request is live."""
-
-    @property
-    def warming(self) -> bool: ...
-
-    def background_step(self) -> bool: ...
-
-    def drop_deferred(self) -> None: ...
 
 
 class Worker:
@@ -276,7 +272,7 @@ class Worker:
     def _loop(self, runner: StepRunner) -> None:
         sched = self.scheduler
         # start-up's deferred work begins at once, not at the first message
-        busy = isinstance(runner, DeferredWork) and runner.warming
+        busy = runner.warming
         barriers: list[Barrier] = []
         while True:
             msgs = self._drain(block=not busy and not barriers)
@@ -285,8 +281,7 @@ class Worker:
             if stop:
                 sched.finish(list(sched.requests), RequestStatus.ABORTED)
                 self._deliver(sched.take_outputs())
-                if isinstance(runner, DeferredWork):
-                    runner.drop_deferred()
+                runner.drop_deferred()
                 runner.release_all()
                 for b in barriers:
                     _safe_notify(b)
@@ -305,10 +300,10 @@ class Worker:
                 barriers.clear()
                 # with no request at all, a piece of start-up's deferred work (~30 to 300 ms):
                 # a stream that opens meanwhile waits for that one piece at most
-                if not sched.requests and isinstance(runner, DeferredWork) and runner.background_step():
-                    busy = True  # look at the inbox, then the next piece
-                elif not busy and self.stats.warming:
-                    self._publish()  # the deferred work has ended
+                if not sched.requests and runner.warming:
+                    busy = runner.background_step()  # work left: look at the inbox, then on
+                    if not busy:
+                        self._publish()  # the deferred work has ended
                 continue
             busy = True
             self._deliver(self._step(runner, plan))
@@ -418,7 +413,7 @@ class Worker:
             chunks=self._chunks,
             first_audio=traces,
             first_audio_count=sched.first_audio_count,
-            warming=isinstance(runner, DeferredWork) and runner.warming,
+            warming=runner is not None and runner.warming,
         )
 
 
