@@ -109,7 +109,6 @@ def main() -> None:
     timer(Runner, "prepare_state_slots", "flow-state slots")
     timer(Runner, "precapture", "token2wav graph capture (default voice)")
     timer(FastToken2Wav, "_capture_state_slots", "  of which: the flow-state slots' graphs")
-    timer(FastToken2Wav, "capture_final_vocoder", "  of which: the final chunks' vocoder graphs")
     timer(FastToken2Wav, "capture_stream_shapes", "  of which: capture_stream_shapes")
     timer(GraphedFn, "_capture", lambda self, *_: f"    graph captures: {self.name}")
     # inside each capture: cudaGraphInstantiate (the rest is running the function on the host)

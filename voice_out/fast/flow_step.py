@@ -535,24 +535,18 @@ class FastToken2Wav(Token2Wav):
             slot.captured.add(done)
 
     @torch.inference_mode()
-    def capture_final_vocoder(self, shapes: StreamShapes) -> None:
+    def iter_capture_final_vocoder(self, shapes: StreamShapes) -> Iterator[None]:
         """Capture the vocoder of every final chunk a stream of ``shapes`` (a voice's prompt
-        length, the engine's hops) can end with (start-up; part of
-        :meth:`capture_stream_shapes`, which skips what is captured already). It needs none of
-        the flow's kernels: the engine captures it while they compile.
+        length, the engine's hops) can end with, yielding after each capture (~70 ms at full
+        size: a length's cuDNN and cuFFT set-up); what is captured already is skipped. It needs
+        none of the flow's kernels: the engine captures these while they compile, the rest
+        after ready.
 
         A final chunk's mel has a length of its own: the tokens left after the last chunk, fewer
         than a hop plus the lookahead (so 0 .. ``shapes.final_tokens`` - 1 new tokens after the
         cached frames), or, for an utterance shorter than its first chunk, 1 ..
         ``shapes.first_tokens`` - 1 tokens and no cache. HiFT's convolutions look ahead, so a padded
         length would change the tail: one graph per length (eager was ~40 ms of launches)."""
-        for _ in self.iter_capture_final_vocoder(shapes):
-            pass
-
-    @torch.inference_mode()
-    def iter_capture_final_vocoder(self, shapes: StreamShapes) -> Iterator[None]:
-        """:meth:`capture_final_vocoder`, yielding after each capture (~70 ms at full size: a
-        length's cuDNN and cuFFT set-up); what is captured already is skipped."""
         fresh, cached = self._graph_hift, self._graph_hift_cached
         if fresh is None or cached is None:
             return
@@ -790,7 +784,7 @@ class FastToken2Wav(Token2Wav):
         self, mel: Tensor, source: Tensor | None, noise: torch.Generator | None, plan: Chunk
     ) -> tuple[Tensor, Tensor]:
         """HiFT, from a graph per mel length for deterministic calls (a final call only at a
-        length start-up captured, ``capture_final_vocoder``; a first-chunk lane call from that
+        length start-up captured, ``iter_capture_final_vocoder``; a first-chunk lane call from that
         lane's graphs). The speech is a tensor of its own; from a graph the source is its output
         buffer, valid until the next call: read at once."""
         graph = self._graph_hift if source is None else self._graph_hift_cached
