@@ -149,20 +149,23 @@ def engine_from_args(
     return load_engine(bench_config(load_config(None, environ={}, overrides=over), opts), opts)
 
 
-def load_engine(cfg: Config, opts: EngineBenchOptions) -> Engine:
+def build_options(opts: EngineBenchOptions) -> BuildOptions:
+    """The benchmark's engine build: forced tokens, its KV length, the synthetic voice's
+    prompt, no text normalizer, the plan choices pinned by ``--pin``."""
     forced = ForcedTokens(opts.tokens_per_text_token) if opts.tokens_per_text_token > 0 else None
+    return BuildOptions(
+        forced=forced,
+        kv_len=opts.kv_len(),
+        noise_prompt_tokens=opts.prompt_tokens,
+        text_normalizer="none",
+        pins=dict(opts.pins),
+    )
+
+
+def load_engine(cfg: Config, opts: EngineBenchOptions) -> Engine:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the loud random-weights warning (logged as well)
-        return Engine.load(
-            cfg,
-            options=BuildOptions(
-                forced=forced,
-                kv_len=opts.kv_len(),
-                noise_prompt_tokens=opts.prompt_tokens,
-                text_normalizer="none",
-                pins=dict(opts.pins),
-            ),
-        )
+        return Engine.load(cfg, options=build_options(opts))
 
 
 def device_used(device: torch.device) -> int:

@@ -32,6 +32,7 @@ import torch
 from voice_out.bench.engine_bench import (
     EngineBenchOptions,
     bench_config,
+    build_options,
     capacity_round,
     load_engine,
     report_round,
@@ -43,10 +44,9 @@ from voice_out.bench.report import Report
 from voice_out.config import Config
 from voice_out.config import replace as replace_config
 from voice_out.engine.api import EngineLike
-from voice_out.engine.build import BuildOptions, engine_labels, expand_devices, planned_capacity
+from voice_out.engine.build import engine_labels, expand_devices, planned_capacity
 from voice_out.engine.placement import Placement
 from voice_out.engine.process import ProcessEngine
-from voice_out.engine.scheduler import ForcedTokens
 
 DESIGNS = ("per_device", "shared")
 #: Characters of each warm-up stream's text (about 1.5 s of audio).
@@ -91,14 +91,7 @@ def build_engines(cfg: Config, design: str, devices: Sequence[str], opts: Engine
         if design == "shared":
             engines.append(load_engine(one, opts))
         else:
-            forced = ForcedTokens(opts.tokens_per_text_token) if opts.tokens_per_text_token > 0 else None
-            load_options = BuildOptions(
-                forced=forced,
-                kv_len=opts.kv_len(),
-                noise_prompt_tokens=opts.prompt_tokens,
-                text_normalizer="none",
-                pins=dict(opts.pins),
-            )
+            load_options = build_options(opts)
             engines.append(ProcessEngine(one, label=label, load_options=load_options, torch_threads=opts.threads))
     return engines
 
