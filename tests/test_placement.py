@@ -163,6 +163,8 @@ async def test_one_session_over_two_engines_plays_on_its_one_track(tmp_path: Pat
                     body = await r.json()
                 assert r.status == 200 and [e["gpu"] for e in body["engines"]] == ["cpu:0", "cpu:1"]
                 assert [e["state"] for e in body["engines"]] == ["ready", "ready"]
+                # CPU engines defer no start-up work: each says so, and so does the placement
+                assert [e["warming"] for e in body["engines"]] == [False, False] and body["warming"] is False
                 # cpu:0 dies under the next utterance placed on it; the session goes on
                 client.send_text("c", "Third. ")
                 await asyncio.sleep(0.2)
@@ -290,3 +292,17 @@ async def test_a_killed_child_fails_only_its_own_utterances(children: list[Proce
     assert survivor.pid is not None
     os.kill(survivor.pid, signal.SIGTERM)
     assert await asyncio.get_running_loop().run_in_executor(None, survivor.wait, 60) == 0
+
+
+def test_a_placement_is_warming_while_one_of_its_engines_is() -> None:
+    """``/healthz``'s top-level ``warming`` of a placement: any engine of this process still
+    capturing after ready; an engine that does not say (in a process of its own) counts as not."""
+    from types import SimpleNamespace
+
+    def placement(*flags: bool | None) -> Placement:
+        engines = [SimpleNamespace() if f is None else SimpleNamespace(warming=f) for f in flags]
+        return Placement([(f"cuda:{i}", e, 4) for i, e in enumerate(engines)])
+
+    assert placement(False, True).warming
+    assert not placement(False, False).warming
+    assert not placement(None, False).warming

@@ -149,6 +149,12 @@ class Placement:
     def engines(self) -> list[EngineLike]:
         return [s.engine for s in self._slots]
 
+    @property
+    def warming(self) -> bool:
+        """Whether an engine of this process still runs start-up work after ready
+        (``Engine.warming``; an engine in a process of its own does not say)."""
+        return any(bool(getattr(s.engine, "warming", False)) for s in self._slots)
+
     def reports(self) -> list[EngineReport]:
         """Each engine's state and load, in the order they were given."""
         for slot in self._slots:

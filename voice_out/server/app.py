@@ -457,6 +457,9 @@ async def healthz(request: web.Request) -> web.Response:
                 one_plan = getattr(one, "plan", None)
                 if one_plan is not None:
                     item["plan"] = one_plan.as_dict()
+                one_warming = getattr(one, "warming", None)
+                if one_warming is not None:
+                    item["warming"] = bool(one_warming)
         body["engines"] = items
     return web.json_response(body, status=200 if accepting else 503)
 
